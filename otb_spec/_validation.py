@@ -1,0 +1,208 @@
+"""Argument checking shared by every public function of the reference.
+
+Every check raises :class:`ValueError` (or :class:`TypeError` for values that are not arrays of numbers at all)
+whose message starts with the argument's name, so a failing call says which input is wrong and why.
+
+Conventions enforced here:
+
+* arrays are converted with :func:`numpy.asarray` and never written to: callers' inputs are never mutated;
+* numeric results are computed in float64 whatever the input precision (float16, bfloat16, float32, float64,
+  integers and booleans are accepted);
+* NaN and ±inf are rejected everywhere, including at masked positions (a NaN at a padding position would poison
+  the cumulative sums of any implementation that multiplies by the mask, as verl does);
+* masks must hold exactly 0 or 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from otb_spec.tolerances import input_range_slack
+
+__all__: list[str] = []  # private module
+
+# Floating dtypes NumPy does not know natively but array libraries hand over (ml_dtypes registers them with kind "V").
+_EXTENSION_FLOATS = frozenset({"bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"})
+
+
+def shown(value: Any) -> str:
+    """A number as a user would write it (``-0.1``, not ``np.float64(-0.1)``)."""
+    try:
+        return repr(float(value))
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def is_real_numeric_dtype(dtype: np.dtype) -> bool:
+    """True for bool, integer and real floating dtypes (including bfloat16 from ``ml_dtypes``)."""
+    return dtype.kind in "biuf" or (dtype.kind == "V" and dtype.name in _EXTENSION_FLOATS)
+
+
+def to_numpy(name: str, value: Any) -> np.ndarray:
+    """``np.asarray(value)`` with a clear error for things that are not arrays of real numbers."""
+    if value is None:
+        raise TypeError(f"{name}: expected an array, got None")
+    try:
+        array = np.asarray(value)
+    except Exception as exc:  # e.g. a CUDA tensor, which cannot be viewed from the host
+        raise TypeError(f"{name}: cannot be converted to a NumPy array ({type(value).__name__}): {exc}") from exc
+    if not is_real_numeric_dtype(array.dtype):
+        raise TypeError(f"{name}: expected real numbers (bool, int or float), got dtype {array.dtype}")
+    return array
+
+
+def float_array(
+    name: str,
+    value: Any,
+    *,
+    ndim: int | None = None,
+    shape: tuple[int, ...] | None = None,
+    like: str | None = None,
+    allow_neg_inf: bool = False,
+) -> np.ndarray:
+    """Validate ``value`` and return it as a float64 array (a new array unless it already was float64).
+
+    Args:
+      name: the argument's name, used in error messages.
+      value: array-like of real numbers.
+      ndim: required number of dimensions.
+      shape: required shape (checked after ``ndim``).
+      like: name of the argument ``shape`` comes from, for the error message.
+      allow_neg_inf: accept ``-inf`` (used for logits, where it means "probability exactly 0").
+    """
+    array = to_numpy(name, value)
+    if ndim is not None and array.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {array.shape}")
+    if shape is not None and array.shape != shape:
+        where = f" (the shape of {like})" if like else ""
+        raise ValueError(f"{name}: expected shape {shape}{where}, got {array.shape}")
+    result = np.asarray(array, dtype=np.float64)
+    check_finite(name, result, allow_neg_inf=allow_neg_inf)
+    return result
+
+
+def check_finite(name: str, array: np.ndarray, *, allow_neg_inf: bool = False) -> None:
+    """Reject NaN and infinities, reporting the first offending index."""
+    if allow_neg_inf:
+        bad = np.isnan(array) | (array == np.inf)
+        what = "NaN or +inf"
+    else:
+        bad = ~np.isfinite(array)
+        what = "NaN or ±inf"
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{name}: contains {what} (first at index {first}: {shown(array[first])})")
+
+
+def batch_shape(name: str, value: Any) -> tuple[int, int]:
+    """Shape ``[B, T]`` of the leading ``[B, T]`` argument, rejecting empty batches."""
+    array = to_numpy(name, value)
+    if array.ndim != 2:
+        raise ValueError(f"{name}: expected shape [B, T] (2 dimensions), got {array.shape}")
+    n_rows, n_positions = array.shape
+    if n_rows == 0:
+        raise ValueError(f"{name}: empty batch (B = 0 trajectories)")
+    if n_positions == 0:
+        raise ValueError(f"{name}: no positions (T = 0)")
+    return n_rows, n_positions
+
+
+def mask_array(name: str, value: Any, shape: tuple[int, ...], like: str) -> np.ndarray:
+    """Validate a {0, 1} mask of the given shape and return it as float64 0.0/1.0."""
+    array = to_numpy(name, value)
+    if array.shape != shape:
+        raise ValueError(f"{name}: expected shape {shape} (the shape of {like}), got {array.shape}")
+    if array.dtype.kind == "b":
+        return array.astype(np.float64)
+    as_float = np.asarray(array, dtype=np.float64)
+    bad = ~((as_float == 0.0) | (as_float == 1.0))
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{name}: values must be exactly 0 or 1, found {shown(as_float[first])} at index {first}")
+    return as_float
+
+
+def nonnegative(name: str, array: np.ndarray) -> None:
+    """Reject negative entries (importance weights, squared norms)."""
+    bad = array < 0
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{name}: must be ≥ 0, found {shown(array[first])} at index {first}")
+
+
+def nonnegative_where(name: str, array: np.ndarray, where: np.ndarray, input_dtype: np.dtype,
+                      what: str = "a squared norm") -> None:
+    """Reject entries below −slack(input_dtype) at the positions ``where`` selects (rounding may leave −1e-16)."""
+    slack = input_range_slack(input_dtype)
+    bad = where & (array < -slack)
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{name}: must be ≥ 0 at valid positions ({what}), found {shown(array[first])} at index {first}")
+
+
+def scalar(name: str, value: Any, *, minimum: float | None = None, maximum: float | None = None,
+           min_inclusive: bool = True) -> float:
+    """A finite real scalar, optionally bounded."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a real number, got a bool")
+    try:
+        number = float(value)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{name}: expected a real number, got {value!r}") from exc
+    if not np.isfinite(number):
+        raise ValueError(f"{name}: must be finite, got {number!r}")
+    if minimum is not None and (number < minimum or (not min_inclusive and number == minimum)):
+        sign = "≥" if min_inclusive else ">"
+        raise ValueError(f"{name}: must be {sign} {minimum}, got {number!r}")
+    if maximum is not None and number > maximum:
+        raise ValueError(f"{name}: must be ≤ {maximum}, got {number!r}")
+    return number
+
+
+def token_statistics(
+    log_probs: Any,
+    sum_pi_squared: Any,
+    mask: np.ndarray | None,
+    shape: tuple[int, ...],
+    like: str,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Validate the per-token policy statistics (log π(yₜ), Σ_v π_v²) at the positions ``mask`` selects.
+
+    Checked at valid positions, each with the input-precision slack of :func:`otb_spec.tolerances.input_range_slack`:
+
+    * ``log_probs ≤ 0``                      (a log-probability);
+    * ``0 ≤ sum_pi_squared ≤ 1``             (a collision probability);
+    * ``sum_pi_squared ≥ exp(2·log_probs)``  (Σ_v π_v² contains the sampled token's own π²; catches arrays taken
+      from different forward passes or shifted by one position).
+
+    Masked positions may hold anything finite (padding often carries log π = 0, Σπ² = 0).
+    """
+    log_probs_raw = to_numpy("log_probs", log_probs)
+    spp_raw = to_numpy("sum_pi_squared", sum_pi_squared)
+    log_probs64 = float_array("log_probs", log_probs_raw, shape=shape, like=like)
+    spp64 = float_array("sum_pi_squared", spp_raw, shape=shape, like=like)
+    valid = np.ones(shape, dtype=bool) if mask is None else mask > 0
+    slack_lp = input_range_slack(log_probs_raw.dtype)
+    slack_spp = input_range_slack(spp_raw.dtype)
+    _check_where("log_probs", log_probs64, valid & (log_probs64 > slack_lp),
+                 f"must be ≤ 0 at valid positions (a log-probability; slack {slack_lp:g})")
+    _check_where("sum_pi_squared", spp64, valid & ((spp64 < -slack_spp) | (spp64 > 1.0 + slack_spp)),
+                 f"must lie in [0, 1] at valid positions (Σ_v π_v²; slack {slack_spp:g})")
+    own = np.exp(2.0 * np.minimum(log_probs64, 0.0))
+    inconsistent = valid & (spp64 < own - (slack_spp + 2.0 * slack_lp))
+    if inconsistent.any():
+        first = tuple(int(i) for i in np.argwhere(inconsistent)[0])
+        raise ValueError(
+            f"sum_pi_squared: must be ≥ π² = exp(2·log_probs) at valid positions (Σ_v π_v² contains the sampled "
+            f"token's own π²); at index {first} sum_pi_squared = {shown(spp64[first])} < π² = {shown(own[first])}. "
+            "Were log_probs and sum_pi_squared taken from different forward passes or shifted by one position?"
+        )
+    return log_probs64, spp64
+
+
+def _check_where(name: str, array: np.ndarray, bad: np.ndarray, requirement: str) -> None:
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{name}: {requirement}; found {shown(array[first])} at index {first}")
