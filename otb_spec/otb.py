@@ -1,0 +1,493 @@
+"""The Optimal Token Baseline: single-turn and multi-turn (verl semantics), leave-one-out, and exact-norm variants.
+
+For prompt group g with members i, return-to-go Gₜⁱ, realized energy Wₜⁱ and mask mₜⁱ, OTB's baseline at token t is
+
+    Bₜ = Σᵢ Gₜⁱ·Wₜⁱ·mₜⁱ / (Σᵢ Wₜⁱ·mₜⁱ + ε)          shared by every member of the group,
+
+and the advantage is Aₜⁱ = (Gₜⁱ − Bₜ)·mₜⁱ. It is the sample version of the per-token optimal baseline
+E[Gₜ‖Sₜ‖²]/E[‖Sₜ‖²] (Sₜ the cumulative score), with ‖Sₜ‖² replaced by the realized energy of the Logit-Gradient Proxy
+(Li, Xu et al. 2026, arXiv 2602.07078).
+
+Two alignments of "token t" across the members of a group:
+
+* ``"position"`` — absolute position t (verl ``compute_optimal_token_baseline_advantage``, single-turn);
+* ``"valid_token"`` — the k-th *valid* token of each member: valid tokens are compacted, aligned, and the results
+  scattered back (verl ``compute_multi_turn_optimal_token_baseline_advantage``, for tool-integrated reasoning where
+  tool output punches holes into the mask). Members with no valid token are left out of their group.
+
+Defined corners (each matches verl where verl is defined; docs/verl-differences.md lists where we differ):
+
+* singleton group (one member, after leaving out empty members in the valid-token alignment) → baseline 0,
+  advantage = return;
+* zero tail (``handle_zero_tail=True``, the default): if exactly one member has the largest number of valid tokens
+  L₁ and the next largest is L₂ < L₁, that member's baseline is 0 at aligned positions ≥ L₂ — there the group has no
+  other member to compare with, and the self-inclusive ratio would return Gₜ itself (advantage ≈ 0, no signal);
+* zero-energy group at t (all Wₜ = 0, e.g. a deterministic policy) → Bₜ = 0/ε = 0, advantage = return; with ε = 0 a
+  zero denominator also gives 0, never NaN;
+* masked positions: advantages and baselines are exactly 0; returns carry verl's value (see
+  :func:`otb_spec.returns_to_go`).
+
+The self-inclusive baseline uses the member's own Gₜ, so its policy gradient is biased; the leave-one-out baseline
+:func:`leave_one_out_token_baseline` is not (proofs/T3_unbiasedness.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+
+from otb_spec import _validation as check
+from otb_spec.groups import Segments, group_segments, segment_sums
+from otb_spec.proxy import _energy
+from otb_spec.trajectory import cumulative_energy, importance_weights, reward_to_go, valid_token_index
+
+__all__ = [
+    "AdvantageResult",
+    "Alignment",
+    "optimal_token_baseline",
+    "multi_turn_optimal_token_baseline",
+    "leave_one_out_token_baseline",
+    "exact_norm_token_baseline",
+    "token_baseline",
+]
+
+Alignment = Literal["position", "valid_token"]
+_ALIGNMENTS = ("position", "valid_token")
+
+
+class AdvantageResult(NamedTuple):
+    """What every estimator in the reference returns.
+
+    Attributes:
+      advantages: [B, T] float64 Aₜ, exactly 0 at masked positions.
+      returns: [B, T] float64, the return the baseline is subtracted from (Gₜ for token-level estimators, the
+        sequence return R broadcast over the row for sequence-level ones).
+      baselines: [B, T] float64 the baseline used at each valid token, exactly 0 at masked positions.
+    """
+
+    advantages: np.ndarray
+    returns: np.ndarray
+    baselines: np.ndarray
+
+
+def optimal_token_baseline(
+    rewards: Any,
+    response_mask: Any,
+    group_ids: Any,
+    log_probs: Any,
+    sum_pi_squared: Any,
+    *,
+    is_weights: Any = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
+) -> AdvantageResult:
+    """Single-turn OTB, exactly verl 0.9.1 ``compute_optimal_token_baseline_advantage``.
+
+    Gₜ = Σ_{k≥t} mₖrₖ;  wₜ = 1 − 2πₜ + Σπ²ₜ;  Wₜ = Σ_{j≤t} mⱼρⱼ²wⱼ;
+    Bₜ = Σᵢ GₜⁱWₜⁱmₜⁱ / (Σᵢ Wₜⁱmₜⁱ + ε) over the group, aligned by absolute position t;  Aₜ = (Gₜ − Bₜ)·mₜ.
+
+    Args:
+      rewards: [B, T] token-level rewards rₜ (verl ``token_level_rewards``).
+      response_mask: [B, T] {0, 1}; holes (tool output) allowed.
+      group_ids: [B] prompt-group id of each trajectory (any hashable ids; verl ``index``).
+      log_probs: [B, T] log π(yₜ) under the training policy (verl ``old_log_probs``).
+      sum_pi_squared: [B, T] Σ_v π_v² at each position.
+      is_weights: optional [B, T] rollout importance weights ρₜ ≥ 0 (verl ``rollout_is_weights``); W uses ρ².
+      handle_zero_tail: zero the unique longest member's baseline past the second-longest length (module docstring).
+      epsilon: ε ≥ 0 added to the denominator.
+
+    Returns:
+      :class:`AdvantageResult` (advantages, returns = Gₜ, baselines).
+
+    Worked example (ε = 0): a uniform two-token policy (π = ½, Σπ² = ½, so w = ½); member 0 has three tokens and
+    reward 1, member 1 two tokens and reward 0. B = (½, ½) on the shared positions; member 0 is the unique longest,
+    so its baseline at t = 2 is 0::
+
+      >>> r = [[0, 0, 1], [0, 0, 0]]; m = [[1, 1, 1], [1, 1, 0]]
+      >>> half = np.full((2, 3), 0.5)
+      >>> result = optimal_token_baseline(r, m, ["q", "q"], np.log(half), half, epsilon=0.0)
+      >>> result.advantages.tolist()
+      [[0.5, 0.5, 1.0], [-0.5, -0.5, 0.0]]
+
+    Reference: Li, Xu et al. 2026, arXiv 2602.07078; verl ``verl/trainer/ppo/core_algos.py``.
+    """
+    prepared = _prepare(rewards, response_mask, group_ids, log_probs, sum_pi_squared, is_weights)
+    return _token_baseline(*prepared, align="position", leave_one_out=False,
+                           handle_zero_tail=_flag("handle_zero_tail", handle_zero_tail), epsilon=_epsilon(epsilon))
+
+
+def multi_turn_optimal_token_baseline(
+    rewards: Any,
+    response_mask: Any,
+    group_ids: Any,
+    log_probs: Any,
+    sum_pi_squared: Any,
+    *,
+    is_weights: Any = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
+) -> AdvantageResult:
+    """Multi-turn (tool-integrated) OTB, exactly verl 0.9.1 ``compute_multi_turn_optimal_token_baseline_advantage``.
+
+    Same Gₜ, wₜ, Wₜ as :func:`optimal_token_baseline` (computed on the uncompacted rows), but the k-th valid token
+    of each member is aligned with the k-th valid token of the others; members with no valid token are left out of
+    their group (so a group can become a singleton, baseline 0); the zero tail uses the compacted lengths.
+
+    Args and returns as :func:`optimal_token_baseline`.
+
+    Worked example (ε = 0, w = ½ everywhere): member 0's second token is tool output (t = 1 masked), so its valid
+    tokens sit at t = 0, 2, 3 and are aligned with member 1's t = 0, 1, 2::
+
+      >>> r = [[0, 0, 0, 1], [0, 0, 0, 0]]; m = [[1, 0, 1, 1], [1, 1, 1, 0]]
+      >>> half = np.full((2, 4), 0.5)
+      >>> multi_turn_optimal_token_baseline(r, m, [7, 7], np.log(half), half, epsilon=0.0).advantages.tolist()
+      [[0.5, 0.0, 0.5, 0.5], [-0.5, -0.5, -0.5, 0.0]]
+
+    With absolute alignment (:func:`optimal_token_baseline`) member 1's third token would be compared with member 0's
+    second valid token instead.
+    """
+    prepared = _prepare(rewards, response_mask, group_ids, log_probs, sum_pi_squared, is_weights)
+    return _token_baseline(*prepared, align="valid_token", leave_one_out=False,
+                           handle_zero_tail=_flag("handle_zero_tail", handle_zero_tail), epsilon=_epsilon(epsilon))
+
+
+def leave_one_out_token_baseline(
+    rewards: Any,
+    response_mask: Any,
+    group_ids: Any,
+    log_probs: Any,
+    sum_pi_squared: Any,
+    *,
+    is_weights: Any = None,
+    align: Alignment = "position",
+    epsilon: float = 1e-8,
+) -> AdvantageResult:
+    """Leave-one-out OTB: member i's baseline uses only the *other* members of its group.
+
+    Bₜ⁽⁻ⁱ⁾ = Σ_{j≠i} GₜʲWₜʲmₜʲ / (Σ_{j≠i} Wₜʲmₜʲ + ε)   where some other member j is valid at t,
+    Bₜ⁽⁻ⁱ⁾ = 0                                           where none is (this also covers singleton groups and
+                                                          replaces the zero-tail rule, which has nothing left to do).
+
+    Because Bₜ⁽⁻ⁱ⁾ is a function of the other trajectories only, which are independent of trajectory i,
+    E[mₜ sₜ Bₜ⁽⁻ⁱ⁾] = 0 and the gradient estimator Σₜ mₜ sₜ (Gₜ − Bₜ⁽⁻ⁱ⁾) is unbiased (proofs/T3_unbiasedness.md).
+    With N = 2 and ε = 0 the baseline is exactly the other member's Gₜ wherever its Wₜ > 0.
+
+    Args:
+      rewards, response_mask, group_ids, log_probs, sum_pi_squared, is_weights, epsilon: as
+        :func:`optimal_token_baseline`.
+      align: ``"position"`` (single-turn) or ``"valid_token"`` (multi-turn compaction).
+
+    Returns:
+      :class:`AdvantageResult`.
+
+    Worked example (the batch of :func:`optimal_token_baseline`): each member's baseline is the other's return; at
+    t = 2 member 0 has no valid partner, so its baseline is 0::
+
+      >>> r = [[0, 0, 1], [0, 0, 0]]; m = [[1, 1, 1], [1, 1, 0]]
+      >>> half = np.full((2, 3), 0.5)
+      >>> leave_one_out_token_baseline(r, m, ["q", "q"], np.log(half), half, epsilon=0.0).advantages.tolist()
+      [[1.0, 1.0, 1.0], [-1.0, -1.0, 0.0]]
+    """
+    prepared = _prepare(rewards, response_mask, group_ids, log_probs, sum_pi_squared, is_weights)
+    return _token_baseline(*prepared, align=_align(align), leave_one_out=True, handle_zero_tail=False,
+                           epsilon=_epsilon(epsilon))
+
+
+def exact_norm_token_baseline(
+    rewards: Any,
+    response_mask: Any,
+    group_ids: Any,
+    cumulative_score_sq_norms: Any,
+    *,
+    align: Alignment = "position",
+    leave_one_out: bool = False,
+    handle_zero_tail: bool | None = None,
+    epsilon: float = 1e-8,
+) -> AdvantageResult:
+    """OTB with the exact cumulative score norms Wₜ = ‖Sₜ‖² = ‖Σ_{j≤t} ∇θ log π(yⱼ | y<ⱼ)‖² in place of the proxy.
+
+    This is the estimator OTB approximates; it needs per-token parameter gradients, so it exists for studies
+    (e.g. the toy policies of the lab), not for trainers.
+
+    Args:
+      rewards, response_mask, group_ids, epsilon: as :func:`optimal_token_baseline`.
+      cumulative_score_sq_norms: [B, T] ‖Sₜ‖² ≥ 0 at valid positions (ignored at masked positions).
+      align: ``"position"`` or ``"valid_token"``.
+      leave_one_out: use only the other members (unbiased).
+      handle_zero_tail: as :func:`optimal_token_baseline`; defaults to True for the self-inclusive baseline and must
+        stay unset (or False) with ``leave_one_out``.
+    """
+    shape = check.batch_shape("rewards", rewards)
+    rewards64 = check.float_array("rewards", rewards, shape=shape)
+    mask = check.mask_array("response_mask", response_mask, shape, like="rewards")
+    segments = group_segments(group_ids, shape[0])
+    raw_norms = check.to_numpy("cumulative_score_sq_norms", cumulative_score_sq_norms)
+    norms = check.float_array("cumulative_score_sq_norms", raw_norms, shape=shape, like="rewards")
+    check.nonnegative_where("cumulative_score_sq_norms", norms, mask > 0, raw_norms.dtype)
+    leave_one_out = _flag("leave_one_out", leave_one_out)
+    return _token_baseline(reward_to_go(rewards64, mask), norms, mask, segments, align=_align(align),
+                           leave_one_out=leave_one_out,
+                           handle_zero_tail=_zero_tail_default(handle_zero_tail, leave_one_out),
+                           epsilon=_epsilon(epsilon))
+
+
+def token_baseline(
+    returns: Any,
+    realized_energy: Any,
+    response_mask: Any,
+    group_ids: Any,
+    *,
+    align: Alignment = "position",
+    leave_one_out: bool = False,
+    handle_zero_tail: bool | None = None,
+    epsilon: float = 1e-8,
+) -> AdvantageResult:
+    """The general energy-weighted token baseline, for returns and energies computed any way you like.
+
+    Bₜ = Σᵢ GₜⁱWₜⁱmₜⁱ / (Σᵢ Wₜⁱmₜⁱ + ε) (or the leave-one-out sum over j ≠ i), aligned as ``align`` says.
+    Every OTB variant in this module is this function applied to a particular (G, W); use it for discounted returns
+    (:func:`otb_spec.returns_to_go` with γ < 1) or your own energy.
+
+    Args:
+      returns: [B, T] Gₜ.
+      realized_energy: [B, T] Wₜ ≥ 0 at valid positions.
+      response_mask: [B, T] {0, 1}.
+      group_ids: [B] ids.
+      align, leave_one_out, handle_zero_tail, epsilon: as :func:`exact_norm_token_baseline`.
+
+    Returns:
+      :class:`AdvantageResult` with ``returns`` the array given.
+    """
+    shape = check.batch_shape("returns", returns)
+    returns64 = check.float_array("returns", returns, shape=shape)
+    mask = check.mask_array("response_mask", response_mask, shape, like="returns")
+    raw_energy = check.to_numpy("realized_energy", realized_energy)
+    energy = check.float_array("realized_energy", raw_energy, shape=shape, like="returns")
+    check.nonnegative_where("realized_energy", energy, mask > 0, raw_energy.dtype)
+    segments = group_segments(group_ids, shape[0])
+    leave_one_out = _flag("leave_one_out", leave_one_out)
+    return _token_baseline(returns64, energy, mask, segments, align=_align(align), leave_one_out=leave_one_out,
+                           handle_zero_tail=_zero_tail_default(handle_zero_tail, leave_one_out),
+                           epsilon=_epsilon(epsilon))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Argument handling
+
+
+def _validated(rewards: Any, response_mask: Any, group_ids: Any, log_probs: Any, sum_pi_squared: Any,
+               is_weights: Any) -> tuple[np.ndarray, np.ndarray, Segments, np.ndarray, np.ndarray | None]:
+    """Validate the verl-style arguments; return (rewards, mask, segments, token energy w, IS weights ρ or None)."""
+    shape = check.batch_shape("rewards", rewards)
+    rewards64 = check.float_array("rewards", rewards, shape=shape)
+    mask = check.mask_array("response_mask", response_mask, shape, like="rewards")
+    segments = group_segments(group_ids, shape[0])
+    log_probs64, spp64 = check.token_statistics(log_probs, sum_pi_squared, mask, shape, like="rewards")
+    weights = None if is_weights is None else importance_weights(is_weights, shape, like="rewards")
+    return rewards64, mask, segments, _energy(log_probs64, spp64), weights
+
+
+def _prepare(rewards: Any, response_mask: Any, group_ids: Any, log_probs: Any, sum_pi_squared: Any,
+             is_weights: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, Segments]:
+    """Validate the verl-style arguments and return (G, W, m, segments)."""
+    rewards64, mask, segments, energy, weights = _validated(rewards, response_mask, group_ids, log_probs,
+                                                           sum_pi_squared, is_weights)
+    return reward_to_go(rewards64, mask), cumulative_energy(energy, mask, weights), mask, segments
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected True or False, got {value!r}")
+    return bool(value)
+
+
+def _epsilon(epsilon: Any) -> float:
+    return check.scalar("epsilon", epsilon, minimum=0.0)
+
+
+def _align(align: Any) -> str:
+    if align not in _ALIGNMENTS:
+        raise ValueError(f"align: expected one of {_ALIGNMENTS}, got {align!r}")
+    return str(align)
+
+
+def _zero_tail_default(handle_zero_tail: Any, leave_one_out: bool) -> bool:
+    if handle_zero_tail is None:
+        return not leave_one_out
+    handle_zero_tail = _flag("handle_zero_tail", handle_zero_tail)
+    if handle_zero_tail and leave_one_out:
+        raise ValueError("handle_zero_tail: not applicable with leave_one_out=True (where no other member is valid the "
+                         "leave-one-out baseline is already 0); leave it unset")
+    return handle_zero_tail
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The computation (float64 arrays, already validated)
+
+
+class _Grid:
+    """The aligned layout [B, K] in which column k is "token k" for every member of a group.
+
+    ``"position"``: K = T and column k is absolute position k. ``"valid_token"``: K = max length and column k is the
+    k-th valid token of each row (rows shorter than k have nothing there); rows with no valid token are not members.
+    """
+
+    def __init__(self, mask: np.ndarray, align: str):
+        self.mask = mask
+        self.align = align
+        self.lengths = mask.sum(axis=-1).astype(np.int64)
+        if align == "position":
+            self.valid = mask
+            self.members = np.ones(mask.shape[0], dtype=bool)
+        else:
+            flat = np.flatnonzero(mask)                        # valid tokens, row-major
+            rows = flat // mask.shape[1]
+            width = int(self.lengths.max())
+            self.source = flat                                 # flat index into [B, T]
+            self.target = rows * width + valid_token_index(mask).ravel()[flat]   # flat index into [B, K]
+            self.valid = (np.arange(width)[None, :] < self.lengths[:, None]).astype(np.float64)
+            self.members = self.lengths > 0
+
+    @property
+    def width(self) -> int:
+        return self.valid.shape[1]
+
+    def gather(self, array: np.ndarray) -> np.ndarray:
+        """[B, T] → [B, K] (values at valid tokens; 0 elsewhere in the valid-token layout)."""
+        if self.align == "position":
+            return array
+        grid = np.zeros(self.valid.shape)
+        grid.ravel()[self.target] = array.ravel()[self.source]
+        return grid
+
+    def scatter(self, grid: np.ndarray) -> np.ndarray:
+        """[B, K] → [B, T], 0 at masked positions."""
+        if self.align == "position":
+            return grid * self.mask
+        array = np.zeros(self.mask.shape)
+        array.ravel()[self.source] = grid.ravel()[self.target]
+        return array
+
+
+def _token_baseline(returns: np.ndarray, energy: np.ndarray, mask: np.ndarray, segments: Segments, *,
+                    align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float) -> AdvantageResult:
+    grid = _Grid(mask, align)
+    grid_baselines = _grid_baseline(grid.gather(returns), grid.gather(energy), grid, segments,
+                                    leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail, epsilon=epsilon)
+    baselines = grid.scatter(grid_baselines)
+    advantages = (returns - baselines) * mask
+    return AdvantageResult(advantages=advantages, returns=returns, baselines=baselines)
+
+
+def _grid_baseline(returns: np.ndarray, energy: np.ndarray, grid: _Grid, segments: Segments, *,
+                   leave_one_out: bool, handle_zero_tail: bool, epsilon: float) -> np.ndarray:
+    """Baselines on the aligned grid [B, K] (0 where the rules force it)."""
+    weights = energy * grid.valid
+    weighted_returns = returns * weights
+    numerator = segment_sums(weighted_returns, segments)      # [G, K] group totals
+    denominator = segment_sums(weights, segments)
+    if leave_one_out:                                         # per member: the group total minus its own term
+        numerator = numerator[segments.index] - weighted_returns
+        denominator = np.maximum(denominator[segments.index] - weights, 0.0)
+        baselines = _safe_ratio(numerator, denominator + epsilon)
+    else:                                                     # one ratio per group and position, then per member
+        baselines = _safe_ratio(numerator, denominator + epsilon)[segments.index]
+    return np.where(_forced_zero(grid, segments, leave_one_out, handle_zero_tail), 0.0, baselines)
+
+
+def _safe_ratio(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
+    """numerator / denominator, and 0 where the denominator is 0 (only possible with ε = 0 and no energy)."""
+    out = np.zeros(np.broadcast(numerator, denominator).shape)
+    np.divide(numerator, denominator, out=out, where=denominator != 0)
+    return out
+
+
+def _forced_zero(grid: _Grid, segments: Segments, leave_one_out: bool, handle_zero_tail: bool) -> np.ndarray:
+    """[B, K] True where the baseline is 0 by rule: singleton group, zero tail, or (leave-one-out) no other member."""
+    if leave_one_out:
+        others_valid = segment_sums(grid.valid, segments)[segments.index] - grid.valid   # exact small integers
+        return others_valid <= 0
+    group_members = segment_sums(grid.members.astype(np.int64), segments)[segments.index]
+    forced = np.broadcast_to((group_members < 2)[:, None], grid.valid.shape)
+    if handle_zero_tail:
+        forced = forced | _zero_tail(grid.lengths, grid.members, segments, grid.width)
+    return forced
+
+
+def _zero_tail(lengths: np.ndarray, members: np.ndarray, segments: Segments, width: int) -> np.ndarray:
+    """[B, K] True where verl's handle_zero_tail zeroes the baseline.
+
+    In a group with at least two members, if exactly one member has the largest length L₁ and the second largest is
+    L₂ (< L₁), that member's aligned positions k ≥ L₂ are zeroed.
+    """
+    member_lengths = np.where(members, lengths, -1)
+    longest = np.maximum.reduceat(member_lengths[segments.order], segments.starts)        # [G]
+    at_longest = members & (lengths == longest[segments.index])
+    count_longest = segment_sums(at_longest.astype(np.int64), segments)                 # [G]
+    shorter = np.where(members & ~at_longest, lengths, -1)
+    second = np.maximum.reduceat(shorter[segments.order], segments.starts)             # [G]; −1 if none
+    group_members = segment_sums(members.astype(np.int64), segments)
+    unique_longest = at_longest & (count_longest == 1)[segments.index] & (group_members >= 2)[segments.index]
+    return unique_longest[:, None] & (np.arange(width)[None, :] >= second[segments.index][:, None])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Forward error bounds (used by otb_spec.tolerances)
+
+
+def _error_bounds(rewards: np.ndarray, mask: np.ndarray, segments: Segments, token_energy: np.ndarray,
+                  is_weights: np.ndarray | None, *, align: str, leave_one_out: bool, handle_zero_tail: bool,
+                  epsilon: float, unit: float) -> tuple[np.ndarray, np.ndarray]:
+    """Rigorous first-order bounds on |computed − exact| for (advantages, returns) of an implementation whose every
+    arithmetic operation has relative error ≤ ``unit`` (and whose inputs are the given numbers exactly).
+
+    Derivation (docs/tolerances.md): with T positions, n_g members and u = ``unit``,
+
+      |Δ(ρ²w)ⱼ| ≤ u(8ρⱼ² + 3ρⱼ²|wⱼ|)                        w = 1 − 2π + Σπ² from O(1) operands
+      |ΔWₜ|    ≤ u(Σ_{j≤t} mⱼ(8ρⱼ² + 3ρⱼ²|wⱼ|) + (T+3)Wₜ)     any summation order: n·u·Σ|terms|
+      |ΔGₜ|    ≤ u(T+1)·Σₖ|mₖrₖ|                             also covers G = total − prefix
+      |ΔN|     ≤ Σᵢ(|Gᵢ||ΔWᵢ| + Wᵢ|ΔGᵢ|) + u(n_g+2)Σᵢ|Gᵢ|Wᵢ   N = Σᵢ GᵢWᵢ (leave-one-out: the full-group sums)
+      |ΔD|     ≤ Σᵢ|ΔWᵢ| + u(n_g+2)(ΣᵢWᵢ + ε)                D = ΣᵢWᵢ + ε (or over j ≠ i)
+      |ΔB|     ≤ (|ΔN| + |B||ΔD|)/D + u|B|                   first order; +inf when |ΔD| > D/2 (ill-conditioned)
+      |ΔA|     ≤ |ΔG| + |ΔB| + u(|G| + |B|)
+
+    where the baseline is 0 by rule (singleton, zero tail, no other member) ΔB = 0: those decisions use exact integer
+    lengths. Masked advantages are exactly 0 (bound 0).
+    """
+    n_positions = mask.shape[1]
+    rho2 = np.ones(mask.shape) if is_weights is None else np.square(is_weights)
+    energy_terms = mask * rho2 * (8.0 + 3.0 * np.abs(token_energy))
+    realized = cumulative_energy(token_energy, mask, is_weights)
+    returns = reward_to_go(rewards, mask)
+    energy_error = unit * (np.cumsum(energy_terms, axis=-1) + (n_positions + 3) * np.abs(realized))
+    return_error = np.broadcast_to(unit * (n_positions + 1) * np.abs(rewards * mask).sum(axis=-1, keepdims=True),
+                                   mask.shape)
+
+    grid = _Grid(mask, align)
+    G, W, dW, dG = (grid.gather(a) for a in (returns, realized, energy_error, return_error))
+    baselines = _grid_baseline(G, W, grid, segments, leave_one_out=leave_one_out,
+                               handle_zero_tail=handle_zero_tail, epsilon=epsilon)
+    v = grid.valid
+    size = (segments.sizes[segments.index] + 2.0)[:, None]
+    W_abs = np.abs(W)   # inputs within the accepted slack can make w (hence W) a hair negative
+    sum_gw = segment_sums(np.abs(G) * W_abs * v, segments)[segments.index]
+    sum_w = segment_sums(W * v, segments)[segments.index]
+    sum_w_abs = segment_sums(W_abs * v, segments)[segments.index]
+    numerator_error = (segment_sums((np.abs(G) * dW + W_abs * dG) * v, segments)[segments.index]
+                       + unit * size * sum_gw)
+    denominator_error = segment_sums(dW * v, segments)[segments.index] + unit * size * (sum_w_abs + epsilon)
+    denominator = (np.maximum(sum_w - W * v, 0.0) if leave_one_out else sum_w) + epsilon
+    if leave_one_out:
+        numerator_error = numerator_error + unit * (sum_gw + np.abs(G) * W_abs * v)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):   # overflow only where ill-conditioned
+        baseline_error = np.where(
+            denominator_error > 0.5 * np.abs(denominator), np.inf,
+            (numerator_error + np.abs(baselines) * denominator_error) / np.where(denominator != 0, np.abs(denominator), 1.0)
+            + unit * np.abs(baselines))
+    baseline_error = np.where(_forced_zero(grid, segments, leave_one_out, handle_zero_tail), 0.0, baseline_error)
+    full_baselines = grid.scatter(baselines)
+    advantage_error = (return_error + grid.scatter(np.where(v > 0, baseline_error, 0.0))
+                       + unit * (np.abs(returns) + np.abs(full_baselines))) * mask
+    returns_bound = return_error + unit * np.abs(returns)
+    return advantage_error, returns_bound
