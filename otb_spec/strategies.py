@@ -1,0 +1,440 @@
+"""Public Hypothesis strategies for property-testing OTB implementations (yours or ours).
+
+    from hypothesis import given
+    from otb_spec import strategies as otb_st
+
+    @given(otb_st.rollout_batches(max_groups=3, padding="right", holes=False))
+    def test_my_otb_matches_reference(batch):
+        ...
+
+All options are keyword-only and validated when the strategy is built (a bad option raises
+:class:`hypothesis.errors.InvalidArgument` at once, naming it). The strategies hold no global state; under
+``derandomize=True`` they draw the same examples every run. Arrays of more than ``4096`` elements are filled from a
+NumPy generator seeded by Hypothesis (drawing each element through Hypothesis would be too slow); smaller arrays are
+drawn element by element, so Hypothesis can shrink them value by value.
+
+Strategies:
+
+* :func:`rollout_batches` — :class:`otb_spec.RolloutBatch` with rewards, masks (right/left padding, tool-output holes,
+  empty rows), shuffled non-contiguous groups with int/str/uuid/object ids, singleton groups, IS weights, and
+  log-probs and Σπ² consistent with a policy (optionally with the logits they come from);
+* :func:`group_ids` — [B] ids for given group sizes, shuffled;
+* :func:`logits` — logit arrays, including extreme magnitudes and −inf entries;
+* :func:`token_statistics` — (log π(y), Σπ²) pairs consistent with some policy, without logits.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from typing import Any, Sequence
+
+import numpy as np
+from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
+from hypothesis.extra import numpy as hnp
+
+from otb_spec.estimators import RolloutBatch
+from otb_spec.proxy import sum_pi_squared as _sum_pi_squared
+from otb_spec.proxy import token_log_probs as _token_log_probs
+
+__all__ = ["rollout_batches", "group_ids", "logits", "token_statistics"]
+
+_PADDINGS = ("right", "left", "any")
+_ID_KINDS = ("int", "str", "uuid", "object", "any")
+_REWARD_STYLES = ("terminal", "dense", "sparse", "any")
+_FILLS = ("junk", "zero")
+_FLOAT_DTYPES = ("float64", "float32")
+_ELEMENTWISE_LIMIT = 4096
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Option checking
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidArgument(f"{name}={value!r}: expected an integer")
+    if value < minimum:
+        raise InvalidArgument(f"{name}={value!r}: must be ≥ {minimum}")
+    return int(value)
+
+
+def _check_range(low_name: str, low: int, high_name: str, high: int) -> None:
+    if low > high:
+        raise InvalidArgument(f"{low_name}={low} exceeds {high_name}={high}")
+
+
+def _check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
+    if value not in choices:
+        raise InvalidArgument(f"{name}={value!r}: expected one of {', '.join(map(repr, choices))}")
+    return str(value)
+
+
+def _check_optional_bool(name: str, value: Any) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise InvalidArgument(f"{name}={value!r}: expected True, False or None (= sometimes)")
+    return value
+
+
+def _check_float(name: str, value: Any, minimum: float, *, inclusive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise InvalidArgument(f"{name}={value!r}: expected a number")
+    value = float(value)
+    if not math.isfinite(value) or value < minimum or (not inclusive and value == minimum):
+        raise InvalidArgument(f"{name}={value!r}: must be finite and {'≥' if inclusive else '>'} {minimum}")
+    return value
+
+
+def _check_dtype(value: Any) -> np.dtype:
+    try:
+        dtype = np.dtype(value)
+    except TypeError as exc:
+        raise InvalidArgument(f"dtype={value!r}: not a NumPy dtype") from exc
+    if dtype.name not in _FLOAT_DTYPES:
+        raise InvalidArgument(f"dtype={value!r}: expected float32 or float64")
+    return dtype
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Value arrays
+
+
+def _values(draw: Any, shape: tuple[int, ...], low: float, high: float, label: str) -> np.ndarray:
+    """float64 array of ``shape`` with values in [low, high]: element-wise Hypothesis draws when small, else seeded."""
+    size = int(np.prod(shape))
+    if size <= _ELEMENTWISE_LIMIT:
+        elements = st.floats(low, high, allow_nan=False, allow_infinity=False, allow_subnormal=False)
+        return draw(hnp.arrays(np.float64, shape, elements=elements), label=label)
+    seed = draw(st.integers(0, 2**32 - 1), label=f"{label} (seed)")
+    return np.random.default_rng(seed).uniform(low, high, size=shape)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# group ids
+
+
+def group_ids(sizes: Sequence[int], *, kind: str = "any", shuffle: bool = True) -> st.SearchStrategy[np.ndarray]:
+    """[Σ sizes] group ids, ``sizes[g]`` members with the g-th id, shuffled unless ``shuffle=False``.
+
+    Args:
+      sizes: members per group (each ≥ 1).
+      kind: ``"int"`` (sparse non-negative ints), ``"str"`` (``"prompt-17"``), ``"uuid"`` (uuid4-format strings),
+        ``"object"`` (object array mixing ints, strings and tuples — not orderable, so implementations must hash),
+        or ``"any"``.
+      shuffle: permute the batch so groups are not contiguous.
+
+    Example: ``group_ids([2, 1], kind="str").example()`` → ``array(['prompt-9', 'prompt-0', 'prompt-9'], ...)``.
+    """
+    sizes = [_check_int("sizes[...]", size, 1) for size in sizes]
+    if not sizes:
+        raise InvalidArgument("sizes: need at least one group")
+    kind = _check_choice("kind", kind, _ID_KINDS)
+    if not isinstance(shuffle, bool):
+        raise InvalidArgument(f"shuffle={shuffle!r}: expected True or False")
+    return _group_ids(sizes, kind, shuffle)
+
+
+@st.composite
+def _group_ids(draw: Any, sizes: list[int], kind: str, shuffle: bool) -> np.ndarray:
+    n_groups = len(sizes)
+    if kind == "any":
+        kind = draw(st.sampled_from(_ID_KINDS[:-1]), label="group id kind")
+    codes = draw(st.lists(st.integers(0, 10**6), min_size=n_groups, max_size=n_groups, unique=True),
+                 label="group codes")
+    if kind == "int":
+        names: list[Any] = codes
+    elif kind == "str":
+        names = [f"prompt-{code}" for code in codes]
+    elif kind == "uuid":
+        names = [str(uuid.UUID(int=code * 2**64 + 0x4000_8000_0000_0000, version=4)) for code in codes]
+    else:
+        makers = [lambda c: c, lambda c: f"p{c}", lambda c: ("prompt", c)]
+        names = [makers[position % 3](code) for position, code in enumerate(codes)]
+    ids = [names[g] for g, size in enumerate(sizes) for _ in range(size)]
+    order = list(range(len(ids)))
+    if shuffle:
+        order = draw(st.permutations(order), label="batch order")
+    array = np.empty(len(ids), dtype=object)
+    array[:] = [ids[position] for position in order]
+    if kind == "int":
+        return array.astype(np.int64)
+    if kind in ("str", "uuid"):
+        return array.astype(str)
+    return array
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# token statistics and logits
+
+
+def token_statistics(shape: tuple[int, ...], *, min_vocab_size: int = 2,
+                     max_vocab_size: int = 2**17) -> st.SearchStrategy[tuple[np.ndarray, np.ndarray]]:
+    """(log π(y), Σπ²) arrays of ``shape`` consistent with some policy over V ∈ [min_vocab_size, max_vocab_size].
+
+    For each position π = π(y) ∈ (0, 1] and Σπ² ∈ [π² + (1 − π)²/(V − 1), π² + (1 − π)²] — every value in that
+    interval is Σ_v π_v² of some distribution that gives y probability π (spread the remaining mass 1 − π evenly
+    over V − 1 tokens for the lower end, onto one token for the upper end, and continuously in between).
+    Includes π → 1 (near-deterministic, w → 0) and π → 0.
+    """
+    shape = tuple(_check_int("shape[...]", n, 0) for n in shape)
+    low = _check_int("min_vocab_size", min_vocab_size, 2)
+    high = _check_int("max_vocab_size", max_vocab_size, 2)
+    _check_range("min_vocab_size", low, "max_vocab_size", high)
+    return _token_statistics(shape, low, high)
+
+
+@st.composite
+def _token_statistics(draw: Any, shape: tuple[int, ...], low_vocab: int, high_vocab: int
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    vocab = draw(st.integers(low_vocab, high_vocab), label="vocab size")
+    # log π spans (−20, 0]: exp(−20) ≈ 2e-9 (very unlikely token) … 1 (certain token)
+    log_pi = -_values(draw, shape, 0.0, 20.0, "−log π") * _values(draw, shape, 0.0, 1.0, "log π scale")
+    pi = np.exp(log_pi)
+    spread = _values(draw, shape, 0.0, 1.0, "Σπ² position in its interval")
+    rest = np.square(1.0 - pi)
+    spp = np.square(pi) + rest * (1.0 / (vocab - 1) + spread * (1.0 - 1.0 / (vocab - 1)))
+    return log_pi, np.minimum(spp, 1.0)
+
+
+def logits(shape: tuple[int, ...], *, vocab_size: int | None = None, min_vocab_size: int = 2,
+           max_vocab_size: int = 64, max_abs: float = 30.0, extreme: bool | None = None,
+           allow_neg_inf: bool = False, dtype: Any = np.float64) -> st.SearchStrategy[np.ndarray]:
+    """Logits of shape ``shape + (V,)``.
+
+    Args:
+      shape: leading shape.
+      vocab_size: fixed V, or None to draw V ∈ [min_vocab_size, max_vocab_size].
+      max_abs: magnitude bound of ordinary logits.
+      extreme: also shift whole rows to ±1e4 and spread entries over ±1e4 (None = sometimes).
+      allow_neg_inf: set some entries (never a whole row) to −inf.
+      dtype: float32 or float64.
+
+    Example: ``logits((2,), vocab_size=3).example()`` → ``array([[ 0.5, -3. , 12.1], [ 0. ,  0. ,  0. ]])``.
+    """
+    shape = tuple(_check_int("shape[...]", n, 0) for n in shape)
+    if vocab_size is not None:
+        vocab_size = _check_int("vocab_size", vocab_size, 1)
+        min_vocab_size = max_vocab_size = vocab_size
+    low = _check_int("min_vocab_size", min_vocab_size, 1)
+    high = _check_int("max_vocab_size", max_vocab_size, 1)
+    _check_range("min_vocab_size", low, "max_vocab_size", high)
+    max_abs = _check_float("max_abs", max_abs, 0.0)
+    extreme = _check_optional_bool("extreme", extreme)
+    if not isinstance(allow_neg_inf, bool):
+        raise InvalidArgument(f"allow_neg_inf={allow_neg_inf!r}: expected True or False")
+    return _logits(shape, low, high, max_abs, extreme, allow_neg_inf, _check_dtype(dtype))
+
+
+@st.composite
+def _logits(draw: Any, shape: tuple[int, ...], low: int, high: int, max_abs: float, extreme: bool | None,
+            allow_neg_inf: bool, dtype: np.dtype) -> np.ndarray:
+    vocab = draw(st.integers(low, high), label="vocab size")
+    full = shape + (vocab,)
+    values = _values(draw, full, -max_abs, max_abs, "logits")
+    if extreme is None:
+        extreme = draw(st.booleans(), label="extreme logits")
+    if extreme:
+        mode = draw(st.sampled_from(["shift", "spread"]), label="extreme mode")
+        if mode == "shift":   # whole rows near ±1e4: only differences matter, lse must not overflow
+            values = values + _values(draw, shape + (1,), -1e4, 1e4, "row shift")
+        else:                 # entries spanning ±1e4: exp underflows for most tokens
+            values = values * (1e4 / max(max_abs, 1e-300))
+    if allow_neg_inf and vocab > 1:
+        excluded = draw(hnp.arrays(bool, full, elements=st.booleans()), label="−inf entries")
+        excluded[..., int(draw(st.integers(0, vocab - 1), label="kept token"))] = False
+        values = np.where(excluded, -np.inf, values)
+    return values.astype(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# rollout batches
+
+
+def rollout_batches(
+    *,
+    min_groups: int = 1,
+    max_groups: int = 4,
+    min_group_size: int = 1,
+    max_group_size: int = 6,
+    min_length: int = 1,
+    max_length: int = 12,
+    padding: str = "any",
+    holes: bool | None = None,
+    empty_rows: bool | None = None,
+    singleton_groups: bool = True,
+    id_kind: str = "any",
+    shuffle: bool = True,
+    is_weights: bool | None = None,
+    reward_style: str = "any",
+    max_abs_reward: float = 10.0,
+    fill_masked: str = "junk",
+    vocab_size: int | None = None,
+    max_vocab_size: int = 2**17,
+    logit_scale: float = 4.0,
+    dtype: Any = np.float64,
+) -> st.SearchStrategy[RolloutBatch]:
+    """Batches of rollouts: :class:`otb_spec.RolloutBatch` with ``rewards``, ``response_mask``, ``group_ids``,
+    ``log_probs``, ``sum_pi_squared`` and (sometimes) ``is_weights``; ``logits``/``token_ids`` when ``vocab_size``.
+
+    Args:
+      min_groups, max_groups: number of prompt groups G.
+      min_group_size, max_group_size: members per group (a group of 1 is a singleton).
+      min_length, max_length: T, the number of positions.
+      padding: ``"right"`` (valid tokens first), ``"left"`` (valid tokens last) or ``"any"`` (per row).
+      holes: tool-output spans (mask 0) inside responses: True = in every row long enough, False = never,
+        None = sometimes.
+      empty_rows: rows with no valid token: True = allowed, False = never, None = rarely.
+      singleton_groups: allow groups of one member (``False`` raises the minimum group size to 2).
+      id_kind: ``"int"``, ``"str"``, ``"uuid"``, ``"object"`` or ``"any"`` (see :func:`group_ids`).
+      shuffle: non-contiguous groups.
+      is_weights: rollout importance weights ρ ∈ [0, 3]: True, False, or None (sometimes).
+      reward_style: ``"terminal"`` (one reward on the last valid token), ``"dense"`` (every valid token),
+        ``"sparse"`` (a few valid tokens) or ``"any"``.
+      max_abs_reward: rewards lie in [−max_abs_reward, max_abs_reward].
+      fill_masked: what masked positions hold in rewards, log_probs, sum_pi_squared and is_weights: ``"junk"``
+        (arbitrary finite values — an implementation that forgets the mask gets them wrong) or ``"zero"``
+        (rewards 0, log π 0, Σπ² 0, ρ 1, as many trainers pad).
+      vocab_size: when set, draw logits [B, T, V] (V = vocab_size) and token ids, and derive log π(y) and Σπ² from
+        them exactly; otherwise draw consistent (log π, Σπ²) pairs over V ≤ max_vocab_size (cheaper).
+      max_vocab_size: vocabulary bound for the logit-free token statistics.
+      logit_scale: standard scale of the drawn logits.
+      dtype: float64 or float32 for every float array.
+
+    Example of ``rollout_batches(max_groups=2, max_group_size=2, max_length=3).example()``::
+
+      RolloutBatch(rewards=array([[ 0. ,  1.5, -3. ], [ 0. ,  0. ,  1. ]]),
+                   response_mask=array([[1., 1., 0.], [1., 1., 1.]]),
+                   group_ids=array(['prompt-4', 'prompt-4'], dtype='<U8'),
+                   log_probs=array([[-0.2, -3.1, -7.5], [...]]), sum_pi_squared=array([[0.7, 0.1, 0.5], [...]]),
+                   is_weights=None, ...)
+    """
+    min_groups = _check_int("min_groups", min_groups, 1)
+    max_groups = _check_int("max_groups", max_groups, 1)
+    _check_range("min_groups", min_groups, "max_groups", max_groups)
+    min_group_size = _check_int("min_group_size", min_group_size, 1)
+    max_group_size = _check_int("max_group_size", max_group_size, 1)
+    if not isinstance(singleton_groups, bool):
+        raise InvalidArgument(f"singleton_groups={singleton_groups!r}: expected True or False")
+    if not singleton_groups:
+        min_group_size = max(min_group_size, 2)
+    _check_range("min_group_size", min_group_size, "max_group_size", max_group_size)
+    min_length = _check_int("min_length", min_length, 1)
+    max_length = _check_int("max_length", max_length, 1)
+    _check_range("min_length", min_length, "max_length", max_length)
+    padding = _check_choice("padding", padding, _PADDINGS)
+    holes = _check_optional_bool("holes", holes)
+    empty_rows = _check_optional_bool("empty_rows", empty_rows)
+    id_kind = _check_choice("id_kind", id_kind, _ID_KINDS)
+    if not isinstance(shuffle, bool):
+        raise InvalidArgument(f"shuffle={shuffle!r}: expected True or False")
+    is_weights = _check_optional_bool("is_weights", is_weights)
+    reward_style = _check_choice("reward_style", reward_style, _REWARD_STYLES)
+    max_abs_reward = _check_float("max_abs_reward", max_abs_reward, 0.0)
+    fill_masked = _check_choice("fill_masked", fill_masked, _FILLS)
+    if vocab_size is not None:
+        vocab_size = _check_int("vocab_size", vocab_size, 2)
+    max_vocab_size = _check_int("max_vocab_size", max_vocab_size, 2)
+    logit_scale = _check_float("logit_scale", logit_scale, 0.0)
+    dtype = _check_dtype(dtype)
+    return _rollout_batches(min_groups, max_groups, min_group_size, max_group_size, min_length, max_length, padding,
+                            holes, empty_rows, id_kind, shuffle, is_weights, reward_style, max_abs_reward,
+                            fill_masked, vocab_size, max_vocab_size, logit_scale, dtype)
+
+
+@st.composite
+def _rollout_batches(draw: Any, min_groups: int, max_groups: int, min_group_size: int, max_group_size: int,
+                     min_length: int, max_length: int, padding: str, holes: bool | None, empty_rows: bool | None,
+                     id_kind: str, shuffle: bool, is_weights: bool | None, reward_style: str, max_abs_reward: float,
+                     fill_masked: str, vocab_size: int | None, max_vocab_size: int, logit_scale: float,
+                     dtype: np.dtype) -> RolloutBatch:
+    n_groups = draw(st.integers(min_groups, max_groups), label="groups")
+    sizes = draw(st.lists(st.integers(min_group_size, max_group_size), min_size=n_groups, max_size=n_groups),
+                 label="group sizes")
+    ids = draw(group_ids(sizes, kind=id_kind, shuffle=shuffle), label="group_ids")
+    n_rows = len(ids)
+    n_positions = draw(st.integers(min_length, max_length), label="T")
+    mask = _draw_mask(draw, n_rows, n_positions, padding, holes, empty_rows)
+    valid = mask > 0
+
+    rewards = _draw_rewards(draw, mask, reward_style, max_abs_reward)
+    if vocab_size is not None:
+        logit_values = _values(draw, (n_rows, n_positions, vocab_size), -3.0, 3.0, "logits") * (logit_scale / 3.0)
+        token_ids = draw(hnp.arrays(np.int64, (n_rows, n_positions), elements=st.integers(0, vocab_size - 1)),
+                         label="token_ids")
+        log_probs = _token_log_probs(logit_values, token_ids)
+        spp = _sum_pi_squared(logit_values)
+    else:
+        logit_values = token_ids = None
+        log_probs, spp = draw(_token_statistics((n_rows, n_positions), 2, max_vocab_size), label="token statistics")
+
+    weights = None
+    use_weights = draw(st.booleans(), label="use is_weights") if is_weights is None else is_weights
+    if use_weights:
+        weights = _values(draw, (n_rows, n_positions), 0.0, 3.0, "is_weights")
+        zero_some = draw(st.booleans(), label="some ρ = 0")
+        if zero_some:
+            weights = np.where(_values(draw, (n_rows, n_positions), 0.0, 1.0, "ρ = 0 draws") < 0.2, 0.0, weights)
+
+    if fill_masked == "junk":
+        rewards = np.where(valid, rewards, _values(draw, mask.shape, -99.0, 99.0, "masked rewards"))
+        log_probs = np.where(valid, log_probs, _values(draw, mask.shape, -50.0, 50.0, "masked log_probs"))
+        spp = np.where(valid, spp, _values(draw, mask.shape, -5.0, 5.0, "masked sum_pi_squared"))
+        if weights is not None:
+            weights = np.where(valid, weights, _values(draw, mask.shape, 0.0, 50.0, "masked is_weights"))
+    else:
+        rewards = np.where(valid, rewards, 0.0)
+        log_probs = np.where(valid, log_probs, 0.0)
+        spp = np.where(valid, spp, 0.0)
+        if weights is not None:
+            weights = np.where(valid, weights, 1.0)
+
+    def cast(array: np.ndarray | None) -> np.ndarray | None:
+        return None if array is None else np.asarray(array, dtype=dtype)
+
+    return RolloutBatch(rewards=cast(rewards), response_mask=mask.astype(dtype), group_ids=ids,
+                        log_probs=cast(log_probs), sum_pi_squared=cast(spp), is_weights=cast(weights),
+                        logits=cast(logit_values), token_ids=token_ids)
+
+
+def _draw_mask(draw: Any, n_rows: int, n_positions: int, padding: str, holes: bool | None,
+               empty_rows: bool | None) -> np.ndarray:
+    allow_empty = draw(st.integers(0, 9), label="allow empty rows") == 0 if empty_rows is None else empty_rows
+    min_valid = 0 if allow_empty else 1
+    lengths = draw(st.lists(st.integers(min_valid, n_positions), min_size=n_rows, max_size=n_rows),
+                   label="valid lengths")
+    mask = np.zeros((n_rows, n_positions))
+    for row, length in enumerate(lengths):
+        side = draw(st.sampled_from(["right", "left"]), label="padding side") if padding == "any" else padding
+        start = 0 if side == "right" else n_positions - length
+        mask[row, start:start + length] = 1.0
+        want_holes = draw(st.booleans(), label="holes in row") if holes is None else holes
+        if want_holes and length >= 3:
+            n_holes = draw(st.integers(1, 2), label="holes")
+            for _ in range(n_holes):
+                hole_start = draw(st.integers(start + 1, start + length - 2), label="hole start")
+                hole_length = draw(st.integers(1, 3), label="hole length")
+                mask[row, hole_start:min(hole_start + hole_length, start + length - 1)] = 0.0
+    return mask
+
+
+def _draw_rewards(draw: Any, mask: np.ndarray, style: str, max_abs: float) -> np.ndarray:
+    if style == "any":
+        style = draw(st.sampled_from(_REWARD_STYLES[:-1]), label="reward style")
+    n_rows, n_positions = mask.shape
+    binary = draw(st.booleans(), label="binary rewards")
+    if binary:
+        values = draw(hnp.arrays(np.float64, mask.shape, elements=st.sampled_from([0.0, 1.0])), label="rewards")
+    else:
+        values = _values(draw, mask.shape, -max_abs, max_abs, "rewards")
+    if style == "dense":
+        return values * mask
+    if style == "terminal":
+        rewards = np.zeros(mask.shape)
+        has_token = mask.any(axis=1)
+        last = n_positions - 1 - np.argmax(mask[:, ::-1], axis=1)
+        rows = np.flatnonzero(has_token)
+        rewards[rows, last[rows]] = values[rows, last[rows]]
+        return rewards
+    chosen = draw(hnp.arrays(bool, mask.shape, elements=st.booleans()), label="sparse reward positions")
+    return values * mask * chosen
