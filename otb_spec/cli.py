@@ -1,0 +1,156 @@
+"""The ``otb-spec`` command.
+
+    otb-spec --version
+    otb-spec demo [--estimator NAME ...] [--epsilon EPS] [--no-zero-tail]
+    otb-spec compute BATCH.npz [--estimator NAME] [--output OUT.npz]
+
+Exit status: 0 on success, 2 on usage or input errors (with a one-line message on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+import numpy as np
+
+from otb_spec._version import __version__
+from otb_spec.estimators import ESTIMATORS, RolloutBatch
+from otb_spec.examples import example_batch
+from otb_spec.proxy import _energy
+from otb_spec.trajectory import cumulative_energy, reward_to_go
+
+__all__ = ["main", "build_parser"]
+
+_BATCH_KEYS = ("rewards", "response_mask", "group_ids", "log_probs", "sum_pi_squared", "is_weights",
+               "cumulative_score_sq_norms", "sequence_score_sq_norms")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for documentation and tests)."""
+    parser = argparse.ArgumentParser(
+        prog="otb-spec",
+        description="Reference specification of the Optimal Token Baseline (arXiv 2602.07078).",
+    )
+    parser.add_argument("--version", action="version", version=f"otb-spec {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    demo = commands.add_parser("demo", help="compute OTB on a small example batch and print a per-token table")
+    demo.add_argument("--estimator", action="append", choices=sorted(ESTIMATORS), metavar="NAME",
+                      help="add an estimator's advantages as a column (repeatable; default: otb and otb_loo)")
+    demo.add_argument("--epsilon", type=float, default=1e-8, help="ε in OTB's denominator (default 1e-8)")
+    demo.add_argument("--no-zero-tail", action="store_true", help="handle_zero_tail=False for OTB")
+    demo.set_defaults(run=_run_demo)
+
+    compute = commands.add_parser("compute", help="compute advantages for a batch stored in an .npz file")
+    compute.add_argument("batch", help=f".npz with arrays named {', '.join(_BATCH_KEYS)} (the first three required)")
+    compute.add_argument("--estimator", default="otb", choices=sorted(ESTIMATORS), metavar="NAME",
+                         help="estimator to apply (default: otb)")
+    compute.add_argument("--output", help="write advantages, returns and baselines to this .npz")
+    compute.set_defaults(run=_run_compute)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``otb-spec`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return int(args.run(args))
+    except (ValueError, TypeError, OSError, KeyError) as exc:
+        print(f"otb-spec {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    batch = example_batch()
+    names = args.estimator or ["otb", "otb_loo"]
+    options = {"epsilon": args.epsilon, "handle_zero_tail": not args.no_zero_tail}
+    results = {}
+    for name in names:
+        estimator = ESTIMATORS[name]
+        if not estimator.accepts(batch):
+            raise ValueError(f"estimator {name!r} needs {', '.join(estimator.requires)}, which the example lacks")
+        accepted = _accepted_options(name, options)
+        results[name] = estimator(batch, **accepted)
+    mask = np.asarray(batch.response_mask)
+    energy = _energy(np.asarray(batch.log_probs), np.asarray(batch.sum_pi_squared))
+    realized = cumulative_energy(energy, mask, None)
+    returns = reward_to_go(np.asarray(batch.rewards), mask)
+    otb = results.get("otb")
+    print(f"otb-spec {__version__} — example batch: {batch.batch_size} trajectories × {batch.n_positions} positions, "
+          f"2 prompts; ε = {args.epsilon:g}, handle_zero_tail = {not args.no_zero_tail}")
+    print("π = exp(log π(y)), w = 1 − 2π + Σπ², W = Σ_{j≤t} m w, G = Σ_{k≥t} m r, B = OTB baseline, A = advantages")
+    header = ["traj", "group", "t", "m", "r", "π", "Σπ²", "w", "W", "G"]
+    if otb is not None:
+        header.append("B(otb)")
+    header += [f"A({name})" for name in names]
+    rows = []
+    for i in range(batch.batch_size):
+        for t in range(batch.n_positions):
+            if mask[i, t] == 0 and not _inside(mask[i], t):
+                continue
+            row = [str(i), str(batch.group_ids[i]), str(t), f"{mask[i, t]:.0f}", f"{batch.rewards[i, t]:g}",
+                   f"{np.exp(batch.log_probs[i, t]):.3f}", f"{batch.sum_pi_squared[i, t]:.3f}",
+                   f"{energy[i, t]:.3f}", f"{realized[i, t]:.3f}", f"{returns[i, t]:g}"]
+            if otb is not None:
+                row.append(f"{otb.baselines[i, t]:.4f}")
+            row += [f"{results[name].advantages[i, t]:+.4f}" for name in names]
+            rows.append(row)
+    _print_table(header, rows)
+    print("Rows with m = 0 inside a response are tool output; padding after the last token is not shown.")
+    return 0
+
+
+def _run_compute(args: argparse.Namespace) -> int:
+    with np.load(args.batch, allow_pickle=True) as data:
+        missing = [key for key in _BATCH_KEYS[:3] if key not in data]
+        if missing:
+            raise KeyError(f"{args.batch} lacks required array(s) {', '.join(missing)}")
+        unknown = sorted(set(data.files) - set(_BATCH_KEYS))
+        if unknown:
+            raise ValueError(f"{args.batch}: unknown array(s) {', '.join(unknown)}; expected names among "
+                             f"{', '.join(_BATCH_KEYS)}")
+        batch = RolloutBatch(**{key: data[key] for key in data.files})
+    result = ESTIMATORS[args.estimator](batch)
+    if args.output:
+        np.savez(args.output, advantages=result.advantages, returns=result.returns, baselines=result.baselines)
+        print(f"wrote advantages, returns, baselines [{batch.batch_size}, {batch.n_positions}] to {args.output}")
+    else:
+        np.set_printoptions(precision=4, suppress=True, linewidth=120)
+        print(f"advantages ({args.estimator}):")
+        print(result.advantages)
+    return 0
+
+
+def _accepted_options(name: str, options: dict) -> dict:
+    if name in ("otb", "otb_multi_turn"):
+        return options
+    if name in ("otb_loo",):
+        return {"epsilon": options["epsilon"]}
+    return {}
+
+
+def _inside(row: np.ndarray, t: int) -> bool:
+    valid = np.flatnonzero(row)
+    return valid.size > 0 and valid[0] < t < valid[-1]
+
+
+def _print_table(header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(header[c]), *(len(row[c]) for row in rows)) for c in range(len(header))]
+    print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
+    print("  ".join("─" * w for w in widths))
+    previous = None
+    for row in rows:
+        if previous is not None and row[0] != previous:
+            print()
+        previous = row[0]
+        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
