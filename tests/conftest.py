@@ -1,0 +1,37 @@
+"""Test configuration: Hypothesis profiles and shared helpers.
+
+Profiles (select with the environment variable ``OTB_HYPOTHESIS_PROFILE``; default ``ci``):
+
+* ``ci``       — derandomized (the same examples every run), 60 examples per property, no deadline. CI uses it.
+* ``dev``      — random seeds, 60 examples: finds new counterexamples during development.
+* ``thorough`` — random seeds, 2000 examples per property: for hand runs before a release.
+
+Tests marked ``slow`` (large Monte Carlo runs) are skipped unless ``--run-slow`` is given.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+_COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+               print_blob=True)
+settings.register_profile("ci", derandomize=True, database=None, max_examples=60, **_COMMON)
+settings.register_profile("dev", max_examples=60, **_COMMON)
+settings.register_profile("thorough", max_examples=2000, **_COMMON)
+settings.load_profile(os.environ.get("OTB_HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", default=False, help="also run tests marked slow")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="slow profile: run with --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

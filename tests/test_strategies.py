@@ -1,0 +1,130 @@
+"""The public strategies draw what their documentation promises, and reject bad options at once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
+
+import otb_spec as otb
+from otb_spec import strategies as otb_st
+
+
+def _groups(batch):
+    groups = {}
+    for position, key in enumerate(np.asarray(batch.group_ids, dtype=object).tolist()):
+        groups.setdefault(key, []).append(position)
+    return list(groups.values())
+
+
+@given(batch=otb_st.rollout_batches(min_groups=2, max_groups=3, min_group_size=2, max_group_size=4,
+                                    min_length=3, max_length=7, singleton_groups=False))
+def test_batches_respect_their_bounds(batch):
+    groups = _groups(batch)
+    assert 2 <= len(groups) <= 3
+    assert all(2 <= len(group) <= 4 for group in groups)
+    assert 3 <= batch.n_positions <= 7
+    mask = np.asarray(batch.response_mask)
+    assert set(np.unique(mask)) <= {0.0, 1.0}
+    otb.optimal_token_baseline(batch.rewards, mask, batch.group_ids, batch.log_probs, batch.sum_pi_squared,
+                               is_weights=batch.is_weights)        # consistent inputs: the reference accepts them
+
+
+@given(batch=otb_st.rollout_batches(padding="right", holes=False, empty_rows=False))
+def test_right_padding_without_holes_gives_nonempty_prefix_masks(batch):
+    mask = np.asarray(batch.response_mask)
+    lengths = mask.sum(axis=1).astype(int)
+    assert np.all(lengths >= 1)
+    for row, length in zip(mask, lengths):
+        np.testing.assert_array_equal(row, (np.arange(batch.n_positions) < length).astype(float))
+
+
+@given(batch=otb_st.rollout_batches(padding="left", holes=False))
+def test_left_padding_puts_the_valid_tokens_last(batch):
+    for row in np.asarray(batch.response_mask):
+        valid = np.flatnonzero(row)
+        if valid.size:
+            assert valid[-1] == row.shape[0] - 1 and np.all(np.diff(valid) == 1)
+
+
+@given(batch=otb_st.rollout_batches(holes=True, min_length=5, max_length=9, empty_rows=False))
+def test_holes_are_inside_responses(batch):
+    for row in np.asarray(batch.response_mask):
+        valid = np.flatnonzero(row)
+        if valid.size >= 3:
+            inside = row[valid[0]:valid[-1] + 1]
+            assert inside[0] == 1 and inside[-1] == 1
+
+
+@given(batch=otb_st.rollout_batches(is_weights=True, fill_masked="zero"))
+def test_zero_fill_and_weights(batch):
+    mask = np.asarray(batch.response_mask) == 0
+    assert batch.is_weights is not None and np.all(np.asarray(batch.is_weights) >= 0)
+    assert np.all(np.asarray(batch.rewards)[mask] == 0) and np.all(np.asarray(batch.log_probs)[mask] == 0)
+    assert np.all(np.asarray(batch.is_weights)[mask] == 1)
+
+
+@given(batch=otb_st.rollout_batches(vocab_size=7, max_length=5, fill_masked="zero", dtype=np.float32))
+def test_batches_with_logits_have_consistent_token_statistics(batch):
+    assert batch.logits.shape == (batch.batch_size, batch.n_positions, 7)
+    assert batch.rewards.dtype == np.float32
+    mask = np.asarray(batch.response_mask) > 0
+    expected = otb.token_log_probs(batch.logits, batch.token_ids)
+    np.testing.assert_allclose(np.asarray(batch.log_probs)[mask], expected[mask], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(batch.sum_pi_squared)[mask], otb.sum_pi_squared(batch.logits)[mask],
+                               rtol=1e-6)
+
+
+@given(data=st.data(), kind=st.sampled_from(["int", "str", "uuid", "object"]))
+def test_group_ids_have_the_requested_kind_and_sizes(data, kind):
+    ids = data.draw(otb_st.group_ids([3, 1, 2], kind=kind))
+    assert len(ids) == 6
+    counts = sorted({key: list(ids.tolist()).count(key) for key in ids.tolist()}.values())
+    assert counts == [1, 2, 3]
+    if kind == "uuid":
+        import uuid
+        assert all(uuid.UUID(value).version == 4 for value in ids)
+    if kind == "object":
+        assert ids.dtype == object
+
+
+@given(pair=otb_st.token_statistics((4, 3)))
+def test_token_statistics_are_consistent_with_a_policy(pair):
+    log_probs, spp = pair
+    assert np.all(log_probs <= 0.0)
+    assert np.all(spp <= 1.0) and np.all(spp >= np.exp(2 * log_probs) * (1 - 1e-12))
+    w = otb.token_energy(log_probs, spp)
+    assert np.all(w >= -1e-12) and np.all(w < 2.0)
+
+
+@pytest.mark.parametrize("factory, options, message", [
+    (otb_st.rollout_batches, dict(max_groups=0), "max_groups=0: must be ≥ 1"),
+    (otb_st.rollout_batches, dict(min_groups=3, max_groups=2), "min_groups=3 exceeds max_groups=2"),
+    (otb_st.rollout_batches, dict(padding="middle"), "padding='middle': expected one of"),
+    (otb_st.rollout_batches, dict(holes="sometimes"), "holes='sometimes': expected True, False or None"),
+    (otb_st.rollout_batches, dict(max_group_size=1, singleton_groups=False), "min_group_size=2 exceeds"),
+    (otb_st.rollout_batches, dict(dtype=np.int32), "dtype=.*expected float32 or float64"),
+    (otb_st.rollout_batches, dict(max_abs_reward=float("inf")), "max_abs_reward=inf: must be finite"),
+    (otb_st.rollout_batches, dict(id_kind="bytes"), "id_kind='bytes'"),
+    (otb_st.logits, dict(shape=(2,), vocab_size=0), "vocab_size=0: must be ≥ 1"),
+    (otb_st.group_ids, dict(sizes=[0]), r"sizes\[...\]=0: must be ≥ 1"),
+    (otb_st.token_statistics, dict(shape=(2,), min_vocab_size=1), "min_vocab_size=1: must be ≥ 2"),
+])
+def test_bad_options_raise_invalid_argument_at_once(factory, options, message):
+    with pytest.raises(InvalidArgument, match=message):
+        factory(**options)
+
+
+def test_large_arrays_are_filled_from_a_seeded_generator():
+    """Above 4096 elements values come from a generator seeded by Hypothesis: still deterministic per seed."""
+    strategy = otb_st.rollout_batches(min_groups=8, max_groups=8, min_group_size=8, max_group_size=8,
+                                      min_length=512, max_length=512)
+
+    @given(batch=strategy)
+    def check(batch):
+        assert batch.rewards.shape == (64, 512)
+        assert np.isfinite(batch.log_probs).all()
+
+    check()

@@ -1,0 +1,172 @@
+"""Every bad input gets a ValueError/TypeError that names the argument and the problem (never a silent NaN)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import otb_spec as otb
+
+B, T = 3, 4
+GOOD = dict(
+    rewards=np.zeros((B, T)),
+    response_mask=np.ones((B, T)),
+    group_ids=np.array([0, 0, 1]),
+    log_probs=np.full((B, T), -0.5),
+    sum_pi_squared=np.full((B, T), 0.5),
+)
+OTB_FUNCTIONS = [otb.optimal_token_baseline, otb.multi_turn_optimal_token_baseline, otb.leave_one_out_token_baseline]
+
+
+def _call(function, **changes):
+    arguments = {**GOOD, **changes}
+    keyword = {name: arguments.pop(name) for name in list(arguments) if name not in GOOD}
+    return function(arguments["rewards"], arguments["response_mask"], arguments["group_ids"], arguments["log_probs"],
+                    arguments["sum_pi_squared"], **keyword)
+
+
+def _with(array, index, value):
+    copy = np.array(array, dtype=np.float64)
+    copy[index] = value
+    return copy
+
+
+CASES = [
+    ("empty batch", dict(rewards=np.zeros((0, T))), ValueError, r"rewards: empty batch \(B = 0"),
+    ("no positions", dict(rewards=np.zeros((B, 0))), ValueError, r"rewards: no positions \(T = 0\)"),
+    ("rewards 1-D", dict(rewards=np.zeros(B)), ValueError, r"rewards: expected shape \[B, T\]"),
+    ("mask shape", dict(response_mask=np.ones((B, T + 1))), ValueError,
+     r"response_mask: expected shape \(3, 4\) \(the shape of rewards\), got \(3, 5\)"),
+    ("log_probs rows", dict(log_probs=np.zeros((B + 1, T))), ValueError, r"log_probs: expected shape \(3, 4\)"),
+    ("spp columns", dict(sum_pi_squared=np.zeros((B, T - 1))), ValueError, r"sum_pi_squared: expected shape"),
+    ("NaN reward", dict(rewards=_with(GOOD["rewards"], (1, 2), np.nan)), ValueError,
+     r"rewards: contains NaN or ±inf \(first at index \(1, 2\)"),
+    ("inf reward at masked position", dict(rewards=_with(GOOD["rewards"], (0, 3), np.inf),
+                                           response_mask=_with(GOOD["response_mask"], (0, 3), 0)),
+     ValueError, r"rewards: contains NaN or ±inf \(first at index \(0, 3\)"),
+    ("NaN log prob", dict(log_probs=_with(GOOD["log_probs"], (2, 0), np.nan)), ValueError, r"log_probs: contains NaN"),
+    ("-inf log prob", dict(log_probs=_with(GOOD["log_probs"], (2, 0), -np.inf)), ValueError, r"log_probs: contains"),
+    ("inf spp", dict(sum_pi_squared=_with(GOOD["sum_pi_squared"], (0, 0), np.inf)), ValueError,
+     r"sum_pi_squared: contains"),
+    ("mask value 2", dict(response_mask=_with(GOOD["response_mask"], (1, 1), 2)), ValueError,
+     r"response_mask: values must be exactly 0 or 1, found 2.0 at index \(1, 1\)"),
+    ("mask value 0.5", dict(response_mask=_with(GOOD["response_mask"], (0, 0), 0.5)), ValueError,
+     r"response_mask: values must be exactly 0 or 1"),
+    ("mask NaN", dict(response_mask=_with(GOOD["response_mask"], (0, 0), np.nan)), ValueError,
+     r"response_mask: values must be exactly 0 or 1"),
+    ("probabilities passed as log-probabilities", dict(log_probs=np.full((B, T), 0.6)), ValueError,
+     r"log_probs: must be ≤ 0 at valid positions"),
+    ("Σπ² above one", dict(sum_pi_squared=np.full((B, T), 1.5)), ValueError,
+     r"sum_pi_squared: must lie in \[0, 1\] at valid positions"),
+    ("Σπ² negative", dict(sum_pi_squared=np.full((B, T), -0.2)), ValueError, r"sum_pi_squared: must lie in \[0, 1\]"),
+    ("Σπ² below π²", dict(log_probs=np.full((B, T), np.log(0.9)), sum_pi_squared=np.full((B, T), 0.5)), ValueError,
+     r"sum_pi_squared: must be ≥ π² = exp\(2·log_probs\)"),
+    ("negative IS weight", dict(is_weights=_with(np.ones((B, T)), (2, 3), -0.1)), ValueError,
+     r"is_weights: must be ≥ 0, found -0.1 at index \(2, 3\)"),
+    ("IS weight shape", dict(is_weights=np.ones((B, 1))), ValueError, r"is_weights: expected shape \(3, 4\)"),
+    ("IS weight NaN", dict(is_weights=_with(np.ones((B, T)), (0, 0), np.nan)), ValueError, r"is_weights: contains"),
+    ("negative epsilon", dict(epsilon=-1e-8), ValueError, r"epsilon: must be ≥ 0"),
+    ("NaN epsilon", dict(epsilon=float("nan")), ValueError, r"epsilon: must be finite"),
+    ("string rewards", dict(rewards=np.array([["a"] * T] * B)), TypeError, r"rewards: expected real numbers"),
+    ("complex rewards", dict(rewards=np.zeros((B, T), dtype=complex)), TypeError, r"rewards: expected real numbers"),
+    ("None log_probs", dict(log_probs=None), TypeError, r"log_probs: expected an array, got None"),
+    ("ragged rewards", dict(rewards=[[0.0, 1.0], [0.0]]), (TypeError, ValueError), r"rewards: "),
+]
+
+
+@pytest.mark.parametrize("function", OTB_FUNCTIONS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("case, changes, error, message", CASES, ids=[case[0] for case in CASES])
+def test_bad_input_is_rejected_with_a_named_error(function, case, changes, error, message):
+    with pytest.raises(error, match=message):
+        _call(function, **changes)
+
+
+@pytest.mark.parametrize("function", OTB_FUNCTIONS[:2], ids=lambda f: f.__name__)
+def test_handle_zero_tail_must_be_a_bool(function):
+    with pytest.raises(TypeError, match="handle_zero_tail: expected True or False"):
+        _call(function, handle_zero_tail="yes")
+
+
+def test_values_out_of_range_at_masked_positions_are_allowed():
+    """Padding often carries log π = 0 and Σπ² = 0 (w = −1): masked positions are ignored, as in verl."""
+    mask = np.ones((B, T))
+    mask[:, -1] = 0
+    result = _call(otb.optimal_token_baseline, response_mask=mask, log_probs=_with(GOOD["log_probs"], (0, 3), 5.0),
+                   sum_pi_squared=_with(GOOD["sum_pi_squared"], (0, 3), -3.0))
+    assert np.isfinite(result.advantages).all()
+
+
+def test_rounding_slack_of_the_input_precision_is_accepted():
+    """float32 producers may overshoot Σπ² ≤ 1 or log π ≤ 0 by rounding: within the float32 slack it is accepted."""
+    result = _call(otb.optimal_token_baseline, log_probs=np.full((B, T), 1e-6, dtype=np.float32),
+                   sum_pi_squared=np.full((B, T), 1.0 + 1e-6, dtype=np.float32))
+    assert np.isfinite(result.advantages).all()
+    with pytest.raises(ValueError, match="log_probs: must be ≤ 0"):
+        _call(otb.optimal_token_baseline, log_probs=np.full((B, T), 1e-6), sum_pi_squared=np.full((B, T), 1.0))
+
+
+def test_leave_one_out_rejects_a_zero_tail_request():
+    with pytest.raises(ValueError, match="handle_zero_tail: not applicable with leave_one_out=True"):
+        otb.token_baseline(np.zeros((B, T)), np.ones((B, T)), np.ones((B, T)), [0, 0, 1], leave_one_out=True,
+                           handle_zero_tail=True)
+    with pytest.raises(ValueError, match="align: expected one of"):
+        otb.token_baseline(np.zeros((B, T)), np.ones((B, T)), np.ones((B, T)), [0, 0, 1], align="turn")
+
+
+def test_energy_and_norm_arguments_must_be_nonnegative():
+    with pytest.raises(ValueError, match=r"realized_energy: must be ≥ 0 at valid positions"):
+        otb.token_baseline(np.zeros((B, T)), -np.ones((B, T)), np.ones((B, T)), [0, 0, 1])
+    with pytest.raises(ValueError, match=r"cumulative_score_sq_norms: must be ≥ 0 at valid positions"):
+        otb.exact_norm_token_baseline(np.zeros((B, T)), np.ones((B, T)), [0, 0, 1], -np.ones((B, T)))
+    with pytest.raises(ValueError, match=r"token_energy: must be ≥ 0 at valid positions"):
+        otb.realized_energy(-np.ones((B, T)), np.ones((B, T)))
+    with pytest.raises(ValueError, match=r"sequence_score_sq_norms: must be ≥ 0"):
+        otb.sequence_optimal_advantage(np.zeros((B, T)), np.ones((B, T)), [0, 0, 1], [-1.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match=r"sequence_score_sq_norms: expected shape \(3,\)"):
+        otb.sequence_optimal_advantage(np.zeros((B, T)), np.ones((B, T)), [0, 0, 1], [1.0, 0.0])
+
+
+def test_gamma_must_be_a_discount():
+    for gamma, message in [(0.0, "gamma: must be > 0"), (1.5, "gamma: must be ≤ 1"), (True, "gamma: expected a real")]:
+        with pytest.raises((ValueError, TypeError), match=message):
+            otb.returns_to_go(np.zeros((B, T)), np.ones((B, T)), gamma=gamma)
+
+
+@pytest.mark.parametrize("logits, message, error", [
+    (np.array([[0.0, np.nan]]), "logits: contains NaN or \\+inf", ValueError),
+    (np.array([[0.0, np.inf]]), "logits: contains NaN or \\+inf", ValueError),
+    (np.array([[-np.inf, -np.inf]]), "logits: every logit is -inf at position \\(0,\\)", ValueError),
+    (np.zeros((2, 0)), "logits: the vocabulary axis is empty", ValueError),
+    (np.float64(1.0), "logits: expected shape \\[..., V\\]", ValueError),
+    (np.array([["x", "y"]]), "logits: expected real numbers", TypeError),
+])
+def test_bad_logits_are_rejected(logits, message, error):
+    with pytest.raises(error, match=message):
+        otb.sum_pi_squared(logits)
+
+
+def test_bad_token_ids_and_chunk_sizes_are_rejected():
+    logits = np.zeros((2, 3))
+    with pytest.raises(ValueError, match=r"token_ids: must lie in \[0, 3\)"):
+        otb.token_log_probs(logits, [0, 3])
+    with pytest.raises(TypeError, match="token_ids: expected integer token ids"):
+        otb.token_energy_from_logits(logits, [0.0, 1.0])
+    with pytest.raises(ValueError, match=r"token_ids: expected shape \(2,\)"):
+        otb.logit_gradient(logits, [0, 1, 2])
+    with pytest.raises(ValueError, match="chunk_size: expected a positive integer"):
+        otb.sum_pi_squared(logits, chunk_size=0)
+    with pytest.raises(ValueError, match="partials: need at least one shard"):
+        otb.combine_vocab_shards([])
+    bad = otb.ShardPartials(np.zeros(2), np.full(2, 0.5), np.ones(2))
+    with pytest.raises(ValueError, match=r"partials\[0\]: sum_exp must be ≥ 1"):
+        otb.combine_vocab_shards([bad])
+    with pytest.raises(ValueError, match=r"partials\[1\]: leading shape differs"):
+        otb.combine_vocab_shards([otb.vocab_shard_partials(logits), otb.vocab_shard_partials(np.zeros((3, 3)))])
+
+
+def test_cuda_like_objects_get_a_clear_conversion_error():
+    class DeviceTensor:
+        def __array__(self, dtype=None, copy=None):
+            raise TypeError("can't convert cuda:0 device type tensor to numpy")
+    with pytest.raises(TypeError, match="rewards: cannot be converted to a NumPy array"):
+        _call(otb.optimal_token_baseline, rewards=DeviceTensor())
