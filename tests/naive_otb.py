@@ -1,6 +1,6 @@
 """A deliberately naive oracle: verl's OTB semantics transcribed one group and one token at a time.
 
-Written from the specification (docs/verl-semantics.md), independently of the vectorized reference: plain Python
+Written from the specification (docs/verl-differences.md), independently of the vectorized reference: plain Python
 loops, a dict of groups in order of first appearance, explicit per-position sums. Slow, obvious, and only used to
 cross-check ``otb_spec`` on small batches.
 """
