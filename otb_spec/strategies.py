@@ -20,7 +20,9 @@ Strategies:
   log-probs and Σπ² consistent with a policy (optionally with the logits they come from);
 * :func:`group_ids` — [B] ids for given group sizes, shuffled;
 * :func:`logits` — logit arrays, including extreme magnitudes and −inf entries;
-* :func:`token_statistics` — (log π(y), Σπ²) pairs consistent with some policy, without logits.
+* :func:`token_statistics` — (log π(y), Σπ²) pairs consistent with some policy, without logits;
+* :func:`toy_policies` and :func:`toy_tasks` — small enumerable policies (tabular or shared parameters) and tasks with
+  random rewards, for exact checks of gradient identities.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ from hypothesis.extra import numpy as hnp
 from otb_spec.estimators import RolloutBatch
 from otb_spec.proxy import sum_pi_squared as _sum_pi_squared
 from otb_spec.proxy import token_log_probs as _token_log_probs
+from otb_spec.toy import EnumerablePolicy, EnumerableTask
 
-__all__ = ["rollout_batches", "group_ids", "logits", "token_statistics"]
+__all__ = ["rollout_batches", "group_ids", "logits", "token_statistics", "toy_policies", "toy_tasks"]
 
 _PADDINGS = ("right", "left", "any")
 _ID_KINDS = ("int", "str", "uuid", "object", "any")
@@ -438,3 +441,79 @@ def _draw_rewards(draw: Any, mask: np.ndarray, style: str, max_abs: float) -> np
         return rewards
     chosen = draw(hnp.arrays(bool, mask.shape, elements=st.booleans()), label="sparse reward positions")
     return values * mask * chosen
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# toy policies and tasks
+
+_PARAMETRIZATIONS = ("tabular", "log_linear", "any")
+
+
+def toy_policies(*, parametrization: str = "any", min_vocab_size: int = 2, max_vocab_size: int = 3,
+                 min_horizon: int = 1, max_horizon: int = 3, max_scale: float = 3.0
+                 ) -> st.SearchStrategy[EnumerablePolicy]:
+    """Enumerable policies (:class:`otb_spec.toy.EnumerablePolicy`) with random parameters of scale ≤ max_scale.
+
+    Args:
+      parametrization: ``"tabular"`` (one logit vector per prefix: the proxy is exact), ``"log_linear"`` (shared
+        parameters: it is not), or ``"any"``.
+      min_vocab_size, max_vocab_size: V, including EOS (≥ 2).
+      min_horizon, max_horizon: T (≥ 1). The number of sequences grows like (V − 1)^T; keep V^T small.
+      max_scale: standard deviation bound of the parameters (larger → more deterministic policies).
+
+    Example: ``toy_policies().example()`` → ``EnumerablePolicy(vocab_size=3, horizon=2, parametrization='tabular', …)``.
+    """
+    parametrization = _check_choice("parametrization", parametrization, _PARAMETRIZATIONS)
+    low_v = _check_int("min_vocab_size", min_vocab_size, 2)
+    high_v = _check_int("max_vocab_size", max_vocab_size, 2)
+    _check_range("min_vocab_size", low_v, "max_vocab_size", high_v)
+    low_t = _check_int("min_horizon", min_horizon, 1)
+    high_t = _check_int("max_horizon", max_horizon, 1)
+    _check_range("min_horizon", low_t, "max_horizon", high_t)
+    if (high_v - 1) ** high_t * high_v > 50_000:
+        raise InvalidArgument(f"max_vocab_size={high_v}, max_horizon={high_t}: too many sequences to enumerate")
+    max_scale = _check_float("max_scale", max_scale, 0.0)
+    return _toy_policies(parametrization, low_v, high_v, low_t, high_t, max_scale)
+
+
+@st.composite
+def _toy_policies(draw: Any, parametrization: str, low_v: int, high_v: int, low_t: int, high_t: int,
+                  max_scale: float) -> EnumerablePolicy:
+    if parametrization == "any":
+        parametrization = draw(st.sampled_from(_PARAMETRIZATIONS[:-1]), label="parametrization")
+    vocab = draw(st.integers(low_v, high_v), label="V")
+    horizon = draw(st.integers(low_t, high_t), label="T")
+    seed = draw(st.integers(0, 2**32 - 1), label="parameter seed")
+    scale = draw(st.floats(0.1, max_scale), label="parameter scale")
+    constructor = EnumerablePolicy.tabular if parametrization == "tabular" else EnumerablePolicy.log_linear
+    return constructor(vocab, horizon, seed=seed, scale=scale)
+
+
+def toy_tasks(*, reward_style: str = "any", max_abs_reward: float = 5.0, **policy_options: Any
+              ) -> st.SearchStrategy[EnumerableTask]:
+    """Tasks (:class:`otb_spec.toy.EnumerableTask`): a :func:`toy_policies` policy with random rewards.
+
+    Args:
+      reward_style: ``"terminal"`` (one reward per sequence on its last token), ``"dense"`` (a causal reward on every
+        token: rₜ depends on y≤ₜ only), or ``"any"``.
+      max_abs_reward: rewards lie in [−max_abs_reward, max_abs_reward].
+      **policy_options: forwarded to :func:`toy_policies`.
+    """
+    reward_style = _check_choice("reward_style", reward_style, ("terminal", "dense", "any"))
+    max_abs_reward = _check_float("max_abs_reward", max_abs_reward, 0.0)
+    return _toy_tasks(toy_policies(**policy_options), reward_style, max_abs_reward)
+
+
+@st.composite
+def _toy_tasks(draw: Any, policies: st.SearchStrategy[EnumerablePolicy], reward_style: str,
+               max_abs_reward: float) -> EnumerableTask:
+    policy = draw(policies, label="policy")
+    table = policy.sequences
+    if reward_style == "any":
+        reward_style = draw(st.sampled_from(["terminal", "dense"]), label="reward style")
+    elements = st.floats(-max_abs_reward, max_abs_reward, allow_nan=False, allow_subnormal=False)
+    if reward_style == "terminal":
+        values = draw(hnp.arrays(np.float64, (table.size,), elements=elements), label="sequence rewards")
+        return policy.task(policy.terminal_rewards(values))
+    values = draw(hnp.arrays(np.float64, (table.n_steps,), elements=elements), label="step rewards")
+    return policy.task(policy.step_rewards(values))
