@@ -3,6 +3,7 @@
     otb-spec --version
     otb-spec demo [--estimator NAME ...] [--epsilon EPS] [--no-zero-tail]
     otb-spec compute BATCH.npz [--estimator NAME] [--output OUT.npz]
+    otb-spec lab [--quick] [--seed S] [--regime NAME ...] [--group-size N ...] [--plot PNG] [--json PATH]
 
 Exit status: 0 on success, 2 on usage or input errors (with a one-line message on stderr).
 """
@@ -49,6 +50,19 @@ def build_parser() -> argparse.ArgumentParser:
                          help="estimator to apply (default: otb)")
     compute.add_argument("--output", help="write advantages, returns and baselines to this .npz")
     compute.set_defaults(run=_run_compute)
+
+    lab = commands.add_parser("lab", help="Monte Carlo lab: bias and variance of every estimator vs group size")
+    lab.add_argument("--quick", action="store_true", help="small samples and T = 60 for the long regime (seconds)")
+    lab.add_argument("--seed", type=int, default=0, help="seed of every random draw (default 0)")
+    lab.add_argument("--regime", action="append", choices=["random", "confidence", "long"],
+                     help="run only these regimes (repeatable; default: all three)")
+    lab.add_argument("--group-size", action="append", type=int, metavar="N",
+                     help="group sizes (repeatable; default: 2 4 8 16 32)")
+    lab.add_argument("--plot", default="lab-output/variance_vs_n.png",
+                     help="PNG of variance vs N (default lab-output/variance_vs_n.png; '' to skip)")
+    lab.add_argument("--json", help="also write every number, with standard errors, to this JSON file")
+    lab.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    lab.set_defaults(run=_run_lab)
     return parser
 
 
@@ -124,6 +138,38 @@ def _run_compute(args: argparse.Namespace) -> int:
         np.set_printoptions(precision=4, suppress=True, linewidth=120)
         print(f"advantages ({args.estimator}):")
         print(result.advantages)
+    return 0
+
+
+def _run_lab(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    from otb_spec.lab import GROUP_SIZES, format_report, plot_variance, run_lab
+
+    sizes = tuple(sorted(set(args.group_size))) if args.group_size else GROUP_SIZES
+    if any(n < 1 for n in sizes):
+        raise ValueError(f"--group-size: must be ≥ 1, got {sizes}")
+    result = run_lab(quick=args.quick, seed=args.seed, group_sizes=sizes,
+                     regime_names=tuple(args.regime) if args.regime else None,
+                     progress=None if args.no_progress else sys.stderr)
+    command = "otb-spec lab" + (" --quick" if args.quick else "") + (f" --seed {args.seed}" if args.seed else "")
+    print(format_report(result, command))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(result.to_json(), handle, indent=1)
+        print(f"\nwrote {args.json}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("\nno plot: matplotlib is not installed (pip install 'otb-spec[lab]')")
+        else:
+            directory = os.path.dirname(args.plot)
+            if directory:
+                os.makedirs(directory, exist_ok=True)
+            plot_variance(result, args.plot)
+            print(f"\nwrote {args.plot}")
     return 0
 
 
