@@ -41,6 +41,7 @@ from otb_spec.peers import (
 )
 from otb_spec.proxy import (
     ShardPartials,
+    TokenStatistics,
     combine_vocab_shards,
     log_softmax,
     log_softmax_jacobian,
@@ -49,7 +50,9 @@ from otb_spec.proxy import (
     sum_pi_squared,
     token_energy,
     token_energy_from_logits,
+    token_entropy,
     token_log_probs,
+    token_statistics_from_logits,
     vocab_shard_partials,
 )
 from otb_spec.trajectory import realized_energy, returns_to_go
@@ -64,6 +67,9 @@ __all__ = [
     "vocab_shard_partials",
     "combine_vocab_shards",
     "token_log_probs",
+    "token_entropy",
+    "TokenStatistics",
+    "token_statistics_from_logits",
     "token_energy",
     "token_energy_from_logits",
     "logit_gradient",

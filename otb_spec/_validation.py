@@ -167,6 +167,8 @@ def token_statistics(
     mask: np.ndarray | None,
     shape: tuple[int, ...],
     like: str,
+    *,
+    names: tuple[str, str] = ("log_probs", "sum_pi_squared"),
 ) -> tuple[np.ndarray, np.ndarray]:
     """Validate the per-token policy statistics (log π(yₜ), Σ_v π_v²) at the positions ``mask`` selects.
 
@@ -179,25 +181,26 @@ def token_statistics(
 
     Masked positions may hold anything finite (padding often carries log π = 0, Σπ² = 0).
     """
-    log_probs_raw = to_numpy("log_probs", log_probs)
-    spp_raw = to_numpy("sum_pi_squared", sum_pi_squared)
-    log_probs64 = float_array("log_probs", log_probs_raw, shape=shape, like=like)
-    spp64 = float_array("sum_pi_squared", spp_raw, shape=shape, like=like)
+    lp_name, spp_name = names
+    log_probs_raw = to_numpy(lp_name, log_probs)
+    spp_raw = to_numpy(spp_name, sum_pi_squared)
+    log_probs64 = float_array(lp_name, log_probs_raw, shape=shape, like=like)
+    spp64 = float_array(spp_name, spp_raw, shape=shape, like=like)
     valid = np.ones(shape, dtype=bool) if mask is None else mask > 0
     slack_lp = input_range_slack(log_probs_raw.dtype)
     slack_spp = input_range_slack(spp_raw.dtype)
-    _check_where("log_probs", log_probs64, valid & (log_probs64 > slack_lp),
+    _check_where(lp_name, log_probs64, valid & (log_probs64 > slack_lp),
                  f"must be ≤ 0 at valid positions (a log-probability; slack {slack_lp:g})")
-    _check_where("sum_pi_squared", spp64, valid & ((spp64 < -slack_spp) | (spp64 > 1.0 + slack_spp)),
+    _check_where(spp_name, spp64, valid & ((spp64 < -slack_spp) | (spp64 > 1.0 + slack_spp)),
                  f"must lie in [0, 1] at valid positions (Σ_v π_v²; slack {slack_spp:g})")
     own = np.exp(2.0 * np.minimum(log_probs64, 0.0))
     inconsistent = valid & (spp64 < own - (slack_spp + 2.0 * slack_lp))
     if inconsistent.any():
         first = tuple(int(i) for i in np.argwhere(inconsistent)[0])
         raise ValueError(
-            f"sum_pi_squared: must be ≥ π² = exp(2·log_probs) at valid positions (Σ_v π_v² contains the sampled "
-            f"token's own π²); at index {first} sum_pi_squared = {shown(spp64[first])} < π² = {shown(own[first])}. "
-            "Were log_probs and sum_pi_squared taken from different forward passes or shifted by one position?"
+            f"{spp_name}: must be ≥ π² = exp(2·{lp_name}) at valid positions (Σ_v π_v² contains the sampled "
+            f"token's own π²); at index {first} {spp_name} = {shown(spp64[first])} < π² = {shown(own[first])}. "
+            f"Were {lp_name} and {spp_name} taken from different forward passes or shifted by one position?"
         )
     return log_probs64, spp64
 

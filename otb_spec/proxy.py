@@ -44,6 +44,9 @@ __all__ = [
     "token_energy",
     "token_energy_from_logits",
     "token_log_probs",
+    "token_entropy",
+    "TokenStatistics",
+    "token_statistics_from_logits",
     "logit_gradient",
     "log_softmax_jacobian",
 ]
@@ -240,6 +243,62 @@ def token_log_probs(logits: Any, token_ids: Any) -> np.ndarray:
     parts = _partials(logits64)
     chosen = np.take_along_axis(logits64, ids[..., None], axis=-1)[..., 0]
     return chosen - parts.logsumexp
+
+
+def token_entropy(logits: Any, *, chunk_size: int | None = None) -> np.ndarray:
+    """Entropy H = −Σ_v π_v log π_v per position: [..., V] → [...] float64.
+
+    Evaluated as H = log S₁ + Σ_v π_v (m − z_v) (m = max z, S₁ = Σ_v e^{z_v − m}), a sum of non-negative terms — unlike
+    lse(z) − Σ_v π_v z_v, which cancels when π is concentrated. Worked example: uniform over 4 tokens → log 4::
+
+      >>> round(float(token_entropy([0.0, 0.0, 0.0, 0.0])), 12) == round(float(np.log(4.0)), 12)
+      True
+    """
+    return token_statistics_from_logits(logits, None, chunk_size=chunk_size).entropy
+
+
+class TokenStatistics(NamedTuple):
+    """The three per-token quantities a trainer computes from one forward pass (they share the normaliser lse z).
+
+    Attributes:
+      log_probs: [...] log π(y) of the given tokens (None when no tokens were given).
+      entropy: [...] −Σ π log π.
+      sum_pi_squared: [...] Σ π².
+    """
+
+    log_probs: np.ndarray | None
+    entropy: np.ndarray
+    sum_pi_squared: np.ndarray
+
+
+def token_statistics_from_logits(logits: Any, token_ids: Any, *, chunk_size: int | None = None) -> TokenStatistics:
+    """log π(y), entropy and Σπ² in one pass over the logits: [..., V] (and token ids [...]) → three [...] arrays.
+
+    With m = max z, a = e^{z − m}, S₁ = Σa, S₂ = Σa²:  log π(y) = z_y − m − log S₁,  H = log S₁ + Σ (a/S₁)(m − z),
+    Σπ² = S₂/S₁². ``token_ids`` may be None (then ``log_probs`` is None).
+    """
+    logits64 = _logits_array("logits", logits)
+    ids = None if token_ids is None else _token_ids(token_ids, logits64.shape)
+    chunk_size = _chunk_size_arg(chunk_size)
+    lead_shape = logits64.shape[:-1]
+    vocab = logits64.shape[-1]
+    rows = logits64.reshape(-1, vocab)
+    flat_ids = None if ids is None else ids.reshape(-1)
+    step = chunk_size or max(1, _DEFAULT_CHUNK_ELEMENTS // vocab)
+    log_probs, entropy, spp = (np.empty(rows.shape[0]) for _ in range(3))
+    for start in range(0, rows.shape[0], step):
+        block = rows[start:start + step]
+        peak = np.max(block, axis=-1, keepdims=True)
+        shifted = np.exp(block - peak)
+        total = np.sum(shifted, axis=-1)
+        gap = np.where(np.isinf(block), 0.0, peak - block)        # −inf logits have probability 0: no contribution
+        entropy[start:start + step] = np.log(total) + np.sum(shifted * gap, axis=-1) / total
+        spp[start:start + step] = np.sum(np.square(shifted), axis=-1) / np.square(total)
+        if flat_ids is not None:
+            chosen = np.take_along_axis(block, flat_ids[start:start + step, None], axis=-1)[:, 0]
+            log_probs[start:start + step] = chosen - peak[:, 0] - np.log(total)
+    return TokenStatistics(None if ids is None else log_probs.reshape(lead_shape), entropy.reshape(lead_shape),
+                           spp.reshape(lead_shape))
 
 
 def token_energy(log_probs: Any, sum_pi_squared: Any) -> np.ndarray:

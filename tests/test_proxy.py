@@ -220,3 +220,35 @@ def test_token_log_probs_are_the_log_softmax_entries(logits, data):
     expected = np.take_along_axis(otb.log_softmax(logits), ids[:, None], axis=-1)[:, 0]
     elementwise_tolerance().assert_close(otb.token_log_probs(logits, ids), expected, "log π(y)")
     assert np.all(otb.token_log_probs(logits, ids) <= 0.0) or vocab == 1
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# entropy and the fused statistics
+
+
+@given(logits=st.one_of(logit_rows, extreme_rows, masked_rows))
+def test_entropy_matches_mpmath(logits):
+    """H = −Σ π log π against a 60-digit evaluation (−inf logits contribute 0)."""
+    mpmath.mp.dps = 60
+    expected = []
+    for row in logits:
+        finite = [mpmath.mpf(float(z)) for z in row if np.isfinite(z)]
+        lse = mpmath.log(mpmath.fsum(mpmath.exp(z) for z in finite))
+        expected.append(float(-mpmath.fsum(mpmath.exp(z - lse) * (z - lse) for z in finite)))
+    vocab = logits.shape[-1]
+    magnitude = float(np.abs(logits[np.isfinite(logits)]).max()) + np.log(vocab) + 1.0
+    summation_tolerance(4 * vocab, magnitude).assert_close(otb.token_entropy(logits), expected, "entropy")
+
+
+@given(logits=st.one_of(logit_rows, extreme_rows), data=st.data(), chunk=st.sampled_from([None, 1, 2]))
+def test_fused_statistics_equal_the_separate_functions(logits, data, chunk):
+    vocab = logits.shape[-1]
+    ids = np.array(data.draw(st.lists(st.integers(0, vocab - 1), min_size=logits.shape[0],
+                                      max_size=logits.shape[0]), label="token_ids"))
+    fused = otb.token_statistics_from_logits(logits, ids, chunk_size=chunk)
+    tolerance = logsumexp_tolerance(vocab, _spread(logits))
+    tolerance.assert_close(fused.sum_pi_squared, otb.sum_pi_squared(logits), "Σπ²")
+    summation_tolerance(vocab, float(np.abs(logits).max()) + 1.0).assert_close(
+        fused.log_probs, otb.token_log_probs(logits, ids), "log π(y)")
+    np.testing.assert_array_equal(fused.entropy, otb.token_entropy(logits, chunk_size=chunk))
+    assert otb.token_statistics_from_logits(logits, None).log_probs is None
