@@ -34,6 +34,7 @@ import numpy as np
 __all__ = [
     "Tolerance",
     "machine_epsilon",
+    "smallest_normal",
     "elementwise_tolerance",
     "summation_tolerance",
     "logsumexp_tolerance",
@@ -41,7 +42,18 @@ __all__ = [
     "port_tolerance",
     "input_range_slack",
     "otb_tolerance",
+    "otb_comparison_tolerance",
+    "output_rounding",
 ]
+
+# Smallest positive normal number: below it results may be subnormal or flushed to zero (compiled and GPU kernels often
+# flush), so every operation can add an absolute error up to this much (the "η" term of the floating-point model).
+_SMALLEST_NORMAL_BY_NAME = {
+    "float64": 2.0**-1022,
+    "float32": 2.0**-126,
+    "bfloat16": 2.0**-126,
+    "float16": 2.0**-14,
+}
 
 _EPSILON_BY_NAME = {
     "float64": 2.0**-52,
@@ -63,6 +75,11 @@ _RANGE_SLACK_BY_NAME = {
     "float16": 1e-2,
     "bfloat16": 3e-2,
 }
+
+
+def smallest_normal(dtype: Any) -> float:
+    """The smallest positive normal number of a floating dtype (float64's for integer and unknown dtypes)."""
+    return _SMALLEST_NORMAL_BY_NAME.get(_dtype_name(dtype), _SMALLEST_NORMAL_BY_NAME["float64"])
 
 
 def machine_epsilon(dtype: Any) -> float:
@@ -207,8 +224,9 @@ def input_range_slack(dtype: Any) -> float:
 
 
 def _dtype_name(dtype: Any) -> str:
+    """"float32" for np.float32, np.dtype("float32"), "float32", "torch.float32", torch.float32, jnp.float32, …"""
     if isinstance(dtype, str):
-        return dtype
+        return dtype.rsplit(".", 1)[-1]
     name = getattr(dtype, "name", None)  # np.dtype, or a torch/jax dtype exposing .name? (torch does not)
     if isinstance(name, str) and not isinstance(dtype, type):
         return name
@@ -259,5 +277,43 @@ def otb_tolerance(
         *prepared, align=align, leave_one_out=leave_one_out,
         handle_zero_tail=handle_zero_tail and not leave_one_out, epsilon=float(epsilon), unit=unit)
     name = _dtype_name(dtype)
-    return (Tolerance(rtol=unit, atol=advantage_bound, reason=f"OTB forward error bound in {name}"),
-            Tolerance(rtol=unit, atol=returns_bound, reason=f"return-to-go error bound in {name}"))
+    # underflow: each of the O(T + group size) operations on an element may add up to the smallest normal number
+    mask = np.asarray(prepared[1])
+    underflow = (mask.shape[1] + int(prepared[2].sizes.max()) + 16) * smallest_normal(dtype)
+    return (Tolerance(rtol=unit, atol=advantage_bound + underflow * mask, reason=f"OTB forward error bound in {name}"),
+            Tolerance(rtol=unit, atol=returns_bound + underflow, reason=f"return-to-go error bound in {name}"))
+
+
+def output_rounding(dtype: Any) -> Tolerance:
+    """Rounding a result to ``dtype`` on output: relative error ≤ u = ε/2 (written as rtol = ε)."""
+    return Tolerance(rtol=machine_epsilon(dtype), atol=0.0, reason=f"output rounded to {_dtype_name(dtype)}")
+
+
+def otb_comparison_tolerance(
+    rewards: Any,
+    response_mask: Any,
+    group_ids: Any,
+    log_probs: Any,
+    sum_pi_squared: Any,
+    *,
+    is_weights: Any = None,
+    align: str = "position",
+    leave_one_out: bool = False,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
+    compute_dtype: Any = np.float32,
+    output_dtype: Any = None,
+) -> tuple[Tolerance, Tolerance]:
+    """Tolerances (advantages, returns) for |implementation − float64 reference| on the same inputs.
+
+    = the implementation's bound in ``compute_dtype`` + the reference's float64 bound + the rounding of the output to
+    ``output_dtype`` (default: ``compute_dtype``). See :func:`otb_tolerance`.
+    """
+    options = dict(is_weights=is_weights, align=align, leave_one_out=leave_one_out,
+                   handle_zero_tail=handle_zero_tail, epsilon=epsilon)
+    implementation = otb_tolerance(rewards, response_mask, group_ids, log_probs, sum_pi_squared,
+                                   dtype=compute_dtype, **options)
+    reference = otb_tolerance(rewards, response_mask, group_ids, log_probs, sum_pi_squared, dtype=np.float64,
+                              **options)
+    rounding = output_rounding(compute_dtype if output_dtype is None else output_dtype)
+    return (implementation[0] + reference[0] + rounding, implementation[1] + reference[1] + rounding)

@@ -78,8 +78,8 @@ def test_public_api_is_curated():
 
 def test_documented_files_exist():
     """Every repository path the docs and docstrings point to exists."""
-    sources = list((ROOT / "otb_spec").rglob("*.py")) + list((ROOT / "docs").rglob("*.md")) + \
-        list((ROOT / "proofs").rglob("*.md")) + [ROOT / "README.md"]
+    sources = list((ROOT / "otb_spec").rglob("*.py")) + list((ROOT / "adapters").rglob("*.py")) + \
+        list((ROOT / "docs").rglob("*.md")) + list((ROOT / "proofs").rglob("*.md")) + [ROOT / "README.md"]
     missing = set()
     for source in sources:
         for reference in re.findall(r"\b((?:docs|proofs|benchmarks|tests)/[\w./-]+\.(?:md|py))", source.read_text(
