@@ -1,0 +1,76 @@
+"""otb_torch — the PyTorch port of the otb-spec reference (CPU and CUDA), and verl 0.9.1 drop-ins.
+
+    from otb_torch import compute_optimal_token_baseline_advantage           # same signature as verl's
+    advantages, returns = compute_optimal_token_baseline_advantage(
+        token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared)
+
+Everything is vectorized (no Python loop over groups or tokens), runs under ``torch.no_grad()``, accumulates in
+float32 (float64 for float64 inputs; bfloat16/float16 accepted) and returns tensors on the input's device in the
+rewards' dtype. Group ids are mapped to integer segments once on the host; pass precomputed
+:class:`Segments` (``segments_from_index``) to skip that, and ``check_values=False`` to skip the one host
+synchronisation of the value checks — the computation itself never synchronises and has static shapes, so it runs
+under ``torch.compile`` and CUDA graphs. Results equal the NumPy reference ``otb_spec`` within the derived tolerances
+(``otb_spec.tolerances``); tests/test_adapters.py proves it.
+"""
+
+from otb_torch._core import Segments, segments_from_index
+from otb_torch._logits import (
+    ShardPartials,
+    TokenStatistics,
+    calculate_sum_pi_squared_from_logits,
+    combine_vocab_shards,
+    sum_pi_squared,
+    token_statistics_from_logits,
+    vocab_shard_partials,
+)
+from otb_torch._otb import (
+    AdvantageResult,
+    compute_multi_turn_optimal_token_baseline_advantage,
+    compute_optimal_token_baseline_advantage,
+    exact_norm_token_baseline,
+    leave_one_out_token_baseline,
+    multi_turn_optimal_token_baseline,
+    optimal_token_baseline,
+    realized_energy_of,
+    returns_to_go,
+    token_baseline_from_energy,
+)
+from otb_torch._peers import (
+    group_mean_advantage,
+    opo_advantage,
+    proxy_total_power,
+    reinforce_advantage,
+    rloo_advantage,
+    sequence_optimal_advantage,
+)
+
+__all__ = [
+    # verl drop-ins
+    "compute_optimal_token_baseline_advantage",
+    "compute_multi_turn_optimal_token_baseline_advantage",
+    "calculate_sum_pi_squared_from_logits",
+    # segments
+    "Segments",
+    "segments_from_index",
+    # the reference's API on tensors
+    "AdvantageResult",
+    "optimal_token_baseline",
+    "multi_turn_optimal_token_baseline",
+    "leave_one_out_token_baseline",
+    "exact_norm_token_baseline",
+    "token_baseline_from_energy",
+    "returns_to_go",
+    "realized_energy_of",
+    "sum_pi_squared",
+    "TokenStatistics",
+    "token_statistics_from_logits",
+    "ShardPartials",
+    "vocab_shard_partials",
+    "combine_vocab_shards",
+    "reinforce_advantage",
+    "group_mean_advantage",
+    "rloo_advantage",
+    "opo_advantage",
+    "sequence_optimal_advantage",
+    "proxy_total_power",
+]

@@ -1,0 +1,68 @@
+"""The torch port's adapter for the conformance suite (``otb_spec.adapters``): conversion + dispatch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+import otb_torch
+
+__all__ = ["TorchAdapter", "make_adapter"]
+
+_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
+
+
+class TorchAdapter:
+    """Runs ``otb_torch`` on ``device``; ``compiled=True`` uses its ``torch.compile``d kernels (``compile=True``)."""
+
+    def __init__(self, device: str = "cpu", compiled: bool = False):
+        self.device = str(torch.device(device))
+        self.compiled = bool(compiled)
+        self.name = f"torch-{torch.device(device).type}" + ("-compiled" if compiled else "")
+        self._otb = otb_torch.optimal_token_baseline
+        self._multi = otb_torch.multi_turn_optimal_token_baseline
+        self._loo = otb_torch.leave_one_out_token_baseline
+
+    def asarray(self, array: Any, dtype: str) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(array)).to(device=self.device, dtype=_DTYPES[dtype])
+
+    def to_numpy(self, array: torch.Tensor) -> np.ndarray:
+        array = array.detach().cpu()
+        return (array.float() if array.dtype in (torch.bfloat16, torch.float16) else array).numpy()
+
+    def segments(self, group_ids: Any) -> otb_torch.Segments:
+        return otb_torch.segments_from_index(group_ids, self.device)
+
+    def compute_dtype(self, input_dtype: str) -> str:
+        return "float64" if input_dtype == "float64" else "float32"
+
+    def optimal_token_baseline(self, rewards, response_mask, segments, log_probs, sum_pi_squared, *,
+                               is_weights=None, handle_zero_tail=True, epsilon=1e-8):
+        result = self._otb(rewards, response_mask, segments, log_probs, sum_pi_squared, is_weights=is_weights,
+                           handle_zero_tail=handle_zero_tail, epsilon=epsilon, compile=self.compiled)
+        return result.advantages, result.returns
+
+    def multi_turn_optimal_token_baseline(self, rewards, response_mask, segments, log_probs, sum_pi_squared, *,
+                                          is_weights=None, handle_zero_tail=True, epsilon=1e-8):
+        result = self._multi(rewards, response_mask, segments, log_probs, sum_pi_squared, is_weights=is_weights,
+                             handle_zero_tail=handle_zero_tail, epsilon=epsilon, compile=self.compiled)
+        return result.advantages, result.returns
+
+    def leave_one_out_token_baseline(self, rewards, response_mask, segments, log_probs, sum_pi_squared, *,
+                                     is_weights=None, align="position", epsilon=1e-8):
+        result = self._loo(rewards, response_mask, segments, log_probs, sum_pi_squared, is_weights=is_weights,
+                           align=align, epsilon=epsilon, compile=self.compiled)
+        return result.advantages, result.returns
+
+    def sum_pi_squared(self, logits: torch.Tensor) -> torch.Tensor:
+        return otb_torch.sum_pi_squared(logits)
+
+    def token_statistics_from_logits(self, logits: torch.Tensor, token_ids: torch.Tensor):
+        return tuple(otb_torch.token_statistics_from_logits(logits, token_ids))
+
+
+def make_adapter(device: str = "cpu", compiled: bool = False) -> TorchAdapter:
+    return TorchAdapter(device=device, compiled=compiled)

@@ -1,0 +1,156 @@
+"""Argument checks for the torch adapter, with the reference's rules and messages.
+
+Metadata (shapes, dtypes, devices) is checked for free. Values (NaN/inf, binary masks, ranges of the token statistics,
+negative IS weights) are checked with device-side reductions folded into a single boolean — one host synchronisation
+per call — and only if that flag says something is wrong are the offending tensors copied to the host and handed to the
+NumPy reference's validators, so the error message is exactly the reference's (with the caller's argument names).
+``check_values=False`` skips the value checks: the hot path is then free of host–device synchronisation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from otb_spec import _validation as reference_checks
+from otb_spec.tolerances import input_range_slack
+
+__all__: list[str] = []
+
+Named = tuple[str, torch.Tensor]
+
+
+def tensor(name: str, value: Any, *, like: torch.Tensor | None = None, like_name: str = "") -> torch.Tensor:
+    """A detached tensor of real numbers, on ``like``'s device and with its shape when given (metadata only)."""
+    if value is None:
+        raise TypeError(f"{name}: expected a tensor, got None")
+    if not isinstance(value, torch.Tensor):
+        try:
+            value = torch.as_tensor(np.asarray(value), device=None if like is None else like.device)
+        except Exception as exc:
+            raise TypeError(f"{name}: cannot be converted to a tensor ({type(value).__name__}): {exc}") from exc
+    if value.is_complex() or not (value.is_floating_point() or value.dtype in (
+            torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)):
+        raise TypeError(f"{name}: expected real numbers (bool, int or float), got dtype {value.dtype}")
+    if like is not None:
+        if value.device != like.device:
+            raise ValueError(f"{name}: on {value.device} but {like_name} is on {like.device}; move all inputs to one "
+                             "device")
+        if value.shape != like.shape:
+            raise ValueError(f"{name}: expected shape {tuple(like.shape)} (the shape of {like_name}), got "
+                             f"{tuple(value.shape)}")
+    return value.detach()
+
+
+def batch(name: str, value: Any) -> torch.Tensor:
+    """The leading [B, T] tensor: 2-D, non-empty."""
+    value = tensor(name, value)
+    if value.dim() != 2:
+        raise ValueError(f"{name}: expected shape [B, T] (2 dimensions), got {tuple(value.shape)}")
+    if value.shape[0] == 0:
+        raise ValueError(f"{name}: empty batch (B = 0 trajectories)")
+    if value.shape[1] == 0:
+        raise ValueError(f"{name}: no positions (T = 0)")
+    return value
+
+
+def accumulation_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """float64 if any floating input is float64, else float32 (half precision is accumulated in float32)."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def output_dtype(reference: torch.Tensor) -> torch.dtype:
+    """Outputs take the dtype of the rewards (float32 when those are integers or booleans)."""
+    return reference.dtype if reference.is_floating_point() else torch.float32
+
+
+def _slack(value: torch.Tensor) -> float:
+    return input_range_slack(value.dtype)
+
+
+def problems(*, rewards: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+             log_probs: torch.Tensor | None = None, sum_pi_squared: torch.Tensor | None = None,
+             is_weights: torch.Tensor | None = None, others: tuple[torch.Tensor, ...] = (),
+             energies: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    """A 0-dim bool tensor on the inputs' device: True if any value rule of the reference is violated.
+
+    No synchronisation; the rules are evaluated in the inputs' precision (at least float32), which is exact enough
+    for slacks of 1e-9 (float64) and 1e-2 (float32 and below).
+    """
+    flags = []
+    for value in (rewards, log_probs, sum_pi_squared, is_weights, *others, *energies):
+        if value is not None and value.is_floating_point():
+            flags.append(~torch.isfinite(value.amax()) | ~torch.isfinite(value.amin()))
+    if mask is not None:
+        flags.append(((mask != 0) & (mask != 1)).any())
+    if is_weights is not None:
+        flags.append(is_weights.amin() < 0)
+    valid = None if mask is None else mask != 0
+    for energy in energies:
+        low = energy < -_slack(energy)
+        flags.append((low if valid is None else low & valid).any())
+    if log_probs is not None and sum_pi_squared is not None:
+        wide = torch.float64 if torch.float64 in (log_probs.dtype, sum_pi_squared.dtype) else torch.float32
+        lp, spp = log_probs.to(wide), sum_pi_squared.to(wide)
+        slack_lp, slack_spp = _slack(log_probs), _slack(sum_pi_squared)
+        own = torch.exp(2.0 * torch.clamp(lp, max=0.0))
+        bad = (lp > slack_lp) | (spp < -slack_spp) | (spp > 1.0 + slack_spp) | (spp < own - (slack_spp + 2 * slack_lp))
+        flags.append((bad if valid is None else valid & bad).any())
+    if not flags:
+        return torch.zeros((), dtype=torch.bool)
+    device = flags[0].device
+    return torch.stack([flag.to(device) for flag in flags]).any()
+
+
+def _host(value: torch.Tensor) -> np.ndarray:
+    """A host copy for the reference (NumPy has no bfloat16: widened to float32, exactly)."""
+    value = value.detach().cpu()
+    return (value.float() if value.dtype == torch.bfloat16 else value).numpy()
+
+
+def check_values(enabled: bool, *, rewards: Named | None = None, mask: Named | None = None,
+                 log_probs: Named | None = None, sum_pi_squared: Named | None = None,
+                 is_weights: Named | None = None, others: list[Named] | None = None,
+                 energies: list[Named] | None = None) -> None:
+    """One synchronisation; if any value rule is violated, raise the reference's error naming the argument.
+
+    ``others`` must be finite; ``energies`` must also be ≥ 0 (up to the input-precision slack) at valid positions.
+    """
+    others, energies = others or [], energies or []
+    flag = problems(rewards=None if rewards is None else rewards[1], mask=None if mask is None else mask[1],
+                    log_probs=None if log_probs is None else log_probs[1],
+                    sum_pi_squared=None if sum_pi_squared is None else sum_pi_squared[1],
+                    is_weights=None if is_weights is None else is_weights[1], others=tuple(v for _, v in others),
+                    energies=tuple(v for _, v in energies))
+    if not enabled or not bool(flag):
+        return
+    like = rewards[0] if rewards is not None else "the first argument"
+    for item in (rewards, *others, *energies):
+        if item is not None:
+            reference_checks.float_array(item[0], _host(item[1]))
+    mask_array = None
+    if mask is not None:
+        mask_array = reference_checks.mask_array(mask[0], _host(mask[1]), tuple(mask[1].shape), like=like)
+    for name, energy in energies:
+        where = np.ones(tuple(energy.shape), dtype=bool) if mask_array is None else mask_array > 0
+        reference_checks.nonnegative_where(name, reference_checks.float_array(name, _host(energy)), where,
+                                           _host(energy).dtype)
+    if log_probs is not None and sum_pi_squared is not None:
+        reference_checks.token_statistics(_host(log_probs[1]), _host(sum_pi_squared[1]), mask_array,
+                                          tuple(log_probs[1].shape), like=like,
+                                          names=(log_probs[0], sum_pi_squared[0]))
+    if is_weights is not None:
+        reference_checks.nonnegative(is_weights[0], reference_checks.float_array(is_weights[0], _host(is_weights[1])))
+    raise ValueError("inputs: a value check failed on the device but not on the host copy; please report this")
+
+
+def epsilon(value: Any) -> float:
+    return reference_checks.scalar("epsilon", value, minimum=0.0)
+
+
+def flag(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected True or False, got {value!r}")
+    return bool(value)

@@ -1,0 +1,210 @@
+"""Σπ², log π(y) and entropy from logits in PyTorch, with bounded temporaries; vocab-shard partials.
+
+The logits are processed in row chunks (8 by default) through preallocated float32 buffers (float64 for float64
+logits), so the extra memory is about an eighth of the logits' size per buffer, whatever their dtype — the plain
+``exp(logsumexp(2z) − 2·logsumexp(z))`` allocates about twice the logits' size. Per chunk: m = max z, a = e^{z − m},
+S₁ = Σa, S₂ = Σa² (a batched dot product, no temporary), Σπ² = S₂/S₁² — the reference's ratio form, accurate for |z|
+up to 1e4 even in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Sequence
+
+import torch
+
+from otb_spec import _validation as reference_checks
+from otb_torch import _checks as check
+
+__all__ = [
+    "calculate_sum_pi_squared_from_logits",
+    "sum_pi_squared",
+    "TokenStatistics",
+    "token_statistics_from_logits",
+    "ShardPartials",
+    "vocab_shard_partials",
+    "combine_vocab_shards",
+]
+
+_DEFAULT_CHUNKS = 8
+
+
+def _logits(name: str, logits: Any, check_values: bool, allow_excluded_rows: bool = False) -> torch.Tensor:
+    z = check.tensor(name, logits)
+    if z.dim() < 1:
+        raise ValueError(f"{name}: expected shape [..., V] with a vocabulary axis, got a scalar")
+    if z.shape[-1] == 0:
+        raise ValueError(f"{name}: the vocabulary axis is empty (V = 0)")
+    if check_values:
+        bad = torch.isnan(z).any() | (z == math.inf).any()
+        if not allow_excluded_rows and z.numel():
+            bad = bad | (z == -math.inf).all(-1).any()
+        if bool(bad):
+            host = check._host(z)
+            array = reference_checks.float_array(name, host, allow_neg_inf=True)
+            excluded = (array == -math.inf).all(-1)
+            if excluded.any():
+                first = tuple(int(i) for i in torch.nonzero(torch.as_tensor(excluded))[0])
+                raise ValueError(f"{name}: every logit is -inf at position {first}; the softmax is undefined there")
+    return z
+
+
+def _chunk_rows(rows: int, chunk_size: int | None, chunks: int) -> int:
+    if chunk_size is None:
+        return max(1, -(-rows // chunks))
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size: expected a positive integer number of rows or None, got {chunk_size!r}")
+    return chunk_size
+
+
+def _compute_dtype(z: torch.Tensor) -> torch.dtype:
+    return torch.float64 if z.dtype == torch.float64 else torch.float32
+
+
+def _out_dtype(z: torch.Tensor) -> torch.dtype:
+    return z.dtype if z.is_floating_point() else torch.float32
+
+
+def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Σ_v a[r, v]·b[r, v] per row, as a batched matrix product (no temporary of the row's size)."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).reshape(-1)
+
+
+@torch.no_grad()
+def sum_pi_squared(logits: Any, *, chunk_size: int | None = None, check_values: bool = True) -> torch.Tensor:
+    """Σπ² = Σ_v softmax(z)_v² per position: [..., V] → [...] in the logits' dtype (computed in float32/float64).
+
+    Args:
+      logits: [..., V] tensor (any float dtype; −inf allowed for excluded tokens).
+      chunk_size: rows (flattened leading positions) per chunk; default an eighth of them.
+      check_values: reject NaN, +inf and all −inf rows (one host synchronisation).
+    """
+    z = _logits("logits", logits, check_values)
+    lead, vocab = z.shape[:-1], z.shape[-1]
+    rows = z.reshape(-1, vocab)
+    n = rows.shape[0]
+    dtype = _compute_dtype(z)
+    out = torch.empty(n, dtype=dtype, device=z.device)
+    step = _chunk_rows(n, chunk_size, _DEFAULT_CHUNKS)
+    buffer = torch.empty((min(step, n), vocab), dtype=dtype, device=z.device)
+    for start in range(0, n, step):
+        block = rows[start:start + step]
+        a = buffer[:block.shape[0]]
+        peak = block.amax(-1, keepdim=True).to(dtype)
+        torch.sub(block, peak, out=a)
+        a.exp_()
+        total = a.sum(-1)
+        out[start:start + block.shape[0]] = _row_dot(a, a) / torch.square(total)
+    return out.reshape(lead).to(_out_dtype(z))
+
+
+def calculate_sum_pi_squared_from_logits(logits: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """Drop-in for verl's ``calculate_sum_pi_squared_from_logits(logits) → Σπ²`` (memory-bounded, ratio form)."""
+    return sum_pi_squared(logits, **kwargs)
+
+
+class TokenStatistics(NamedTuple):
+    """log π(y) (None without token ids), entropy and Σπ², each [...] in the logits' dtype."""
+
+    log_probs: torch.Tensor | None
+    entropy: torch.Tensor
+    sum_pi_squared: torch.Tensor
+
+
+@torch.no_grad()
+def token_statistics_from_logits(logits: Any, token_ids: Any = None, *, chunk_size: int | None = None,
+                                 check_values: bool = True) -> TokenStatistics:
+    """log π(y), entropy and Σπ² in one pass (they share m and S₁ = Σ e^{z − m}); the port of
+    :func:`otb_spec.token_statistics_from_logits`.
+
+    H = log S₁ − Σ_v (a_v/S₁)(z_v − m), a sum of non-negative terms. Two buffers of a sixteenth of the rows each.
+    """
+    z = _logits("logits", logits, check_values)
+    lead, vocab = z.shape[:-1], z.shape[-1]
+    ids = None
+    if token_ids is not None:
+        ids = check.tensor("token_ids", token_ids)
+        if ids.is_floating_point() or ids.dtype == torch.bool:
+            raise TypeError(f"token_ids: expected integer token ids, got dtype {ids.dtype}")
+        if tuple(ids.shape) != tuple(lead):
+            raise ValueError(f"token_ids: expected shape {tuple(lead)} (logits without the vocabulary axis), got "
+                             f"{tuple(ids.shape)}")
+        if ids.device != z.device:
+            raise ValueError(f"token_ids: on {ids.device} but logits is on {z.device}")
+        if check_values and bool(((ids < 0) | (ids >= vocab)).any()):
+            host = check._host(ids)
+            first = tuple(int(i) for i in torch.nonzero(torch.as_tensor((host < 0) | (host >= vocab)))[0])
+            raise ValueError(f"token_ids: must lie in [0, {vocab}) (the vocabulary), found {int(host[first])} at index "
+                             f"{first}")
+        ids = ids.reshape(-1).to(torch.int64)
+    rows = z.reshape(-1, vocab)
+    n = rows.shape[0]
+    dtype = _compute_dtype(z)
+    step = _chunk_rows(n, chunk_size, 2 * _DEFAULT_CHUNKS)
+    shifted = torch.empty((min(step, n), vocab), dtype=dtype, device=z.device)
+    exps = torch.empty_like(shifted)
+    entropy = torch.empty(n, dtype=dtype, device=z.device)
+    spp = torch.empty(n, dtype=dtype, device=z.device)
+    log_probs = None if ids is None else torch.empty(n, dtype=dtype, device=z.device)
+    for start in range(0, n, step):
+        block = rows[start:start + step]
+        count = block.shape[0]
+        d, a = shifted[:count], exps[:count]
+        peak = block.amax(-1, keepdim=True).to(dtype)
+        torch.sub(block, peak, out=d)
+        torch.exp(d, out=a)
+        total = a.sum(-1)
+        log_total = torch.log(total)
+        spp[start:start + count] = _row_dot(a, a) / torch.square(total)
+        d.nan_to_num_(nan=0.0, neginf=0.0)              # −inf logits have a = 0: no contribution to Σ a·(z − m)
+        entropy[start:start + count] = log_total - _row_dot(a, d) / total
+        if log_probs is not None:
+            chosen = block.gather(1, ids[start:start + count, None]).to(dtype)
+            log_probs[start:start + count] = (chosen - peak)[:, 0] - log_total
+    out = _out_dtype(z)
+    return TokenStatistics(None if log_probs is None else log_probs.reshape(lead).to(out),
+                           entropy.reshape(lead).to(out), spp.reshape(lead).to(out))
+
+
+class ShardPartials(NamedTuple):
+    """(max, Σexp, Σexp²) of a vocabulary shard per position — the numbers a vocab-parallel rank all-reduces."""
+
+    max_logit: torch.Tensor
+    sum_exp: torch.Tensor
+    sum_exp_squared: torch.Tensor
+
+    @property
+    def logsumexp(self) -> torch.Tensor:
+        return self.max_logit + torch.log(self.sum_exp)
+
+    @property
+    def sum_pi_squared(self) -> torch.Tensor:
+        return self.sum_exp_squared / torch.square(self.sum_exp)
+
+
+@torch.no_grad()
+def vocab_shard_partials(logits_shard: Any, *, check_values: bool = True) -> ShardPartials:
+    """Partials of one shard (identity (−inf, 0, 0) where the shard is all −inf); the port of
+    :func:`otb_spec.vocab_shard_partials`."""
+    z = _logits("logits_shard", logits_shard, check_values, allow_excluded_rows=True)
+    dtype = _compute_dtype(z)
+    peak = z.amax(-1).to(dtype)
+    shift = torch.where(torch.isinf(peak), torch.zeros_like(peak), peak)
+    a = torch.exp(z.to(dtype) - shift[..., None])
+    return ShardPartials(peak, a.sum(-1), torch.square(a).sum(-1))
+
+
+def combine_vocab_shards(partials: Sequence[ShardPartials]) -> ShardPartials:
+    """Merge disjoint shards: M = maxₖ mₖ, S₁ = Σₖ S₁ₖe^{mₖ−M}, S₂ = Σₖ S₂ₖe^{2(mₖ−M)}; the port of
+    :func:`otb_spec.combine_vocab_shards`."""
+    items = list(partials)
+    if not items:
+        raise ValueError("partials: need at least one shard")
+    maxima = torch.stack([item.max_logit for item in items])
+    overall = maxima.amax(0)
+    shift = torch.where(torch.isinf(overall), torch.zeros_like(overall), overall)
+    scale = torch.exp(maxima - shift)
+    sum_exp = (torch.stack([item.sum_exp for item in items]) * scale).sum(0)
+    sum_exp_squared = (torch.stack([item.sum_exp_squared for item in items]) * torch.square(scale)).sum(0)
+    return ShardPartials(overall, sum_exp, sum_exp_squared)

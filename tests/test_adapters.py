@@ -1,0 +1,207 @@
+"""One property suite for every backend: the NumPy reference, the torch port (CPU, CUDA when present, eager and
+torch.compile) and the JAX port (CPU, GPU when present, jit and no-jit) — parametrized over adapters, not copied.
+
+Select backends with ``OTB_ADAPTERS=torch-cpu,jax-cpu`` (default: every registered one; those that cannot run here —
+framework not installed, no GPU — are skipped with the reason). Every comparison with the reference uses
+``otb_comparison_tolerance``: the backend's forward error bound in its compute dtype plus the reference's.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import otb_spec as otb
+from otb_spec import strategies as otb_st
+from otb_spec.adapters import _REGISTRY, load_adapter
+from otb_spec.tolerances import logsumexp_tolerance, otb_comparison_tolerance, output_rounding, summation_tolerance
+
+_SELECTED = [name.strip() for name in os.environ.get("OTB_ADAPTERS", "").split(",") if name.strip()]
+_NAMES = _SELECTED or list(_REGISTRY)
+_GPU = {"torch-cuda", "jax-gpu"}
+
+VARIANTS = {
+    "single_turn": ("optimal_token_baseline", otb.optimal_token_baseline, dict(align="position")),
+    "multi_turn": ("multi_turn_optimal_token_baseline", otb.multi_turn_optimal_token_baseline,
+                   dict(align="valid_token")),
+    "leave_one_out": ("leave_one_out_token_baseline", otb.leave_one_out_token_baseline,
+                      dict(align="position", leave_one_out=True, handle_zero_tail=False)),
+}
+
+
+def _adapter_params():
+    params = []
+    for name in _NAMES:
+        marks = [pytest.mark.gpu] if name in _GPU else []
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params
+
+
+_CACHE: dict[str, object] = {}
+
+
+@pytest.fixture(scope="module", params=_adapter_params())
+def adapter(request):
+    name = request.param
+    spec = _REGISTRY.get(name)
+    if spec is None:
+        pytest.skip(f"{name}: not a registered adapter")
+    if not spec.installed():
+        pytest.skip(f"{name}: needs {', '.join(spec.requires)} (not installed)")
+    if not spec.runnable():
+        pytest.skip(f"{name}: cannot run on this machine (no GPU)")
+    if name not in _CACHE:
+        _CACHE[name] = load_adapter(name)
+    return _CACHE[name]
+
+
+def _as_seen(adapter, array, dtype):
+    """The values the backend actually receives (e.g. rounded to bfloat16), in the precision they were rounded to
+    (float32 for half precision, which NumPy lacks), so the reference applies that precision's input slack."""
+    return np.asarray(adapter.to_numpy(adapter.asarray(array, dtype)))
+
+
+def _run(adapter, variant, batch, dtype, **options):
+    """Run a variant on the backend; return (advantages, returns, inputs as seen) as NumPy."""
+    method, _, _ = VARIANTS[variant]
+    seen = {name: _as_seen(adapter, getattr(batch, name), dtype)
+            for name in ("rewards", "log_probs", "sum_pi_squared")}
+    seen["is_weights"] = None if batch.is_weights is None else _as_seen(adapter, batch.is_weights, dtype)
+    mask = np.asarray(batch.response_mask, dtype=np.float64)
+    arrays = {name: None if value is None else adapter.asarray(value, dtype) for name, value in seen.items()}
+    advantages, returns = getattr(adapter, method)(
+        arrays["rewards"], adapter.asarray(mask, dtype), adapter.segments(batch.group_ids), arrays["log_probs"],
+        arrays["sum_pi_squared"], is_weights=arrays["is_weights"], **options)
+    return (np.asarray(adapter.to_numpy(advantages), dtype=np.float64),
+            np.asarray(adapter.to_numpy(returns), dtype=np.float64), seen, mask)
+
+
+def _reference(variant, seen, mask, group_ids, **options):
+    _, function, _ = VARIANTS[variant]
+    return function(seen["rewards"], mask, group_ids, seen["log_probs"], seen["sum_pi_squared"],
+                    is_weights=seen["is_weights"], **options)
+
+
+def _tolerances(adapter, variant, seen, mask, group_ids, dtype, **options):
+    _, _, bound_options = VARIANTS[variant]
+    bound_options = dict(bound_options)
+    bound_options.setdefault("handle_zero_tail", options.get("handle_zero_tail", True))
+    return otb_comparison_tolerance(seen["rewards"], mask, group_ids, seen["log_probs"], seen["sum_pi_squared"],
+                                    is_weights=seen["is_weights"], epsilon=options.get("epsilon", 1e-8),
+                                    compute_dtype=adapter.compute_dtype(dtype), output_dtype=dtype, **bound_options)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# equivalence with the reference
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@given(batch=otb_st.rollout_batches(), handle_zero_tail=st.booleans(), epsilon=st.sampled_from([1e-8, 0.0, 1e-3]))
+def test_otb_matches_the_reference(adapter, variant, dtype, batch, handle_zero_tail, epsilon):
+    options = {"epsilon": epsilon}
+    if variant != "leave_one_out":
+        options["handle_zero_tail"] = handle_zero_tail
+    advantages, returns, seen, mask = _run(adapter, variant, batch, dtype, **options)
+    expected = _reference(variant, seen, mask, batch.group_ids, **options)
+    advantages_tolerance, returns_tolerance = _tolerances(adapter, variant, seen, mask, batch.group_ids, dtype,
+                                                          **options)
+    returns_tolerance.assert_close(returns, expected.returns, f"{adapter.name} {variant} returns")
+    advantages_tolerance.assert_close(advantages, expected.advantages, f"{adapter.name} {variant} advantages")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@settings(max_examples=20)
+@given(batch=otb_st.rollout_batches(max_abs_reward=4.0))
+def test_half_precision_inputs_are_accumulated_in_float32(adapter, dtype, batch):
+    """bf16/fp16 inputs: the backend sees rounded values; it must match the reference on exactly those values within
+    the float32 bound plus the rounding of the output to the half-precision dtype."""
+    if adapter.name == "numpy-reference":
+        pytest.skip("the reference reads half precision through NumPy (tested in test_proxy / test_otb_properties)")
+    advantages, returns, seen, mask = _run(adapter, "single_turn", batch, dtype)
+    assume(np.all(seen["sum_pi_squared"] <= 1.0 + 3e-2))           # rounding may not leave the accepted range
+    expected = _reference("single_turn", seen, mask, batch.group_ids)
+    advantages_tolerance, _ = _tolerances(adapter, "single_turn", seen, mask, batch.group_ids, dtype)
+    advantages_tolerance.assert_close(advantages, expected.advantages, f"{adapter.name} {dtype} advantages")
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@given(logits=st.one_of(otb_st.logits((3, 4), max_vocab_size=64, extreme=False),
+                        otb_st.logits((2, 3), max_vocab_size=64, extreme=True),
+                        otb_st.logits((5,), max_vocab_size=64, allow_neg_inf=True)))
+def test_sum_pi_squared_matches_the_reference(adapter, dtype, logits):
+    seen = _as_seen(adapter, logits, dtype)
+    assume(np.isfinite(seen).any(axis=-1).all() and not np.isnan(seen).any() and not (seen == np.inf).any())
+    got = np.asarray(adapter.to_numpy(adapter.sum_pi_squared(adapter.asarray(seen, dtype))), dtype=np.float64)
+    finite = seen[np.isfinite(seen)]
+    spread = float(finite.max() - finite.min())
+    vocab = seen.shape[-1]
+    tolerance = (logsumexp_tolerance(vocab, spread, adapter.compute_dtype(dtype))
+                 + logsumexp_tolerance(vocab, spread, np.float64) + output_rounding(dtype))
+    tolerance.assert_close(got, otb.sum_pi_squared(seen), f"{adapter.name} Σπ²")
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@given(logits=otb_st.logits((4, 3), max_vocab_size=48, extreme=None), data=st.data())
+def test_fused_token_statistics_match_the_reference(adapter, dtype, logits, data):
+    if not callable(getattr(adapter, "token_statistics_from_logits", None)):
+        pytest.skip(f"{adapter.name}: optional token_statistics_from_logits not provided")
+    seen = _as_seen(adapter, logits, dtype)
+    vocab = seen.shape[-1]
+    ids = np.array(data.draw(st.lists(st.integers(0, vocab - 1), min_size=12, max_size=12), label="ids")).reshape(4, 3)
+    got = [np.asarray(adapter.to_numpy(x), dtype=np.float64)
+           for x in adapter.token_statistics_from_logits(adapter.asarray(seen, dtype), adapter.asarray(ids, "int64"))]
+    expected = otb.token_statistics_from_logits(seen, ids)
+    compute = adapter.compute_dtype(dtype)
+    magnitude = float(np.abs(seen).max()) + np.log(vocab) + 1.0
+    absolute = (summation_tolerance(4 * vocab, magnitude, compute) + summation_tolerance(4 * vocab, magnitude)
+                + output_rounding(dtype))
+    absolute.assert_close(got[0], expected.log_probs, f"{adapter.name} log π(y)")
+    absolute.assert_close(got[1], expected.entropy, f"{adapter.name} entropy")
+    spread = float(seen.max() - seen.min())
+    (logsumexp_tolerance(vocab, spread, compute) + logsumexp_tolerance(vocab, spread) + output_rounding(dtype)
+     ).assert_close(got[2], expected.sum_pi_squared, f"{adapter.name} Σπ²")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# identities every backend must satisfy on its own
+
+
+@given(batch=otb_st.rollout_batches(), variant=st.sampled_from(sorted(VARIANTS)))
+def test_masked_positions_are_exactly_zero(adapter, batch, variant):
+    advantages, _, _, mask = _run(adapter, variant, batch, "float32")
+    assert np.all(advantages[mask == 0] == 0.0)
+    assert np.isfinite(advantages).all()
+
+
+@given(batch=otb_st.rollout_batches(padding="right", holes=False, empty_rows=False))
+def test_multi_turn_equals_single_turn_on_prefix_masks(adapter, batch):
+    single, _, seen, mask = _run(adapter, "single_turn", batch, "float32")
+    multi, _, _, _ = _run(adapter, "multi_turn", batch, "float32")
+    tolerance, _ = _tolerances(adapter, "single_turn", seen, mask, batch.group_ids, "float32")
+    (tolerance + tolerance).assert_close(multi, single, f"{adapter.name} multi-turn vs single-turn")
+
+
+@given(batch=otb_st.rollout_batches(), data=st.data())
+def test_permuting_the_batch_permutes_the_advantages(adapter, batch, data):
+    order = np.array(data.draw(st.permutations(range(batch.batch_size)), label="permutation"))
+    permuted = otb.RolloutBatch(**{name: None if getattr(batch, name) is None else np.asarray(getattr(batch, name))[
+        order] for name in ("rewards", "response_mask", "group_ids", "log_probs", "sum_pi_squared", "is_weights")})
+    original, _, seen, mask = _run(adapter, "single_turn", batch, "float32")
+    shuffled, _, _, _ = _run(adapter, "single_turn", permuted, "float32")
+    tolerance, _ = _tolerances(adapter, "single_turn", seen, mask, batch.group_ids, "float32")
+    shifted = type(tolerance)(tolerance.rtol, np.asarray(tolerance.atol)[order], tolerance.reason)
+    (shifted + shifted).assert_close(shuffled, original[order], f"{adapter.name} permutation")
+
+
+@given(batch=otb_st.rollout_batches(min_group_size=2, max_group_size=2, is_weights=False))
+def test_leave_one_out_with_two_members_is_the_other_return(adapter, batch):
+    """N = 2, ε = 0: where the other member is valid with energy, the baseline is its return: A = Gᵢ − Gⱼ."""
+    advantages, returns, seen, mask = _run(adapter, "leave_one_out", batch, "float64", epsilon=0.0)
+    expected = _reference("leave_one_out", seen, mask, batch.group_ids, epsilon=0.0)
+    tolerance, _ = _tolerances(adapter, "leave_one_out", seen, mask, batch.group_ids, "float64", epsilon=0.0)
+    tolerance.assert_close(advantages, expected.advantages, f"{adapter.name} leave-one-out N = 2")

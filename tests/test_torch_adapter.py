@@ -1,0 +1,288 @@
+"""otb_torch specifics: verl drop-in compatibility, errors, dtypes and devices, no autograd, no mutation, no host
+synchronisation on the hot path, torch.compile, and (with a GPU) CUDA and CUDA graphs."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+otb_torch = pytest.importorskip("otb_torch")
+
+import otb_spec as otb  # noqa: E402
+from otb_spec.examples import example_batch  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine")
+
+
+def _verl_batch(dtype=torch.float32, device="cpu"):
+    batch = example_batch()
+    tensors = {name: torch.as_tensor(np.asarray(getattr(batch, name)), dtype=dtype, device=device)
+               for name in ("rewards", "response_mask", "log_probs", "sum_pi_squared")}
+    return batch, tensors
+
+
+def _call(function, tensors, index, **options):
+    return function(tensors["rewards"], tensors["response_mask"], index, tensors["log_probs"],
+                    tensors["sum_pi_squared"], **options)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# verl compatibility
+
+
+@pytest.mark.parametrize("name", ["compute_optimal_token_baseline_advantage",
+                                  "compute_multi_turn_optimal_token_baseline_advantage"])
+def test_drop_in_signature_matches_verl(name):
+    parameters = inspect.signature(getattr(otb_torch, name)).parameters
+    expected = [("token_level_rewards", inspect.Parameter.empty), ("response_mask", inspect.Parameter.empty),
+                ("index", inspect.Parameter.empty), ("old_log_probs", inspect.Parameter.empty),
+                ("sum_pi_squared", inspect.Parameter.empty), ("rollout_is_weights", None),
+                ("handle_zero_tail", True), ("epsilon", 1e-8)]
+    assert [(p.name, p.default) for p in parameters.values()][:8] == expected
+    assert list(parameters.values())[8].kind is inspect.Parameter.VAR_KEYWORD
+    assert inspect.signature(otb_torch.calculate_sum_pi_squared_from_logits).parameters["logits"]
+
+
+@pytest.mark.parametrize("name, reference", [
+    ("compute_optimal_token_baseline_advantage", otb.optimal_token_baseline),
+    ("compute_multi_turn_optimal_token_baseline_advantage", otb.multi_turn_optimal_token_baseline)])
+def test_drop_ins_return_verl_pair_and_ignore_extra_keywords(name, reference):
+    batch, tensors = _verl_batch(torch.float64)
+    advantages, returns = _call(getattr(otb_torch, name), tensors, np.asarray(batch.group_ids), config={"any": 1})
+    expected = reference(batch.rewards, batch.response_mask, batch.group_ids, batch.log_probs, batch.sum_pi_squared)
+    np.testing.assert_allclose(advantages.numpy(), expected.advantages, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(returns.numpy(), expected.returns, rtol=1e-12, atol=1e-12)
+
+
+def test_sum_pi_squared_drop_in():
+    logits = torch.randn(3, 5, 17, dtype=torch.float64)
+    np.testing.assert_allclose(otb_torch.calculate_sum_pi_squared_from_logits(logits).numpy(),
+                               otb.sum_pi_squared(logits.numpy()), rtol=1e-13)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# errors
+
+
+def test_errors_name_verl_arguments():
+    batch, tensors = _verl_batch()
+    index = np.asarray(batch.group_ids)
+    bad_mask = tensors["response_mask"].clone()
+    bad_mask[0, 0] = 2.0
+    with pytest.raises(ValueError, match=r"response_mask: values must be exactly 0 or 1"):
+        otb_torch.compute_optimal_token_baseline_advantage(tensors["rewards"], bad_mask, index, tensors["log_probs"],
+                                                           tensors["sum_pi_squared"])
+    nan_rewards = tensors["rewards"].clone()
+    nan_rewards[1, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"token_level_rewards: contains NaN or ±inf \(first at index \(1, 2\)"):
+        otb_torch.compute_optimal_token_baseline_advantage(nan_rewards, tensors["response_mask"], index,
+                                                           tensors["log_probs"], tensors["sum_pi_squared"])
+    with pytest.raises(ValueError, match=r"old_log_probs: must be ≤ 0 at valid positions"):
+        otb_torch.compute_optimal_token_baseline_advantage(tensors["rewards"], tensors["response_mask"], index,
+                                                           torch.exp(tensors["log_probs"]), tensors["sum_pi_squared"])
+    with pytest.raises(ValueError, match=r"rollout_is_weights: must be ≥ 0"):
+        otb_torch.compute_optimal_token_baseline_advantage(tensors["rewards"], tensors["response_mask"], index,
+                                                           tensors["log_probs"], tensors["sum_pi_squared"],
+                                                           rollout_is_weights=-torch.ones_like(tensors["rewards"]))
+    with pytest.raises(ValueError, match=r"old_log_probs: expected shape \(6, 8\) \(the shape of token_level_rewards\)"):
+        otb_torch.compute_optimal_token_baseline_advantage(tensors["rewards"], tensors["response_mask"], index,
+                                                           tensors["log_probs"][:, :4], tensors["sum_pi_squared"])
+    with pytest.raises(ValueError, match=r"index: expected 6 ids \(one per trajectory\), got 5"):
+        otb_torch.compute_optimal_token_baseline_advantage(tensors["rewards"], tensors["response_mask"], index[:5],
+                                                           tensors["log_probs"], tensors["sum_pi_squared"])
+    with pytest.raises(TypeError, match="token_level_rewards: expected real numbers"):
+        otb_torch.compute_optimal_token_baseline_advantage(tensors["rewards"].to(torch.complex64),
+                                                           tensors["response_mask"], index, tensors["log_probs"],
+                                                           tensors["sum_pi_squared"])
+    with pytest.raises(ValueError, match="epsilon: must be ≥ 0"):
+        otb_torch.compute_optimal_token_baseline_advantage(tensors["rewards"], tensors["response_mask"], index,
+                                                           tensors["log_probs"], tensors["sum_pi_squared"],
+                                                           epsilon=-1.0)
+
+
+def test_device_mismatch_is_reported():
+    batch, tensors = _verl_batch()
+    with pytest.raises(ValueError, match=r"old_log_probs: on meta but token_level_rewards is on cpu"):
+        otb_torch.compute_optimal_token_baseline_advantage(
+            tensors["rewards"], tensors["response_mask"], np.asarray(batch.group_ids),
+            torch.empty_like(tensors["log_probs"], device="meta"), tensors["sum_pi_squared"])
+
+
+def test_bad_logits_are_rejected():
+    with pytest.raises(ValueError, match="logits: contains NaN"):
+        otb_torch.sum_pi_squared(torch.tensor([[0.0, float("nan")]]))
+    with pytest.raises(ValueError, match=r"logits: every logit is -inf at position \(1,\)"):
+        otb_torch.sum_pi_squared(torch.tensor([[0.0, 1.0], [-float("inf"), -float("inf")]]))
+    with pytest.raises(ValueError, match=r"token_ids: must lie in \[0, 2\)"):
+        otb_torch.token_statistics_from_logits(torch.zeros(2, 2), torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="chunk_size: expected a positive integer"):
+        otb_torch.sum_pi_squared(torch.zeros(2, 2), chunk_size=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# dtypes, devices, autograd, mutation
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_outputs_take_the_rewards_dtype_and_device(dtype):
+    batch, tensors = _verl_batch(dtype)
+    advantages, returns = _call(otb_torch.compute_optimal_token_baseline_advantage, tensors,
+                                np.asarray(batch.group_ids))
+    assert advantages.dtype == dtype and returns.dtype == dtype
+    assert advantages.device == tensors["rewards"].device
+    assert otb_torch.sum_pi_squared(torch.as_tensor(batch.logits, dtype=dtype)).dtype == dtype
+
+
+def test_no_autograd_graph_and_inputs_untouched():
+    batch, tensors = _verl_batch()
+    leaves = {name: value.clone().requires_grad_(True) for name, value in tensors.items()
+              if name != "response_mask"}
+    before = {name: value.detach().clone() for name, value in leaves.items()}
+    advantages, returns = otb_torch.compute_optimal_token_baseline_advantage(
+        leaves["rewards"], tensors["response_mask"], np.asarray(batch.group_ids), leaves["log_probs"],
+        leaves["sum_pi_squared"])
+    assert not advantages.requires_grad and advantages.grad_fn is None and returns.grad_fn is None
+    for name, value in leaves.items():
+        assert torch.equal(value.detach(), before[name]), name
+    logits = torch.as_tensor(batch.logits, dtype=torch.float32).requires_grad_(True)
+    assert otb_torch.sum_pi_squared(logits).grad_fn is None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# no host synchronisation on the hot path
+
+
+_SYNCING = ("__bool__", "item", "tolist", "numpy", "nonzero", "cpu", "__int__", "__float__")
+
+
+@contextlib.contextmanager
+def no_host_synchronisation():
+    """Make every Tensor method that copies data to the host raise while the block runs."""
+    patch = pytest.MonkeyPatch()
+
+    def forbidden(name):
+        def method(self, *args, **kwargs):
+            raise AssertionError(f"host synchronisation: Tensor.{name} called on the hot path")
+        return method
+
+    try:
+        for name in _SYNCING:
+            patch.setattr(torch.Tensor, name, forbidden(name))
+        yield
+    finally:
+        patch.undo()
+
+
+@pytest.mark.parametrize("function", ["optimal_token_baseline", "multi_turn_optimal_token_baseline",
+                                      "leave_one_out_token_baseline"])
+def test_hot_path_never_synchronises(function):
+    """With precomputed segments and check_values=False nothing is copied to the host (CPU stand-in for CUDA's
+    sync-debug mode, which test_cuda_matches_cpu_and_never_synchronises uses on a GPU)."""
+    batch, tensors = _verl_batch()
+    segments = otb_torch.segments_from_index(np.asarray(batch.group_ids))        # the one host step, done once
+    weights = torch.ones_like(tensors["rewards"])
+    with no_host_synchronisation():
+        result = getattr(otb_torch, function)(tensors["rewards"], tensors["response_mask"], segments,
+                                              tensors["log_probs"], tensors["sum_pi_squared"], is_weights=weights,
+                                              check_values=False)
+        otb_torch.sum_pi_squared(torch.as_tensor(batch.logits), check_values=False)
+        otb_torch.token_statistics_from_logits(torch.as_tensor(batch.logits), torch.as_tensor(batch.token_ids),
+                                               check_values=False)
+    reference = getattr(otb, function)(batch.rewards, batch.response_mask, batch.group_ids, batch.log_probs,
+                                       batch.sum_pi_squared, is_weights=np.ones_like(batch.rewards))
+    np.testing.assert_allclose(result.advantages.numpy(), reference.advantages, rtol=1e-5, atol=1e-5)
+
+
+def test_segments_from_any_kind_of_index():
+    ids = np.array(["b", "a", "b"], dtype=object)
+    from_numpy = otb_torch.segments_from_index(ids)
+    from_list = otb_torch.segments_from_index(["b", "a", "b"])
+    from_tensor = otb_torch.segments_from_index(torch.tensor([7, 3, 7]))
+    for segments in (from_numpy, from_list, from_tensor):
+        assert segments.num_groups == 2
+        assert segments.index[0] == segments.index[2] != segments.index[1]
+    assert otb_torch.segments_from_index(from_numpy) is from_numpy
+
+
+def test_sum_pi_squared_is_chunk_invariant_and_matches_the_plain_formula():
+    logits = torch.randn(37, 101, dtype=torch.float32) * 5
+    plain = torch.exp(torch.logsumexp(2 * logits.double(), -1) - 2 * torch.logsumexp(logits.double(), -1))
+    for chunk in (None, 1, 5, 37, 100):
+        np.testing.assert_allclose(otb_torch.sum_pi_squared(logits, chunk_size=chunk).numpy(), plain.numpy(),
+                                   rtol=4e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# torch.compile
+
+
+@pytest.mark.parametrize("function", ["compute_optimal_token_baseline_advantage",
+                                      "compute_multi_turn_optimal_token_baseline_advantage"])
+def test_runs_under_torch_compile(function):
+    """The drop-ins compile (dynamic shapes, no graph breaks in the core) and agree with eager mode."""
+    compiled = torch.compile(getattr(otb_torch, function), dynamic=True)
+    for seed in (0, 1):
+        batch, tensors = _verl_batch()
+        if seed:
+            tensors = {name: value[:4, :6] for name, value in tensors.items()}
+            ids = np.asarray(batch.group_ids)[:4]
+        else:
+            ids = np.asarray(batch.group_ids)
+        segments = otb_torch.segments_from_index(ids)
+        eager = _call(getattr(otb_torch, function), tensors, segments)
+        fast = _call(compiled, tensors, segments, check_values=False)
+        for a, b in zip(eager, fast):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# CUDA (skipped cleanly without a GPU)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_matches_cpu_and_never_synchronises():
+    batch, tensors = _verl_batch(device="cuda")
+    segments = otb_torch.segments_from_index(np.asarray(batch.group_ids), "cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        result = otb_torch.optimal_token_baseline(tensors["rewards"], tensors["response_mask"], segments,
+                                                  tensors["log_probs"], tensors["sum_pi_squared"],
+                                                  check_values=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    cpu = otb_torch.optimal_token_baseline(*(_verl_batch()[1][n] for n in ("rewards", "response_mask")),
+                                           np.asarray(batch.group_ids), _verl_batch()[1]["log_probs"],
+                                           _verl_batch()[1]["sum_pi_squared"])
+    np.testing.assert_allclose(result.advantages.cpu().numpy(), cpu.advantages.numpy(), rtol=1e-5, atol=1e-5)
+    assert result.advantages.device.type == "cuda"
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_graph_capture_and_replay():
+    batch, tensors = _verl_batch(device="cuda")
+    segments = otb_torch.segments_from_index(np.asarray(batch.group_ids), "cuda")
+
+    def step():
+        return otb_torch.optimal_token_baseline(tensors["rewards"], tensors["response_mask"], segments,
+                                                tensors["log_probs"], tensors["sum_pi_squared"],
+                                                check_values=False).advantages
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()                                   # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    tensors["rewards"].mul_(2.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    np.testing.assert_allclose(captured.cpu().numpy(), step().cpu().numpy(), rtol=1e-6, atol=1e-6)
