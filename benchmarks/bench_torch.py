@@ -1,0 +1,148 @@
+"""otb_torch speed and memory, printed as figures and ratios.
+
+    python benchmarks/bench_torch.py [--device cpu|cuda] [--groups 256] [--group-size 8] [--positions 4096]
+
+1. OTB (single-turn, verl semantics) at groups × group-size × positions: the vectorized drop-in (with and without the
+   value checks, and with precomputed segments) against the per-group loop pattern (benchmarks/loop_otb_torch.py).
+   Target (issue 4): ≥ 20× faster than the loop. On CUDA also against a device-to-device copy of the same bytes (the
+   physical limit: reading the inputs once and writing the outputs once).
+2. Σπ² at [1, 4096, 32768] float32 logits: the extra peak memory (beyond the logits) of the plain formula
+   exp(logsumexp(2z) − 2·logsumexp(z)) and of otb_torch.sum_pi_squared, as a multiple of the logits' size (target
+   ≤ 0.25×), and their times (target: no slower). CPU memory is the peak resident set of a fresh subprocess; CUDA memory
+   is torch.cuda.max_memory_allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import otb_torch  # noqa: E402
+from loop_otb_torch import loop_optimal_token_baseline  # noqa: E402
+
+
+def batch(groups: int, group_size: int, positions: int, device: str, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    rows = groups * group_size
+    lengths = rng.integers(positions // 8, positions + 1, size=rows)
+    mask = (np.arange(positions)[None, :] < lengths[:, None]).astype(np.float32)
+    pi = rng.beta(5.0, 1.0, size=(rows, positions))
+    spp = pi**2 + (1 - pi) ** 2 * rng.uniform(0.01, 1.0, size=(rows, positions))
+    rewards = np.zeros((rows, positions), dtype=np.float32)
+    rewards[np.arange(rows), lengths - 1] = rng.integers(0, 2, size=rows)
+    ids = np.array([f"uid-{g}" for g in range(groups) for _ in range(group_size)], dtype=object)
+    to = lambda a: torch.as_tensor(np.asarray(a, dtype=np.float32), device=device)  # noqa: E731
+    return to(rewards), to(mask), ids, to(np.log(pi)), to(spp)
+
+
+def timed(function, repeats: int, device: str) -> float:
+    function()                                                    # warm-up
+    if device == "cuda":
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def bench_otb(args) -> None:
+    rewards, mask, ids, log_probs, spp = batch(args.groups, args.group_size, args.positions, args.device)
+    segments = otb_torch.segments_from_index(ids, args.device)
+    cases = {
+        "loop (per-group pattern)": lambda: loop_optimal_token_baseline(rewards, mask, ids, log_probs, spp),
+        "otb_torch drop-in": lambda: otb_torch.compute_optimal_token_baseline_advantage(
+            rewards, mask, ids, log_probs, spp),
+        "otb_torch, segments, no checks": lambda: otb_torch.compute_optimal_token_baseline_advantage(
+            rewards, mask, segments, log_probs, spp, check_values=False),
+        "otb_torch, segments, no checks, compile": lambda: otb_torch.compute_optimal_token_baseline_advantage(
+            rewards, mask, segments, log_probs, spp, check_values=False, compile=True),
+    }
+    print(f"OTB single-turn, {args.groups} groups × {args.group_size} × {args.positions} tokens, float32, "
+          f"{args.device}")
+    times = {name: timed(function, args.repeats, args.device) for name, function in cases.items()}
+    loop = times["loop (per-group pattern)"]
+    for name, seconds in times.items():
+        print(f"  {name:42s} {seconds * 1e3:9.2f} ms   {loop / seconds:6.1f}× vs loop")
+    if args.device == "cuda":
+        moved = sum(t.numel() * t.element_size() for t in (rewards, mask, log_probs, spp)) + 2 * rewards.numel() * 4
+        source = torch.empty(moved // 4, dtype=torch.float32, device="cuda")
+        target = torch.empty_like(source)
+        copy = timed(lambda: target.copy_(source), args.repeats, "cuda")
+        best = min(times["otb_torch, segments, no checks"], times["otb_torch, segments, no checks, compile"])
+        print(f"  device-to-device copy of the same {moved / 2**20:.0f} MiB: {copy * 1e3:.2f} ms; OTB takes "
+              f"{best / copy:.1f}× the copy")
+
+
+_MEMORY_CHILD = r"""
+import json, resource, sys, time, torch
+sys.path.insert(0, sys.argv[3])
+import otb_torch
+method, device = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+logits = torch.empty(1, 4096, 32768, dtype=torch.float32, device=device).normal_(0.0, 4.0)   # no temporary
+def plain():
+    return torch.exp(torch.logsumexp(2 * logits, -1) - 2 * torch.logsumexp(logits, -1))
+function = plain if method == "plain" else (lambda: otb_torch.sum_pi_squared(logits, check_values=False))
+if device == "cuda":
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
+else:
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+start = time.perf_counter(); function()
+if device == "cuda":
+    torch.cuda.synchronize(); peak = torch.cuda.max_memory_allocated()
+else:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+first = time.perf_counter() - start
+times = []
+for _ in range(3):
+    start = time.perf_counter(); function()
+    if device == "cuda": torch.cuda.synchronize()
+    times.append(time.perf_counter() - start)
+print(json.dumps({"extra": peak - base, "size": logits.numel() * 4, "seconds": sorted(times)[1]}))
+"""
+
+
+def bench_sum_pi_squared(args) -> None:
+    print("Σπ² of [1, 4096, 32768] float32 logits (512 MiB), " + args.device)
+    adapters = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "adapters")
+    results = {}
+    for method in ("plain", "otb_torch"):
+        output = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, method, args.device, adapters], check=True,
+                                capture_output=True, text=True).stdout
+        results[method] = json.loads(output.strip().splitlines()[-1])
+    for method, result in results.items():
+        print(f"  {method:10s} extra peak memory {result['extra'] / result['size']:5.2f}× the logits   time "
+              f"{result['seconds'] * 1e3:8.1f} ms")
+    print(f"  memory ratio {results['otb_torch']['extra'] / max(results['plain']['extra'], 1):.3f}; time ratio "
+          f"{results['otb_torch']['seconds'] / results['plain']['seconds']:.2f} (≤ 1 means no slower)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--groups", type=int, default=256)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--positions", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, python {platform.python_version()}, {torch.get_num_threads()} threads"
+          + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""))
+    bench_otb(args)
+    bench_sum_pi_squared(args)
+
+
+if __name__ == "__main__":
+    main()
