@@ -203,6 +203,8 @@ for _spec in (
     AdapterSpec("torch-cuda", "otb_torch._adapter:make_adapter", ("torch", "otb_torch"), {"device": "cuda"},
                 probe=_cuda_available),
     AdapterSpec("jax-cpu", "otb_jax._adapter:make_adapter", ("jax", "otb_jax"), {"platform": "cpu"}),
+    AdapterSpec("jax-cpu-nojit", "otb_jax._adapter:make_adapter", ("jax", "otb_jax"),
+                {"platform": "cpu", "jit": False}),
     AdapterSpec("jax-gpu", "otb_jax._adapter:make_adapter", ("jax", "otb_jax"), {"platform": "gpu"},
                 probe=_jax_gpu_available),
 ):

@@ -286,3 +286,22 @@ def test_low_precision_inputs_are_read_exactly(dtype):
                                       log_probs.astype(np.float64), spp.astype(np.float64))
     np.testing.assert_array_equal(low.advantages, high.advantages)
     assert low.advantages.dtype == np.float64
+
+
+@given(batch=otb_st.rollout_batches(), variant=variants, extra_rows=st.integers(0, 3),
+       extra_positions=st.integers(0, 3))
+def test_padding_changes_nothing(batch, variant, extra_rows, extra_positions):
+    """Appending empty rows (each its own group) and masked positions at the end leaves the real results unchanged —
+    what lets JAX callers pad to fixed shapes."""
+    B, T = batch.batch_size, batch.n_positions
+    pad = [(0, extra_rows), (0, extra_positions)]
+    ids = np.concatenate([np.asarray(batch.group_ids, dtype=object),
+                          np.array([("padding", k) for k in range(extra_rows)] + [None], dtype=object)[:-1]])
+    padded = otb.RolloutBatch(
+        rewards=np.pad(np.asarray(batch.rewards, dtype=np.float64), pad), response_mask=np.pad(batch.response_mask, pad),
+        group_ids=ids, log_probs=np.pad(batch.log_probs, pad), sum_pi_squared=np.pad(batch.sum_pi_squared, pad),
+        is_weights=None if batch.is_weights is None else np.pad(batch.is_weights, pad))
+    original = _run(variant, batch)
+    bigger = _run(variant, padded)
+    np.testing.assert_array_equal(bigger.advantages[:B, :T], original.advantages)
+    np.testing.assert_array_equal(bigger.returns[:B, :T], original.returns)

@@ -1,0 +1,162 @@
+"""Argument checks for the JAX port, with the reference's rules and messages.
+
+Shapes and dtypes are checked at call time (also while tracing). Values are checked only for concrete arrays (never
+inside a trace, where they are unknown): device-side reductions folded into one boolean, and on failure the host copies
+go to the NumPy reference's validators so the message is the reference's, with the caller's argument names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from otb_spec import _validation as reference_checks
+from otb_spec.tolerances import input_range_slack
+
+__all__: list[str] = []
+
+Named = tuple[str, jax.Array]
+
+
+def is_traced(*values: Any) -> bool:
+    return any(isinstance(value, jax.core.Tracer) for value in values)
+
+
+def array(name: str, value: Any, *, like: jax.Array | None = None, like_name: str = "") -> jax.Array:
+    if value is None:
+        raise TypeError(f"{name}: expected an array, got None")
+    if not isinstance(value, jax.Array):
+        host = np.asarray(value)
+        if not reference_checks.is_real_numeric_dtype(host.dtype):
+            raise TypeError(f"{name}: expected real numbers (bool, int or float), got dtype {host.dtype}")
+        value = jnp.asarray(host)
+    dtype = np.dtype(value.dtype)
+    if not reference_checks.is_real_numeric_dtype(dtype):
+        raise TypeError(f"{name}: expected real numbers (bool, int or float), got dtype {dtype}")
+    if like is not None and value.shape != like.shape:
+        raise ValueError(f"{name}: expected shape {tuple(like.shape)} (the shape of {like_name}), got "
+                         f"{tuple(value.shape)}")
+    return value
+
+
+def batch(name: str, value: Any) -> jax.Array:
+    value = array(name, value)
+    if value.ndim != 2:
+        raise ValueError(f"{name}: expected shape [B, T] (2 dimensions), got {tuple(value.shape)}")
+    if value.shape[0] == 0:
+        raise ValueError(f"{name}: empty batch (B = 0 trajectories)")
+    if value.shape[1] == 0:
+        raise ValueError(f"{name}: no positions (T = 0)")
+    return value
+
+
+def segments(name: str, segment_ids: Any, num_segments: Any, rows: int, check_values: bool) -> jax.Array:
+    """Integer segment ids [B] in [0, num_segments) (checked when concrete).
+
+    ``num_segments`` may exceed the number of groups: empty segments contribute nothing, so a caller can fix it (e.g.
+    to B) and avoid a recompilation whenever the number of groups changes.
+    """
+    if isinstance(num_segments, bool) or not isinstance(num_segments, (int, np.integer)) or num_segments < 1:
+        raise ValueError(f"num_segments: expected a positive Python int (static), got {num_segments!r}")
+    ids = array(name, segment_ids)
+    if ids.ndim != 1 or ids.shape[0] != rows:
+        raise ValueError(f"{name}: expected {rows} ids (one per trajectory) in a 1-D array, got shape "
+                         f"{tuple(ids.shape)}")
+    if np.dtype(ids.dtype).kind not in "iu":
+        raise TypeError(f"{name}: expected integer segment ids (see otb_jax.segment_ids), got dtype {ids.dtype}")
+    if check_values and not is_traced(ids):
+        host = np.asarray(ids)
+        if host.min() < 0 or host.max() >= num_segments:
+            raise ValueError(f"{name}: ids must lie in [0, {num_segments}) (num_segments), got range "
+                             f"[{host.min()}, {host.max()}]")
+    return ids.astype(jnp.int32)
+
+
+def compute_dtype(*values: jax.Array | None) -> str:
+    return "float64" if any(v is not None and v.dtype == jnp.float64 for v in values) else "float32"
+
+
+def output_dtype(reference: jax.Array) -> str:
+    dtype = np.dtype(reference.dtype)
+    return dtype.name if dtype.kind == "f" or dtype.name == "bfloat16" else "float32"
+
+
+def epsilon(value: Any) -> float:
+    return reference_checks.scalar("epsilon", value, minimum=0.0)
+
+
+def flag(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected True or False, got {value!r}")
+    return bool(value)
+
+
+def _slack(value: jax.Array) -> float:
+    return input_range_slack(np.dtype(value.dtype))
+
+
+def _floating(value: jax.Array) -> bool:
+    return jnp.issubdtype(value.dtype, jnp.floating)
+
+
+def _problems(rewards, mask, log_probs, sum_pi_squared, is_weights, others, energies) -> jax.Array:
+    flags = []
+    for item in (rewards, log_probs, sum_pi_squared, is_weights, *others, *energies):
+        if item is not None and _floating(item[1]):
+            flags.append(~jnp.all(jnp.isfinite(item[1])))
+    valid = None if mask is None else mask[1] != 0
+    if mask is not None:
+        flags.append(jnp.any((mask[1] != 0) & (mask[1] != 1)))
+    if is_weights is not None:
+        flags.append(jnp.any(is_weights[1] < 0))
+    for _, energy in energies:
+        low = energy < -_slack(energy)
+        flags.append(jnp.any(low if valid is None else low & valid))
+    if log_probs is not None and sum_pi_squared is not None:
+        wide = jnp.float64 if jnp.float64 in (log_probs[1].dtype, sum_pi_squared[1].dtype) else jnp.float32
+        lp, spp = log_probs[1].astype(wide), sum_pi_squared[1].astype(wide)
+        slack_lp, slack_spp = _slack(log_probs[1]), _slack(sum_pi_squared[1])
+        own = jnp.exp(2 * jnp.minimum(lp, 0))
+        bad = (lp > slack_lp) | (spp < -slack_spp) | (spp > 1 + slack_spp) | (spp < own - (slack_spp + 2 * slack_lp))
+        flags.append(jnp.any(bad if valid is None else bad & valid))
+    return jnp.any(jnp.stack(flags)) if flags else jnp.asarray(False)
+
+
+def _host(value: jax.Array) -> np.ndarray:
+    host = np.asarray(value)
+    return host.astype(np.float32) if host.dtype.name == "bfloat16" else host
+
+
+def check_values(enabled: bool, *, rewards: Named | None = None, mask: Named | None = None,
+                 log_probs: Named | None = None, sum_pi_squared: Named | None = None,
+                 is_weights: Named | None = None, others: list[Named] | None = None,
+                 energies: list[Named] | None = None) -> None:
+    """One synchronisation (skipped while tracing); raise the reference's error if a value rule is violated."""
+    others, energies = others or [], energies or []
+    present = [item[1] for item in (rewards, mask, log_probs, sum_pi_squared, is_weights, *others, *energies)
+               if item is not None]
+    if not enabled or is_traced(*present):
+        return
+    if not bool(_problems(rewards, mask, log_probs, sum_pi_squared, is_weights, others, energies)):
+        return
+    like = rewards[0] if rewards is not None else "the first argument"
+    for item in (rewards, *others, *energies):
+        if item is not None:
+            reference_checks.float_array(item[0], _host(item[1]))
+    mask_array = None
+    if mask is not None:
+        mask_array = reference_checks.mask_array(mask[0], _host(mask[1]), tuple(mask[1].shape), like=like)
+    for name, energy in energies:
+        where = np.ones(tuple(energy.shape), dtype=bool) if mask_array is None else mask_array > 0
+        reference_checks.nonnegative_where(name, reference_checks.float_array(name, _host(energy)), where,
+                                           _host(energy).dtype)
+    if log_probs is not None and sum_pi_squared is not None:
+        reference_checks.token_statistics(_host(log_probs[1]), _host(sum_pi_squared[1]), mask_array,
+                                          tuple(log_probs[1].shape), like=like,
+                                          names=(log_probs[0], sum_pi_squared[0]))
+    if is_weights is not None:
+        reference_checks.nonnegative(is_weights[0], reference_checks.float_array(is_weights[0], _host(is_weights[1])))
+    raise ValueError("inputs: a value check failed on the device but not on the host copy; please report this")

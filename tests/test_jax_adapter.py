@@ -1,0 +1,166 @@
+"""otb_jax specifics: jit without recompilation, vmap, use inside a caller's jit, float64, the online Σπ², errors, and
+(with a GPU) the GPU backend."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+otb_jax = pytest.importorskip("otb_jax")
+jnp = jax.numpy
+
+import otb_spec as otb  # noqa: E402
+from otb_jax._core import otb_pipeline_jit  # noqa: E402
+from otb_spec.examples import example_batch  # noqa: E402
+
+
+def _gpu_available() -> bool:
+    try:
+        return len(jax.devices("gpu")) > 0
+    except RuntimeError:
+        return False
+
+
+def _inputs(seed: int = 0):
+    batch = example_batch(seed)
+    ids, count = otb_jax.segment_ids(batch.group_ids)
+    arrays = {name: jnp.asarray(np.asarray(getattr(batch, name), dtype=np.float32))
+              for name in ("rewards", "response_mask", "log_probs", "sum_pi_squared")}
+    return batch, arrays, jnp.asarray(ids), count
+
+
+def test_segment_ids_number_groups_in_order_of_first_appearance():
+    ids, count = otb_jax.segment_ids(np.array(["b", "a", "b", None], dtype=object))
+    assert count == 3 and ids.tolist() == [0, 1, 0, 2] and ids.dtype == np.int32
+
+
+def test_no_recompilation_for_batches_of_the_same_shape():
+    _, arrays, ids, count = _inputs(0)
+    otb_jax.optimal_token_baseline(arrays["rewards"], arrays["response_mask"], ids, count, arrays["log_probs"],
+                                   arrays["sum_pi_squared"])
+    before = otb_pipeline_jit._cache_size()
+    for seed in (1, 2, 3):
+        _, other, _, _ = _inputs(seed)
+        otb_jax.optimal_token_baseline(other["rewards"], other["response_mask"], ids, count, other["log_probs"],
+                                       other["sum_pi_squared"], epsilon=1e-8 * seed)
+    assert otb_pipeline_jit._cache_size() == before
+
+
+def test_matches_the_reference_and_the_verl_semantics():
+    batch, arrays, ids, count = _inputs()
+    result = otb_jax.optimal_token_baseline(arrays["rewards"], arrays["response_mask"], ids, count,
+                                            arrays["log_probs"], arrays["sum_pi_squared"])
+    expected = otb.optimal_token_baseline(np.asarray(arrays["rewards"]), batch.response_mask, batch.group_ids,
+                                          np.asarray(arrays["log_probs"]), np.asarray(arrays["sum_pi_squared"]))
+    np.testing.assert_allclose(np.asarray(result.advantages), expected.advantages, rtol=1e-5, atol=1e-5)
+    assert result.advantages.dtype == jnp.float32
+
+
+def test_vmap_over_an_extra_batch_axis():
+    """Stacking E batches of the same group layout and vmapping gives each batch's own result."""
+    stacked = [_inputs(seed) for seed in range(3)]
+    _, _, ids, count = stacked[0]
+    names = ("rewards", "response_mask", "log_probs", "sum_pi_squared")
+    batches = {name: jnp.stack([inputs[1][name] for inputs in stacked]) for name in names}
+
+    def one(rewards, mask, log_probs, spp):
+        return otb_jax.optimal_token_baseline(rewards, mask, ids, count, log_probs, spp).advantages
+
+    mapped = jax.vmap(one)(*(batches[name] for name in names))
+    for e, inputs in enumerate(stacked):
+        direct = one(*(inputs[1][name] for name in names))
+        np.testing.assert_allclose(np.asarray(mapped[e]), np.asarray(direct), rtol=1e-6, atol=1e-6)
+
+
+def test_inside_a_callers_jit_values_are_not_checked_but_results_agree():
+    _, arrays, ids, count = _inputs()
+
+    @jax.jit
+    def step(rewards, mask, log_probs, spp):
+        return otb_jax.multi_turn_optimal_token_baseline(rewards, mask, ids, count, log_probs, spp).advantages
+
+    eager = otb_jax.multi_turn_optimal_token_baseline(arrays["rewards"], arrays["response_mask"], ids, count,
+                                                      arrays["log_probs"], arrays["sum_pi_squared"]).advantages
+    np.testing.assert_allclose(np.asarray(step(arrays["rewards"], arrays["response_mask"], arrays["log_probs"],
+                                               arrays["sum_pi_squared"])), np.asarray(eager), rtol=1e-6, atol=1e-6)
+
+
+def test_float64_with_x64_enabled():
+    batch = example_batch()
+    ids, count = otb_jax.segment_ids(batch.group_ids)
+    with jax.enable_x64(True):
+        arrays = [jnp.asarray(np.asarray(getattr(batch, name), dtype=np.float64))
+                  for name in ("rewards", "response_mask", "log_probs", "sum_pi_squared")]
+        result = otb_jax.leave_one_out_token_baseline(arrays[0], arrays[1], jnp.asarray(ids), count, arrays[2],
+                                                      arrays[3])
+        assert result.advantages.dtype == jnp.float64
+        expected = otb.leave_one_out_token_baseline(batch.rewards, batch.response_mask, batch.group_ids,
+                                                    batch.log_probs, batch.sum_pi_squared)
+        np.testing.assert_allclose(np.asarray(result.advantages), expected.advantages, rtol=1e-12, atol=1e-12)
+
+
+def test_more_segments_than_groups_changes_nothing():
+    _, arrays, ids, count = _inputs()
+    exact = otb_jax.optimal_token_baseline(arrays["rewards"], arrays["response_mask"], ids, count,
+                                           arrays["log_probs"], arrays["sum_pi_squared"]).advantages
+    padded = otb_jax.optimal_token_baseline(arrays["rewards"], arrays["response_mask"], ids, 16,
+                                            arrays["log_probs"], arrays["sum_pi_squared"]).advantages
+    np.testing.assert_array_equal(np.asarray(exact), np.asarray(padded))
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+def test_online_sum_pi_squared_matches_the_direct_pass(chunk):
+    z = np.random.default_rng(3).normal(scale=6.0, size=(5, 4, 100)).astype(np.float32)
+    z[0, 0, :60] = -np.inf                                         # whole chunks of excluded tokens
+    direct = otb_jax.sum_pi_squared(jnp.asarray(z))
+    streamed = otb_jax.sum_pi_squared(jnp.asarray(z), vocab_chunk=chunk)
+    np.testing.assert_allclose(np.asarray(streamed), np.asarray(direct), rtol=2e-6)
+    np.testing.assert_allclose(np.asarray(direct), otb.sum_pi_squared(z), rtol=2e-6)
+
+
+def test_bfloat16_logits_are_accumulated_in_float32():
+    z = jnp.asarray(np.random.default_rng(4).normal(scale=8.0, size=(6, 300)), dtype=jnp.bfloat16)
+    result = otb_jax.sum_pi_squared(z)
+    assert result.dtype == jnp.bfloat16
+    exact = otb.sum_pi_squared(np.asarray(z.astype(jnp.float32)))
+    np.testing.assert_allclose(np.asarray(result.astype(jnp.float32)), exact, rtol=2 * 2**-8)
+
+
+def test_errors_name_the_argument():
+    batch, arrays, ids, count = _inputs()
+    bad = np.asarray(arrays["response_mask"]).copy()
+    bad[0, 0] = 3.0
+    with pytest.raises(ValueError, match="response_mask: values must be exactly 0 or 1"):
+        otb_jax.optimal_token_baseline(arrays["rewards"], jnp.asarray(bad), ids, count, arrays["log_probs"],
+                                       arrays["sum_pi_squared"])
+    with pytest.raises(ValueError, match=r"segment_ids: ids must lie in \[0, 1\)"):
+        otb_jax.optimal_token_baseline(arrays["rewards"], arrays["response_mask"], ids, 1, arrays["log_probs"],
+                                       arrays["sum_pi_squared"])
+    with pytest.raises(ValueError, match="num_segments: expected a positive Python int"):
+        otb_jax.optimal_token_baseline(arrays["rewards"], arrays["response_mask"], ids, 0, arrays["log_probs"],
+                                       arrays["sum_pi_squared"])
+    with pytest.raises(TypeError, match="segment_ids: expected integer segment ids"):
+        otb_jax.optimal_token_baseline(arrays["rewards"], arrays["response_mask"], ids.astype(jnp.float32), count,
+                                       arrays["log_probs"], arrays["sum_pi_squared"])
+    with pytest.raises(ValueError, match=r"log_probs: expected shape \(6, 8\)"):
+        otb_jax.optimal_token_baseline(arrays["rewards"], arrays["response_mask"], ids, count,
+                                       arrays["log_probs"][:, :3], arrays["sum_pi_squared"])
+    with pytest.raises(ValueError, match="sum_pi_squared: must lie in"):
+        otb_jax.optimal_token_baseline(arrays["rewards"], arrays["response_mask"], ids, count, arrays["log_probs"],
+                                       arrays["sum_pi_squared"] + 2.0)
+    with pytest.raises(ValueError, match=r"logits: every logit is -inf at position \(0,\)"):
+        otb_jax.sum_pi_squared(jnp.full((2, 3), -jnp.inf))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_available(), reason="no GPU visible to JAX on this machine")
+def test_gpu_matches_cpu():
+    batch, arrays, ids, count = _inputs()
+    gpu = jax.devices("gpu")[0]
+    on_gpu = {name: jax.device_put(value, gpu) for name, value in arrays.items()}
+    result = otb_jax.optimal_token_baseline(on_gpu["rewards"], on_gpu["response_mask"], jax.device_put(ids, gpu),
+                                            count, on_gpu["log_probs"], on_gpu["sum_pi_squared"])
+    cpu = otb_jax.optimal_token_baseline(arrays["rewards"], arrays["response_mask"], ids, count, arrays["log_probs"],
+                                         arrays["sum_pi_squared"])
+    np.testing.assert_allclose(np.asarray(result.advantages), np.asarray(cpu.advantages), rtol=1e-5, atol=1e-5)
