@@ -178,7 +178,8 @@ def token_statistics(shape: tuple[int, ...], *, min_vocab_size: int = 2,
     For each position π = π(y) ∈ (0, 1] and Σπ² ∈ [π² + (1 − π)²/(V − 1), π² + (1 − π)²] — every value in that
     interval is Σ_v π_v² of some distribution that gives y probability π (spread the remaining mass 1 − π evenly
     over V − 1 tokens for the lower end, onto one token for the upper end, and continuously in between).
-    Includes π → 1 (near-deterministic, w → 0) and π → 0.
+    π ranges from e^{−20} ≈ 2e-9 to 0.999 and, in some draws, exactly 1 at some positions (certain tokens, w = 0).
+    Shrinks towards π = ½ — an ordinary token — not towards the degenerate π = 1.
     """
     shape = tuple(_check_int("shape[...]", n, 0) for n in shape)
     low = _check_int("min_vocab_size", min_vocab_size, 2)
@@ -191,8 +192,13 @@ def token_statistics(shape: tuple[int, ...], *, min_vocab_size: int = 2,
 def _token_statistics(draw: Any, shape: tuple[int, ...], low_vocab: int, high_vocab: int
                       ) -> tuple[np.ndarray, np.ndarray]:
     vocab = draw(st.integers(low_vocab, high_vocab), label="vocab size")
-    # log π spans (−20, 0]: exp(−20) ≈ 2e-9 (very unlikely token) … 1 (certain token)
-    log_pi = -_values(draw, shape, 0.0, 20.0, "−log π") * _values(draw, shape, 0.0, 1.0, "log π scale")
+    # −log π = log 2 · e^{κt}, t ∈ [−1, 1]: the simplest draw t = 0 (what Hypothesis shrinks towards) is π = ½, an
+    # ordinary token with non-zero energy; t = 1 gives π = e^{−20} ≈ 2e-9, t = −1 gives π = e^{−0.001} ≈ 0.999
+    position = _values(draw, shape, -1.0, 1.0, "log π position")
+    rate = np.where(position >= 0, np.log(20.0 / np.log(2.0)), np.log(np.log(2.0) / 1e-3))
+    log_pi = -np.log(2.0) * np.exp(position * rate)
+    if draw(st.booleans(), label="some certain tokens"):          # π = 1 exactly: w = 0, the zero-energy corner
+        log_pi = np.where(_values(draw, shape, 0.0, 1.0, "certain token draws") < 0.3, 0.0, log_pi)
     pi = np.exp(log_pi)
     spread = _values(draw, shape, 0.0, 1.0, "Σπ² position in its interval")
     rest = np.square(1.0 - pi)
@@ -271,6 +277,7 @@ def rollout_batches(
     is_weights: bool | None = None,
     reward_style: str = "any",
     max_abs_reward: float = 10.0,
+    min_abs_reward: float = 0.0,
     fill_masked: str = "junk",
     vocab_size: int | None = None,
     max_vocab_size: int = 2**17,
@@ -295,6 +302,8 @@ def rollout_batches(
       reward_style: ``"terminal"`` (one reward on the last valid token), ``"dense"`` (every valid token),
         ``"sparse"`` (a few valid tokens) or ``"any"``.
       max_abs_reward: rewards lie in [−max_abs_reward, max_abs_reward].
+      min_abs_reward: rewarded positions get |r| ≥ min_abs_reward (> 0: no zero rewards there, and no 0/1 rewards —
+        useful where a zero reward would hide a wrong baseline).
       fill_masked: what masked positions hold in rewards, log_probs, sum_pi_squared and is_weights: ``"junk"``
         (arbitrary finite values — an implementation that forgets the mask gets them wrong) or ``"zero"``
         (rewards 0, log π 0, Σπ² 0, ρ 1, as many trainers pad).
@@ -334,6 +343,8 @@ def rollout_batches(
     is_weights = _check_optional_bool("is_weights", is_weights)
     reward_style = _check_choice("reward_style", reward_style, _REWARD_STYLES)
     max_abs_reward = _check_float("max_abs_reward", max_abs_reward, 0.0)
+    min_abs_reward = _check_float("min_abs_reward", min_abs_reward, 0.0, inclusive=True)
+    _check_range("min_abs_reward", min_abs_reward, "max_abs_reward", max_abs_reward)
     fill_masked = _check_choice("fill_masked", fill_masked, _FILLS)
     if vocab_size is not None:
         vocab_size = _check_int("vocab_size", vocab_size, 2)
@@ -342,15 +353,15 @@ def rollout_batches(
     dtype = _check_dtype(dtype)
     return _rollout_batches(min_groups, max_groups, min_group_size, max_group_size, min_length, max_length, padding,
                             holes, empty_rows, id_kind, shuffle, is_weights, reward_style, max_abs_reward,
-                            fill_masked, vocab_size, max_vocab_size, logit_scale, dtype)
+                            min_abs_reward, fill_masked, vocab_size, max_vocab_size, logit_scale, dtype)
 
 
 @st.composite
 def _rollout_batches(draw: Any, min_groups: int, max_groups: int, min_group_size: int, max_group_size: int,
                      min_length: int, max_length: int, padding: str, holes: bool | None, empty_rows: bool | None,
                      id_kind: str, shuffle: bool, is_weights: bool | None, reward_style: str, max_abs_reward: float,
-                     fill_masked: str, vocab_size: int | None, max_vocab_size: int, logit_scale: float,
-                     dtype: np.dtype) -> RolloutBatch:
+                     min_abs_reward: float, fill_masked: str, vocab_size: int | None, max_vocab_size: int,
+                     logit_scale: float, dtype: np.dtype) -> RolloutBatch:
     n_groups = draw(st.integers(min_groups, max_groups), label="groups")
     sizes = draw(st.lists(st.integers(min_group_size, max_group_size), min_size=n_groups, max_size=n_groups),
                  label="group sizes")
@@ -360,7 +371,7 @@ def _rollout_batches(draw: Any, min_groups: int, max_groups: int, min_group_size
     mask = _draw_mask(draw, n_rows, n_positions, padding, holes, empty_rows)
     valid = mask > 0
 
-    rewards = _draw_rewards(draw, mask, reward_style, max_abs_reward)
+    rewards = _draw_rewards(draw, mask, reward_style, max_abs_reward, min_abs_reward)
     if vocab_size is not None:
         logit_values = _values(draw, (n_rows, n_positions, vocab_size), -3.0, 3.0, "logits") * (logit_scale / 3.0)
         token_ids = draw(hnp.arrays(np.int64, (n_rows, n_positions), elements=st.integers(0, vocab_size - 1)),
@@ -374,7 +385,8 @@ def _rollout_batches(draw: Any, min_groups: int, max_groups: int, min_group_size
     weights = None
     use_weights = draw(st.booleans(), label="use is_weights") if is_weights is None else is_weights
     if use_weights:
-        weights = _values(draw, (n_rows, n_positions), 0.0, 3.0, "is_weights")
+        # ρ ∈ [0, 3], drawn as 1 + [−1, 2] so that the simplest weight is ρ = 1 (no correction), not ρ = 0
+        weights = 1.0 + _values(draw, (n_rows, n_positions), -1.0, 2.0, "is_weights − 1")
         zero_some = draw(st.booleans(), label="some ρ = 0")
         if zero_some:
             weights = np.where(_values(draw, (n_rows, n_positions), 0.0, 1.0, "ρ = 0 draws") < 0.2, 0.0, weights)
@@ -404,8 +416,11 @@ def _draw_mask(draw: Any, n_rows: int, n_positions: int, padding: str, holes: bo
                empty_rows: bool | None) -> np.ndarray:
     allow_empty = draw(st.integers(0, 9), label="allow empty rows") == 0 if empty_rows is None else empty_rows
     min_valid = 0 if allow_empty else 1
-    lengths = draw(st.lists(st.integers(min_valid, n_positions), min_size=n_rows, max_size=n_rows),
-                   label="valid lengths")
+    # drawn as the number of positions *not* used, so that the simplest row (what Hypothesis shrinks towards) is a
+    # full response rather than an empty one
+    unused = draw(st.lists(st.integers(0, n_positions - min_valid), min_size=n_rows, max_size=n_rows),
+                  label="unused positions per row")
+    lengths = [n_positions - count for count in unused]
     mask = np.zeros((n_rows, n_positions))
     for row, length in enumerate(lengths):
         side = draw(st.sampled_from(["right", "left"]), label="padding side") if padding == "any" else padding
@@ -421,15 +436,18 @@ def _draw_mask(draw: Any, n_rows: int, n_positions: int, padding: str, holes: bo
     return mask
 
 
-def _draw_rewards(draw: Any, mask: np.ndarray, style: str, max_abs: float) -> np.ndarray:
+def _draw_rewards(draw: Any, mask: np.ndarray, style: str, max_abs: float, min_abs: float = 0.0) -> np.ndarray:
     if style == "any":
         style = draw(st.sampled_from(_REWARD_STYLES[:-1]), label="reward style")
     n_rows, n_positions = mask.shape
-    binary = draw(st.booleans(), label="binary rewards")
+    binary = min_abs == 0.0 and draw(st.booleans(), label="binary rewards")
     if binary:
         values = draw(hnp.arrays(np.float64, mask.shape, elements=st.sampled_from([0.0, 1.0])), label="rewards")
     else:
         values = _values(draw, mask.shape, -max_abs, max_abs, "rewards")
+        if min_abs > 0.0:   # fold [−max, max] onto ±[min, max]: |v| ↦ min + |v|·(max − min)/max, sign(0) = +
+            magnitude = min_abs + np.abs(values) * ((max_abs - min_abs) / max_abs)
+            values = np.where(values < 0, -magnitude, magnitude)
     if style == "dense":
         return values * mask
     if style == "terminal":

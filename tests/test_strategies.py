@@ -66,6 +66,13 @@ def test_zero_fill_and_weights(batch):
     assert np.all(np.asarray(batch.is_weights)[mask] == 1)
 
 
+@given(batch=otb_st.rollout_batches(reward_style="dense", min_abs_reward=0.5, max_abs_reward=2.0))
+def test_min_abs_reward_keeps_rewarded_positions_away_from_zero(batch):
+    valid = np.asarray(batch.response_mask) > 0
+    magnitudes = np.abs(np.asarray(batch.rewards)[valid])
+    assert np.all((magnitudes >= 0.5) & (magnitudes <= 2.0))
+
+
 @given(batch=otb_st.rollout_batches(vocab_size=7, max_length=5, fill_masked="zero", dtype=np.float32))
 def test_batches_with_logits_have_consistent_token_statistics(batch):
     assert batch.logits.shape == (batch.batch_size, batch.n_positions, 7)
@@ -108,6 +115,7 @@ def test_token_statistics_are_consistent_with_a_policy(pair):
     (otb_st.rollout_batches, dict(dtype=np.int32), "dtype=.*expected float32 or float64"),
     (otb_st.rollout_batches, dict(max_abs_reward=float("inf")), "max_abs_reward=inf: must be finite"),
     (otb_st.rollout_batches, dict(id_kind="bytes"), "id_kind='bytes'"),
+    (otb_st.rollout_batches, dict(min_abs_reward=3.0, max_abs_reward=2.0), "min_abs_reward=3.0 exceeds"),
     (otb_st.logits, dict(shape=(2,), vocab_size=0), "vocab_size=0: must be ≥ 1"),
     (otb_st.group_ids, dict(sizes=[0]), r"sizes\[...\]=0: must be ≥ 1"),
     (otb_st.token_statistics, dict(shape=(2,), min_vocab_size=1), "min_vocab_size=1: must be ≥ 2"),
