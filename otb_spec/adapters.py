@@ -79,15 +79,24 @@ class Adapter(Protocol):
 
 class ReferenceAdapter:
     """The NumPy reference itself behind the adapter interface (``"numpy-reference"``): the suite's yardstick, and an
-    example of the interface. Arrays are float64 NumPy arrays on the host."""
+    example of the interface. Arrays are NumPy arrays on the host; results are float64."""
 
     name = "numpy-reference"
     device = "cpu"
 
     def asarray(self, array: Any, dtype: str) -> Any:
+        """The values in ``dtype`` (bfloat16 via ml_dtypes when installed, else float32 holding the rounded values):
+        the reference computes in float64 whatever it receives, and judges input ranges with the slack of the dtype
+        it received (``input_range_slack``)."""
         import numpy as np
 
-        return np.asarray(array).astype(dtype if dtype in ("bool", "int64", "int32") else "float64")
+        if dtype == "bfloat16":
+            try:
+                import ml_dtypes
+            except ImportError:
+                return np.asarray(array, dtype=np.float32)
+            return np.asarray(array, dtype=np.float32).astype(ml_dtypes.bfloat16)
+        return np.asarray(array).astype(dtype)
 
     def to_numpy(self, array: Any) -> Any:
         return array

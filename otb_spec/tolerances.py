@@ -38,6 +38,7 @@ __all__ = [
     "elementwise_tolerance",
     "summation_tolerance",
     "logsumexp_tolerance",
+    "logit_spread",
     "proxy_tolerance",
     "port_tolerance",
     "input_range_slack",
@@ -103,19 +104,19 @@ class Tolerance:
     """``|actual − expected| ≤ atol + rtol·|expected|`` elementwise (the :func:`numpy.isclose` rule).
 
     Attributes:
-      rtol: relative tolerance.
+      rtol: relative tolerance, a float or an array of the compared shape (per-element bounds).
       atol: absolute tolerance, a float or an array of the compared shape (per-element bounds; +inf marks an
         element whose value is ill-conditioned and is not checked).
       reason: one line saying where the numbers come from (shown in failure reports).
     """
 
-    rtol: float
+    rtol: Any
     atol: Any
     reason: str = ""
 
     def __add__(self, other: "Tolerance") -> "Tolerance":
         """The tolerance for |a − b| when a and b each carry their own error bound."""
-        return Tolerance(rtol=self.rtol + other.rtol, atol=np.add(self.atol, other.atol),
+        return Tolerance(rtol=np.add(self.rtol, other.rtol), atol=np.add(self.atol, other.atol),
                          reason=f"{self.reason} + {other.reason}")
 
     def checked_fraction(self) -> float:
@@ -147,9 +148,10 @@ class Tolerance:
         allowed = np.broadcast_to(self.atol + self.rtol * np.abs(expected), bad.shape)
         excess = np.where(bad, np.abs(actual - expected) - allowed, -np.inf)
         worst = np.unravel_index(int(np.nanargmax(np.nan_to_num(excess, nan=np.inf))), bad.shape) if bad.ndim else ()
-        atol_text = f"{float(np.max(np.broadcast_to(self.atol, bad.shape)[worst])):.3g}"
+        atol_text = f"{float(np.broadcast_to(self.atol, bad.shape)[worst]):.3g}"
+        rtol_text = f"{float(np.broadcast_to(self.rtol, bad.shape)[worst]):.3g}"
         raise AssertionError(
-            f"{what}: {int(bad.sum())} of {bad.size} elements outside rtol={self.rtol:.3g}, atol={atol_text}"
+            f"{what}: {int(bad.sum())} of {bad.size} elements outside rtol={rtol_text}, atol={atol_text}"
             f" ({self.reason}); worst at {tuple(int(i) for i in worst)}: got {actual[worst]!r},"
             f" expected {expected[worst]!r}"
         )
@@ -168,16 +170,32 @@ def summation_tolerance(n_terms: int, magnitude: float, dtype: Any = np.float64)
     return Tolerance(rtol=8 * eps, atol=atol, reason=f"sum of {n_terms} terms of total size {magnitude:.3g}")
 
 
-def logsumexp_tolerance(vocab_size: int, logit_spread: float, dtype: Any = np.float64) -> Tolerance:
+def logsumexp_tolerance(vocab_size: int, logit_spread: Any, dtype: Any = np.float64) -> Tolerance:
     """Σπ² (or any ratio of exponential sums) of ``vocab_size`` logits spanning ``logit_spread = max z − min z``.
 
     ``z − max z`` carries an absolute rounding error ≤ ε·Δz, which ``exp`` turns into a relative error of the same size;
-    the V-term sums add ``V·ε``. Hence ``rtol = 8ε·(V + Δz)``.
+    the V-term sums add ``V·ε``. Hence ``rtol = 8ε·(V + Δz)``. ``logit_spread`` may be a float or an array of
+    per-row spreads (:func:`logit_spread`), giving per-element bounds.
     """
     eps = machine_epsilon(dtype)
-    spread = float(logit_spread) if math.isfinite(logit_spread) else 0.0
-    return Tolerance(rtol=8 * eps * (vocab_size + spread), atol=0.0,
-                     reason=f"exp-sum over V={vocab_size} logits of spread {spread:.3g}")
+    spread = np.asarray(logit_spread, dtype=np.float64)
+    spread = np.where(np.isfinite(spread), spread, 0.0)
+    rtol = 8 * eps * (vocab_size + spread)
+    largest = float(spread.max()) if spread.size else 0.0
+    return Tolerance(rtol=float(rtol) if rtol.ndim == 0 else rtol, atol=0.0,
+                     reason=f"exp-sum over V={vocab_size} logits of spread ≤ {largest:.3g} in {_dtype_name(dtype)}")
+
+
+def logit_spread(logits: Any) -> np.ndarray:
+    """Per-row spread ``Δz = max z − min z`` over the finite logits of each row (``[..., V]`` → ``[...]``; 0 for a
+    row with at most one finite logit). −inf logits (excluded tokens) contribute nothing to Σπ², so they are ignored."""
+    logits = np.asarray(logits, dtype=np.float64)
+    finite = np.isfinite(logits)
+    high = np.where(finite, logits, -np.inf).max(axis=-1, initial=-np.inf)
+    low = np.where(finite, logits, np.inf).min(axis=-1, initial=np.inf)
+    with np.errstate(invalid="ignore"):
+        spread = high - low
+    return np.where(np.isfinite(spread), spread, 0.0)
 
 
 def proxy_tolerance(vocab_size: int, max_abs_logit: float, dtype: Any = np.float64) -> Tolerance:
@@ -285,8 +303,10 @@ def otb_tolerance(
 
 
 def output_rounding(dtype: Any) -> Tolerance:
-    """Rounding a result to ``dtype`` on output: relative error ≤ u = ε/2 (written as rtol = ε)."""
-    return Tolerance(rtol=machine_epsilon(dtype), atol=0.0, reason=f"output rounded to {_dtype_name(dtype)}")
+    """Rounding a result to ``dtype`` on output: relative error ≤ u = ε/2 (written as rtol = ε), plus the smallest
+    normal number of ``dtype`` for results that become subnormal or are flushed to zero."""
+    return Tolerance(rtol=machine_epsilon(dtype), atol=smallest_normal(dtype),
+                     reason=f"output rounded to {_dtype_name(dtype)}")
 
 
 def otb_comparison_tolerance(

@@ -97,8 +97,8 @@ def returns_to_go(rewards: Any, response_mask: Any, *, gamma: float = 1.0) -> np
 def reward_to_go(rewards: np.ndarray, mask: np.ndarray, gamma: float = 1.0) -> np.ndarray:
     """Unchecked core of :func:`returns_to_go` (float64 arrays of one shape)."""
     masked = rewards * mask
-    if gamma == 1.0:
-        return np.flip(np.cumsum(np.flip(masked, axis=-1), axis=-1), axis=-1)
+    if gamma == 1.0:   # contiguous result (a flipped view has negative strides, which torch.from_numpy refuses)
+        return np.ascontiguousarray(np.flip(np.cumsum(np.flip(masked, axis=-1), axis=-1), axis=-1))
     # Discount per generated token: compact the valid tokens, run the constant-coefficient recursion
     # Gᶜ_a = rᶜ_a + γ·Gᶜ_{a+1} backwards (an IIR filter), then read Gₜ = Gᶜ[#valid tokens before t].
     rows, cols = np.nonzero(mask)

@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 
 import otb_spec as otb
 from otb_spec import strategies as otb_st
-from otb_spec.adapters import _REGISTRY, load_adapter
+from otb_spec.adapters import _REGISTRY, available_adapters, load_adapter
 from otb_spec.tolerances import logsumexp_tolerance, otb_comparison_tolerance, output_rounding, summation_tolerance
 
+available_adapters(runnable_only=False)          # merges adapters registered through entry points into the registry
 _SELECTED = [name.strip() for name in os.environ.get("OTB_ADAPTERS", "").split(",") if name.strip()]
 _NAMES = _SELECTED or list(_REGISTRY)
 _GPU = {"torch-cuda", "jax-gpu"}
