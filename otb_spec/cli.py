@@ -4,8 +4,14 @@
     otb-spec demo [--estimator NAME ...] [--epsilon EPS] [--no-zero-tail]
     otb-spec compute BATCH.npz [--estimator NAME] [--output OUT.npz]
     otb-spec lab [--quick] [--seed S] [--regime NAME ...] [--group-size N ...] [--plot PNG] [--json PATH]
+    otb-spec verify TARGET --kind {otb,tir-otb,loo-otb,sum-pi-squared} [--convention verl] [--device cpu|cuda]
+                    [--max-examples N] [--seed S] [--json PATH] [--skip FILE] [--layer L ...] [--shrink-budget N]
+    otb-spec verify --adapter NAME [--kind K ...] [same options]
+    otb-spec mutants [--max-examples N] [--seed S] [--markdown]
+    otb-spec vectors --out DIR [--kind K ...] [--generated N] [--no-special] [--seed S]
 
-Exit status: 0 on success, 2 on usage or input errors (with a one-line message on stderr).
+Exit status: 0 on success (verify: conformant), 1 verify: not conformant (mutants: a mutant survived), 2 on usage,
+import or input errors (with a one-line message on stderr).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from otb_spec.trajectory import cumulative_energy, reward_to_go
 
 __all__ = ["main", "build_parser"]
 
+_KINDS = ("otb", "tir-otb", "loo-otb", "sum-pi-squared")
 _BATCH_KEYS = ("rewards", "response_mask", "group_ids", "log_probs", "sum_pi_squared", "is_weights",
                "cumulative_score_sq_norms", "sequence_score_sq_norms")
 
@@ -63,6 +70,49 @@ def build_parser() -> argparse.ArgumentParser:
     lab.add_argument("--json", help="also write every number, with standard errors, to this JSON file")
     lab.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     lab.set_defaults(run=_run_lab)
+
+    verify = commands.add_parser(
+        "verify", help="check an OTB implementation against the reference (exit 0 conformant, 1 not, 2 usage)",
+        description="Layered conformance checks: signature, structure (shapes, dtypes, devices, inputs unchanged, "
+                    "determinism), golden cases, Hypothesis-generated cases (shrunk on failure), special cases.")
+    verify.add_argument("target", nargs="?", help="package.module:callable or path/to/file.py:callable")
+    verify.add_argument("--kind", action="append", choices=list(_KINDS),
+                        help="what the target computes (required with TARGET; with --adapter, repeatable, default "
+                             "every kind the adapter has)")
+    verify.add_argument("--adapter", metavar="NAME", help="check a registered adapter (otb_spec.adapters) instead")
+    verify.add_argument("--convention", default="verl", help="calling convention (default verl; see --list)")
+    verify.add_argument("--device", default="cpu", help="where inputs go: cpu or cuda (default cpu)")
+    verify.add_argument("--max-examples", type=int, default=100, metavar="N",
+                        help="Hypothesis examples per generated profile (default 100)")
+    verify.add_argument("--seed", type=int, default=0, help="Hypothesis seed; the same seed replays (default 0)")
+    verify.add_argument("--shrink-budget", type=int, default=None, metavar="N",
+                        help="further runs spent shrinking a failing generated case (default 200; 0: none)")
+    verify.add_argument("--layer", action="append", metavar="LAYER",
+                        help="run only these layers (repeatable): signature, structure, golden, generated, special")
+    verify.add_argument("--skip", metavar="FILE",
+                        help="skip checks: one check-id pattern per line, each with '# reason'")
+    verify.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    verify.add_argument("--verbose", action="store_true", help="list passing checks too")
+    verify.add_argument("--list", action="store_true", help="list conventions and kinds, then exit")
+    verify.set_defaults(run=_run_verify)
+
+    mutants = commands.add_parser("mutants", help="run the verifier over deliberately broken implementations "
+                                                  "and print which checks catch each (needs torch)")
+    mutants.add_argument("--max-examples", type=int, default=100, metavar="N",
+                         help="Hypothesis examples per generated profile (default 100)")
+    mutants.add_argument("--seed", type=int, default=0, help="Hypothesis seed (default 0)")
+    mutants.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    mutants.set_defaults(run=_run_mutants)
+
+    vectors = commands.add_parser("vectors", help="write golden vectors (JSON + .npz) for ports in any language")
+    vectors.add_argument("--out", required=True, metavar="DIR", help="directory to write (created if needed)")
+    vectors.add_argument("--kind", action="append", choices=list(_KINDS), help="only these kinds (repeatable)")
+    vectors.add_argument("--generated", type=int, default=10, metavar="N",
+                         help="Hypothesis-generated cases per profile and kind (default 10)")
+    vectors.add_argument("--no-special", action="store_true",
+                         help="leave out the large special cases (T = 4096, V = 65536; tens of MB)")
+    vectors.add_argument("--seed", type=int, default=0, help="Hypothesis seed of the generated cases (default 0)")
+    vectors.set_defaults(run=_run_vectors)
     return parser
 
 
@@ -170,6 +220,58 @@ def _run_lab(args: argparse.Namespace) -> int:
                 os.makedirs(directory, exist_ok=True)
             plot_variance(result, args.plot)
             print(f"\nwrote {args.plot}")
+    return 0
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    from otb_spec.conformance import CONVENTIONS, LAYERS, SHRINK_BUDGET, read_skip_file, verify, verify_adapter
+
+    if args.list:
+        print("conventions (--convention):")
+        for convention in CONVENTIONS.values():
+            print(f"  {convention.name:<10} {convention.description}; kinds: {', '.join(convention.kinds)}")
+        print(f"kinds (--kind): {', '.join(_KINDS)}")
+        print(f"layers (--layer): {', '.join(LAYERS)}")
+        return 0
+    if (args.target is None) == (args.adapter is None):
+        raise ValueError("give either TARGET (package.module:callable or file.py:callable) or --adapter NAME")
+    if args.target is not None and (not args.kind or len(args.kind) != 1):
+        raise ValueError("--kind: give exactly one kind with TARGET (otb, tir-otb, loo-otb, sum-pi-squared)")
+    if args.max_examples < 1:
+        raise ValueError(f"--max-examples: must be ≥ 1, got {args.max_examples}")
+    options = dict(max_examples=args.max_examples, seed=args.seed,
+                   layers=tuple(args.layer) if args.layer else LAYERS,
+                   skips=read_skip_file(args.skip) if args.skip else (),
+                   shrink_budget=SHRINK_BUDGET if args.shrink_budget is None else args.shrink_budget)
+    if args.adapter is not None:
+        report = verify_adapter(args.adapter, kinds=tuple(args.kind) if args.kind else None, **options)
+    else:
+        report = verify(args.target, args.kind[0], convention=args.convention, device=args.device, **options)
+    print(report.to_text(verbose=args.verbose))
+    if args.json:
+        report.write_json(args.json)
+        print(f"wrote {args.json}")
+    return report.exit_status
+
+
+def _run_mutants(args: argparse.Namespace) -> int:
+    from otb_spec.conformance.mutants import kill_table
+
+    table = kill_table(max_examples=args.max_examples, seed=args.seed, progress=sys.stderr)
+    print(table.to_markdown() if args.markdown else table.to_text())
+    return 0 if table.all_killed and table.controls_pass else 1
+
+
+def _run_vectors(args: argparse.Namespace) -> int:
+    from otb_spec.conformance.vectors import write_vectors
+
+    manifest = write_vectors(args.out, kinds=tuple(args.kind) if args.kind else _KINDS, generated=args.generated,
+                             special=not args.no_special, seed=args.seed)
+    counts: dict[str, int] = {}
+    for entry in manifest["cases"]:
+        counts[entry["kind"]] = counts.get(entry["kind"], 0) + 1
+    print(f"wrote {len(manifest['cases'])} cases ({', '.join(f'{k}: {n}' for k, n in counts.items())}) to "
+          f"{args.out}: manifest.json, schema.json, <kind>/*.json and *.npz (format: docs/vectors.md)")
     return 0
 
 

@@ -1,0 +1,214 @@
+"""Conformance verifier: is a third-party OTB implementation right?
+
+One call (or ``otb-spec verify``) runs layered checks against the reference::
+
+    from otb_spec.conformance import verify
+    report = verify("my_trainer.advantages:compute_optimal_token_baseline_advantage", "otb")   # verl convention
+    print(report.to_text()); assert report.conformant
+
+Layers (``LAYERS``): signature → structure (shapes, dtypes, devices, inputs unchanged, determinism) → golden cases →
+Hypothesis-generated cases (shrunk to a minimal failing case) → special cases (long sequences, large or extreme
+logits, bfloat16). Tolerances are per element, from the dtype and the problem size (``otb_spec.tolerances``).
+
+Calling conventions (``CONVENTIONS``; add one with :func:`register_convention`): ``verl`` (torch tensors, NumPy
+``index``, returns ``(advantages, returns)`` — verl 0.9.1's functions), ``numpy`` (the reference's signature),
+``grouped`` ([G, N, T] arrays of contiguous equal-size groups), ``jax`` (segment ids + a static count). Ports written
+against the adapter protocol (``otb_spec.adapters``) are checked with :func:`verify_adapter`.
+
+For your own property tests: :func:`generated_cases` / :func:`golden_cases` / :func:`special_cases` give
+:class:`Case` objects (inputs, options, ``case.expected()``, ``case.tolerances()``), and
+:func:`assert_matches_reference` compares your outputs with the same rule ``verify`` uses. The pytest plugin
+(``otb_spec.pytest_plugin``) wraps all of this in fixtures. docs/conformance.md has the details.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+import time
+from typing import Any, Callable, Iterable
+
+from otb_spec.conformance._cases import (GENERATED_PROFILES, KINDS, Case, compute_dtype_for, generated_cases,
+                                         golden_cases, special_cases)
+from otb_spec.conformance._checks import (LAYERS, SHRINK_BUDGET, CheckResult, Comparison, compare, read_skip_file,
+                                          run_checks)
+from otb_spec.conformance._conventions import (CONVENTIONS, Convention, Outcome, Subject, adapter_subject,
+                                               register_convention)
+from otb_spec.conformance._report import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, Report
+
+__all__ = [
+    "GENERATED_PROFILES",
+    "KINDS",
+    "LAYERS",
+    "CONVENTIONS",
+    "Case",
+    "CheckResult",
+    "Comparison",
+    "Convention",
+    "Outcome",
+    "Report",
+    "REPORT_SCHEMA",
+    "REPORT_SCHEMA_VERSION",
+    "SHRINK_BUDGET",
+    "Subject",
+    "TargetError",
+    "adapter_subject",
+    "assert_matches_reference",
+    "compare",
+    "compute_dtype_for",
+    "find_case",
+    "generated_cases",
+    "golden_cases",
+    "load_target",
+    "read_skip_file",
+    "register_convention",
+    "special_cases",
+    "verify",
+    "verify_adapter",
+]
+
+
+class TargetError(ValueError):
+    """The target cannot be loaded or used (a usage error: exit status 2 on the command line)."""
+
+
+def load_target(spec: str) -> Callable:
+    """Load ``"package.module:callable"`` or ``"path/to/file.py:callable"`` (``callable`` may be dotted,
+    e.g. ``Class.method``). Raises :class:`TargetError` saying what is wrong."""
+    module_name, colon, attribute = spec.rpartition(":") if spec.count(":") > 1 else spec.partition(":")
+    if not colon or not module_name or not attribute:
+        raise TargetError(f"TARGET: expected 'package.module:callable' or 'path/to/file.py:callable', got {spec!r}")
+    if module_name.endswith(".py"):
+        if not os.path.isfile(module_name):
+            raise TargetError(f"TARGET: no file {module_name!r}")
+        unique = f"otb_spec_target_{abs(hash(os.path.abspath(module_name)))}"
+        location = importlib.util.spec_from_file_location(unique, module_name)
+        module = importlib.util.module_from_spec(location)
+        sys.modules[unique] = module
+        try:
+            location.loader.exec_module(module)
+        except Exception as exc:
+            del sys.modules[unique]
+            raise TargetError(f"TARGET: importing {module_name} failed: {type(exc).__name__}: {exc}") from exc
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as exc:
+            raise TargetError(f"TARGET: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from exc
+    value: Any = module
+    for part in attribute.split("."):
+        if not hasattr(value, part):
+            raise TargetError(f"TARGET: {module_name!r} has no attribute {attribute!r}")
+        value = getattr(value, part)
+    if not callable(value):
+        raise TargetError(f"TARGET: {spec!r} is a {type(value).__name__}, not a callable")
+    return value
+
+
+def _subject(target: Callable | str, kind: str, convention: str, device: str) -> tuple[Subject, str]:
+    if kind not in KINDS:
+        raise TargetError(f"kind: expected one of {', '.join(KINDS)}, got {kind!r}")
+    if convention not in CONVENTIONS:
+        raise TargetError(f"convention: expected one of {', '.join(CONVENTIONS)}, got {convention!r}")
+    chosen = CONVENTIONS[convention]
+    if kind not in chosen.kinds:
+        raise TargetError(f"kind: the {convention} convention has no {kind!r} (it has {', '.join(chosen.kinds)})")
+    if isinstance(target, str):
+        spec, function = target, load_target(target)
+    elif callable(target):
+        spec = f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', repr(target))}"
+        function = target
+    else:
+        raise TargetError(f"target: expected a callable or 'module:callable', got {type(target).__name__}")
+    try:
+        return chosen.build(function, spec, kind, device), spec
+    except (ImportError, RuntimeError) as exc:
+        raise TargetError(f"convention {convention!r}: {exc}") from exc
+
+
+def verify(target: Callable | str, kind: str, *, convention: str = "verl", device: str = "cpu",
+           max_examples: int = 100, seed: int = 0, layers: Iterable[str] = LAYERS,
+           skips: Iterable[tuple[str, str]] = (), shrink_budget: int = SHRINK_BUDGET) -> Report:
+    """Check an implementation of ``kind`` against the reference; returns a :class:`Report`.
+
+    Args:
+      target: the callable, or ``"package.module:callable"`` / ``"path/to/file.py:callable"``.
+      kind: ``"otb"``, ``"tir-otb"``, ``"loo-otb"`` or ``"sum-pi-squared"``.
+      convention: how the callable is called (``CONVENTIONS``; default ``"verl"``).
+      device: where inputs are placed (``"cpu"``, ``"cuda"``; for the jax convention a JAX platform).
+      max_examples: Hypothesis examples per profile of the generated layer (:data:`GENERATED_PROFILES`).
+      seed: Hypothesis seed (the same seed replays the same cases).
+      layers: which of :data:`LAYERS` to run.
+      skips: ``(check-id pattern, reason)`` pairs (:func:`read_skip_file`).
+      shrink_budget: further runs Hypothesis may spend shrinking a failing generated case (0: no shrinking).
+    Raises:
+      TargetError: the target cannot be loaded, or the convention does not offer ``kind`` or ``device``.
+    """
+    start = time.perf_counter()
+    subject, spec = _subject(target, kind, convention, device)
+    results = run_checks(subject, kind, max_examples=max_examples, seed=seed, layers=layers, skips=skips,
+                         shrink_budget=shrink_budget)
+    return Report(spec, convention, subject.name, (kind,), device, seed, max_examples, results,
+                  time.perf_counter() - start)
+
+
+def verify_adapter(adapter: Any, *, kinds: Iterable[str] | None = None, max_examples: int = 100, seed: int = 0,
+                   layers: Iterable[str] = LAYERS, skips: Iterable[tuple[str, str]] = (),
+                   shrink_budget: int = SHRINK_BUDGET, **options: Any) -> Report:
+    """Check a port through the adapter protocol: every kind it implements (or ``kinds``).
+
+    ``adapter`` is an adapter object or a registered name (``"torch-cpu"``, ``"jax-cpu"``, an entry-point name);
+    ``options`` go to its factory."""
+    from otb_spec.adapters import load_adapter
+
+    start = time.perf_counter()
+    if isinstance(adapter, str):
+        try:
+            adapter = load_adapter(adapter, **options)
+        except (ValueError, TypeError, ImportError) as exc:
+            raise TargetError(f"--adapter: {exc}") from exc
+    subject = adapter_subject(adapter)
+    chosen = tuple(kinds) if kinds is not None else subject.kinds
+    unknown = [kind for kind in chosen if kind not in KINDS]
+    if unknown:
+        raise TargetError(f"kind: expected some of {', '.join(KINDS)}, got {', '.join(unknown)}")
+    results: list[CheckResult] = []
+    for kind in chosen:
+        results += run_checks(subject, kind, max_examples=max_examples, seed=seed, layers=layers, skips=skips,
+                              shrink_budget=shrink_budget)
+    return Report(f"adapter {getattr(adapter, 'name', type(adapter).__name__)}", "adapter", subject.name, chosen,
+                  subject.device, seed, max_examples, results, time.perf_counter() - start)
+
+
+def find_case(kind: str, name: str, dtype: str) -> Case:
+    """The golden or special case of ``kind`` called ``name``, delivered in ``dtype`` (used by report snippets)."""
+    for case in golden_cases(kind, (dtype,)) + special_cases(kind) + special_cases(kind, equal_groups=True):
+        if case.name == name and case.dtype == dtype:
+            return case
+    raise ValueError(f"name: no golden or special {kind!r} case {name!r} in {dtype}")
+
+
+def assert_matches_reference(case: Case, *, output_dtypes: dict[str, str] | None = None,
+                             compute_dtype: str | None = None, **outputs: Any) -> None:
+    """Raise :class:`AssertionError` unless ``outputs`` (``advantages=…, returns=…`` or ``sum_pi_squared=…``, any
+    array-likes, torch tensors included) match the reference on ``case`` — the rule ``verify`` uses."""
+    hosted = {name: _to_numpy(value) for name, value in outputs.items()}
+    dtypes = dict(output_dtypes or {})
+    for name, value in outputs.items():
+        dtypes.setdefault(name, str(getattr(value, "dtype", "")).replace("torch.", "") or case.dtype)
+    problems = [c.describe() for c in compare(case, hosted, output_dtypes=dtypes, compute_dtype=compute_dtype)
+                if not c.ok]
+    if problems:
+        raise AssertionError(f"{case.describe()}:\n  " + "\n  ".join(problems))
+
+
+def _to_numpy(value: Any) -> Any:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        value = value.detach().cpu()
+        return (value.float() if value.dtype in (torch.bfloat16, torch.float16) else value).numpy()
+    import numpy as np
+
+    return np.asarray(value).astype(np.float64)

@@ -1,0 +1,557 @@
+"""Calling conventions: how a target callable takes a case and returns its outputs.
+
+A convention turns a target into a *subject* — something that runs a :class:`~otb_spec.conformance.Case` and hands back
+NumPy outputs plus what the structural checks need (output dtypes and devices, which inputs the call modified) — and
+writes a copy-pasteable snippet reproducing a call. Built in:
+
+* ``verl`` — verl 0.9.1's functions: torch tensors, ``index`` a NumPy array of ids; otb/tir-otb return
+  ``(advantages, returns)``, sum-pi-squared a tensor. Positional: (token_level_rewards, response_mask, index,
+  old_log_probs, sum_pi_squared), keywords rollout_is_weights, handle_zero_tail, epsilon.
+* ``numpy`` — the reference's own signature on NumPy arrays: (rewards, response_mask, group_ids, log_probs,
+  sum_pi_squared, *, is_weights, handle_zero_tail, epsilon) → (advantages, returns, …); loo-otb without
+  handle_zero_tail; sum-pi-squared (logits) → array.
+* ``grouped`` — contiguous equal-size groups in a [G, N, T] layout (NumPy), no ids: (rewards, response_mask,
+  log_probs, sum_pi_squared, *, is_weights, handle_zero_tail, epsilon) → (advantages, returns) in [G, N, T].
+* ``jax`` — ``jax.Array`` inputs with integer segment ids and a static count: (rewards, response_mask, segment_ids,
+  num_segments, log_probs, sum_pi_squared, *, is_weights, handle_zero_tail, epsilon) → (advantages, returns, …).
+
+Add one with :func:`register_convention`. Adapters (``otb_spec.adapters``) are subjects too (:func:`adapter_subject`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from otb_spec.conformance._cases import Case, compute_dtype_for
+
+__all__ = ["Outcome", "Subject", "Convention", "CONVENTIONS", "register_convention", "adapter_subject"]
+
+
+@dataclass
+class Outcome:
+    """What one call produced: float64 outputs, their dtypes and devices, the input devices, mutated inputs."""
+
+    outputs: dict[str, np.ndarray]
+    output_dtypes: dict[str, str]
+    output_devices: set[str] = field(default_factory=set)
+    input_devices: set[str] = field(default_factory=set)
+    mutated: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Subject:
+    """An implementation as the checks see it.
+
+    Attributes:
+      name: shown in reports (target and convention).
+      kinds: the kinds it can be checked for.
+      device: where its inputs are placed.
+      run: runs a case → :class:`Outcome` (raises whatever the implementation raises).
+      snippet: a copy-pasteable program reproducing a case's call and the reference's answer.
+      signature_problem: ``kind → None`` or why the callable cannot be called as the convention requires.
+      equal_groups: only contiguous equal-size groups can be expressed (a [G, N, T] layout).
+      supports_dtype: whether the convention can deliver inputs of a dtype (NumPy has no bfloat16 without ml_dtypes).
+      dtype_rule: ``"same"`` — outputs in the input dtype; ``"at-least"`` — a floating dtype at least as precise.
+      compute_dtype: the precision it accumulates in for an input dtype (decides the tolerance).
+      expressible: ``case → None`` or why this subject cannot take that case (the check is skipped with the reason).
+    """
+
+    name: str
+    kinds: tuple[str, ...]
+    device: str
+    run: Callable[[Case], Outcome]
+    snippet: Callable[[Case], str]
+    signature_problem: Callable[[str], str | None] = lambda kind: None
+    equal_groups: bool = False
+    supports_dtype: Callable[[str], bool] = lambda dtype: True
+    dtype_rule: str = "same"
+    compute_dtype: Callable[[str], str] = compute_dtype_for
+    expressible: Callable[[Case], str | None] = lambda case: None
+
+
+@dataclass(frozen=True)
+class Convention:
+    """A named calling convention: ``build(target, target_spec, kind, device) → Subject``.
+
+    ``target`` is the callable, ``target_spec`` how the user named it (``"pkg.mod:fn"`` or ``"file.py:fn"``, used in
+    snippets), ``kind`` one of :data:`~otb_spec.conformance.KINDS`, ``device`` e.g. ``"cpu"`` or ``"cuda"``."""
+
+    name: str
+    description: str
+    kinds: tuple[str, ...]
+    build: Callable[..., Subject]
+
+
+CONVENTIONS: dict[str, Convention] = {}
+
+
+def register_convention(convention: Convention) -> None:
+    """Add (or replace) a calling convention."""
+    if not isinstance(convention, Convention):
+        raise TypeError(f"convention: expected a Convention, got {type(convention).__name__}")
+    CONVENTIONS[convention.name] = convention
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _bind_problem(target: Callable, args: int, keywords: dict) -> str | None:
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return None                                         # builtins without a signature: the call will tell
+    try:
+        signature.bind(*range(args), **keywords)
+    except TypeError as exc:
+        return f"cannot be called as f({', '.join(['·'] * args)}{', ' if keywords else ''}" \
+               f"{', '.join(f'{k}=…' for k in keywords)}): {exc}"
+    return None
+
+
+def _signature_check(target: Callable, positional: int, weights_name: str) -> Callable[[str], str | None]:
+    """``kind → problem``: Σπ² takes one argument; OTB kinds ``positional`` ones plus the weights (``weights_name``),
+    ``epsilon`` and, except leave-one-out, ``handle_zero_tail`` as keywords."""
+    def problem(kind: str) -> str | None:
+        if kind == "sum-pi-squared":
+            return _bind_problem(target, 1, {})
+        keywords = {weights_name: None, "epsilon": 1e-8}
+        if kind != "loo-otb":
+            keywords["handle_zero_tail"] = True
+        return _bind_problem(target, positional, keywords)
+
+    return problem
+
+
+# how a snippet turns `got` (a pair of arrays, or one array for Σπ²) into float64 NumPy
+_ARRAY_OUTPUTS = ("np.asarray(got[0], dtype=np.float64)", "np.asarray(got[1], dtype=np.float64)",
+                  "np.asarray(got, dtype=np.float64)")
+
+
+def _literal(name: str, array: np.ndarray | None, dtype: str) -> str:
+    if array is None:
+        return f"{name} = None"
+    if array.dtype == object or array.dtype.kind in "USO":
+        return f"{name} = np.array({array.tolist()!r}, dtype=object)"
+    if name == "group_ids":
+        return f"{name} = np.array({array.tolist()!r}, dtype=np.{array.dtype.name})"
+    numpy_dtype = "float64" if dtype == "float64" else "float32"
+    return f"{name} = np.array({np.asarray(array, dtype=np.float64).tolist()!r}, dtype=np.{numpy_dtype})"
+
+
+def _case_source(case: Case) -> str:
+    """Code that builds the case's arrays: literals for small cases, the library for large ones."""
+    arrays = ("logits",) if case.kind == "sum-pi-squared" else (
+        "rewards", "response_mask", "group_ids", "log_probs", "sum_pi_squared", "is_weights")
+    size = sum(np.size(getattr(case, name)) for name in arrays if getattr(case, name) is not None)
+    if case.name == "generated" or size <= 400:
+        lines = ["import numpy as np"] + [_literal(name, getattr(case, name), case.dtype) for name in arrays]
+        if case.kind != "sum-pi-squared":
+            lines.append(f"handle_zero_tail, epsilon = {case.handle_zero_tail!r}, {case.epsilon!r}")
+        return "\n".join(lines)
+    lines = ["import numpy as np",
+             "from otb_spec.conformance import find_case",
+             f"case = find_case({case.kind!r}, {case.name!r}, {case.dtype!r})"]
+    lines += [f"{name} = case.{name}" for name in arrays]
+    if case.kind != "sum-pi-squared":
+        lines.append("handle_zero_tail, epsilon = case.handle_zero_tail, case.epsilon")
+    return "\n".join(lines)
+
+
+def _reference_line(case: Case) -> str:
+    if case.kind == "sum-pi-squared":
+        return "expected = otb_spec.sum_pi_squared(logits)"
+    function = {"otb": "optimal_token_baseline", "tir-otb": "multi_turn_optimal_token_baseline",
+                "loo-otb": "leave_one_out_token_baseline"}[case.kind]
+    zero_tail = "" if case.kind == "loo-otb" else ", handle_zero_tail=handle_zero_tail"
+    return (f"expected = otb_spec.{function}(rewards, response_mask, group_ids, log_probs, sum_pi_squared, "
+            f"is_weights=is_weights{zero_tail}, epsilon=epsilon)")
+
+
+def _difference_line(case: Case, got_advantages: str, got_returns: str, got_spp: str) -> str:
+    """A line printing the largest |got − expected| of each output (``got_*``: expressions giving float64 arrays)."""
+    if case.kind == "sum-pi-squared":
+        return f'print("max |got - expected|: sum_pi_squared", abs({got_spp} - expected).max())'
+    return (f'print("max |got - expected|: advantages", abs({got_advantages} - expected.advantages).max(), '
+            f'"returns", abs({got_returns} - expected.returns).max())')
+
+
+def _import_line(target_spec: str) -> str:
+    """The line binding ``target``: an import for ``module:name`` / ``file.py:name`` (``name`` may be dotted)."""
+    module, _, attribute = target_spec.rpartition(":")
+    if "<" in attribute or not module:               # a lambda or nested function passed as an object
+        return f"target = ...  # bind `target` to the function you passed to verify() ({target_spec})"
+    if module.endswith(".py"):
+        return (f"import importlib.util; spec = importlib.util.spec_from_file_location('target', {module!r}); "
+                f"target_module = importlib.util.module_from_spec(spec); spec.loader.exec_module(target_module); "
+                f"target = target_module.{attribute}")
+    first, _, rest = attribute.partition(".")
+    return f"from {module} import {first} as target" + (f"; target = target.{rest}" if rest else "")
+
+
+def _pair(result: Any, names: tuple[str, str] = ("advantages", "returns")) -> tuple[Any, Any]:
+    """(advantages, returns) from a tuple/list of at least two, or an object with those attributes."""
+    if all(hasattr(result, name) for name in names):
+        return getattr(result, names[0]), getattr(result, names[1])
+    if isinstance(result, (tuple, list)) and len(result) >= 2:
+        return result[0], result[1]
+    raise TypeError(f"expected (advantages, returns) — a tuple of two arrays — got {type(result).__name__}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# verl (torch)
+
+
+def _torch():
+    import torch  # the verl convention needs torch; imported only when it is used
+
+    return torch
+
+
+def _torch_dtype(dtype: str):
+    torch = _torch()
+    return {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
+            "float16": torch.float16}[dtype]
+
+
+def _to_host(value: Any) -> tuple[np.ndarray, str, str]:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).replace("torch.", "")
+        host = value.detach().cpu()
+        if host.dtype in (torch.bfloat16, torch.float16):
+            host = host.float()
+        return host.numpy().astype(np.float64), dtype, str(value.device)
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(value, jax.Array):
+        host = np.asarray(value)
+        dtype = host.dtype.name
+        devices = getattr(value, "devices", None)
+        device = str(next(iter(devices()))) if callable(devices) else "jax"
+        return host.astype(np.float64), dtype, device
+    host = np.asarray(value)
+    return host.astype(np.float64), host.dtype.name, "cpu"
+
+
+def _verl(target: Callable, target_spec: str, kind: str, device: str) -> Subject:
+    torch = _torch()
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: torch sees no CUDA device on this machine")
+
+    def tensor(array: np.ndarray, dtype: str):
+        host = np.array(array, dtype=np.float32 if dtype != "float64" else np.float64, copy=True)
+        return torch.from_numpy(host).to(device=device, dtype=_torch_dtype(dtype))
+
+    def run(case: Case) -> Outcome:
+        if kind == "sum-pi-squared":
+            inputs = {"logits": tensor(case.logits, case.dtype)}
+            results = (("sum_pi_squared", target(inputs["logits"])),)
+        else:
+            inputs = {"token_level_rewards": tensor(case.rewards, case.dtype),
+                      "response_mask": tensor(case.response_mask, case.dtype),
+                      "old_log_probs": tensor(case.log_probs, case.dtype),
+                      "sum_pi_squared": tensor(case.sum_pi_squared, case.dtype)}
+            if case.is_weights is not None:
+                inputs["rollout_is_weights"] = tensor(case.is_weights, case.dtype)
+        before = {name: value.clone() for name, value in inputs.items()}
+        if kind != "sum-pi-squared":
+            index = np.array(case.group_ids, copy=True)
+            index_before = index.copy()
+            result = target(inputs["token_level_rewards"], inputs["response_mask"], index, inputs["old_log_probs"],
+                            inputs["sum_pi_squared"], rollout_is_weights=inputs.get("rollout_is_weights"),
+                            handle_zero_tail=case.handle_zero_tail, epsilon=case.epsilon)
+            results = tuple(zip(("advantages", "returns"), _pair(result)))
+        outcome = _outcome(results, {str(value.device) for value in inputs.values()})
+        outcome.mutated = [name for name, value in inputs.items() if not torch.equal(before[name], value)]
+        if kind != "sum-pi-squared" and not np.array_equal(index_before, index):
+            outcome.mutated.append("index")
+        return outcome
+
+    def snippet(case: Case) -> str:
+        lines = [_case_source(case), "import torch, otb_spec", _import_line(target_spec),
+                 f"t = lambda a: None if a is None else torch.as_tensor(a).to(device={device!r}, "
+                 f"dtype=torch.{case.dtype})"]
+        if kind == "sum-pi-squared":
+            lines.append("got = target(t(logits))")
+        else:
+            lines.append("got_advantages, got_returns = target(t(rewards), t(response_mask), group_ids, t(log_probs), "
+                         "t(sum_pi_squared), rollout_is_weights=t(is_weights), handle_zero_tail=handle_zero_tail, "
+                         "epsilon=epsilon)")
+        lines.append(_reference_line(case))
+        host = "{}.detach().double().cpu().numpy()"
+        lines.append(_difference_line(case, host.format("got_advantages"), host.format("got_returns"),
+                                      host.format("got")))
+        return "\n".join(lines)
+
+    return Subject(f"{target_spec} (verl convention, {device})", ("otb", "tir-otb", "sum-pi-squared"), device, run,
+                   snippet, _signature_check(target, 5, "rollout_is_weights"))
+
+
+def _outcome(results: tuple, input_devices: set[str]) -> Outcome:
+    outputs, dtypes, devices = {}, {}, set()
+    for name, value in results:
+        outputs[name], dtypes[name], where = _to_host(value)
+        devices.add(where)
+    return Outcome(outputs, dtypes, devices, input_devices)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# numpy and grouped
+
+
+def _numpy_dtype(dtype: str):
+    if dtype in ("float64", "float32", "float16"):
+        return np.dtype(dtype)
+    ml_dtypes = sys.modules.get("ml_dtypes")
+    if ml_dtypes is None:
+        try:
+            import ml_dtypes  # optional: NumPy has no bfloat16 of its own
+        except ImportError:
+            return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _group_order(group_ids: np.ndarray) -> tuple[np.ndarray, int] | str:
+    """Rows sorted so that groups are contiguous (groups in order of first appearance, members in row order), and
+    the group size — or why the case has no [G, N, T] layout (unequal group sizes)."""
+    codes: dict = {}
+    labels = np.array([codes.setdefault(repr(g), len(codes)) for g in np.asarray(group_ids, dtype=object).tolist()])
+    sizes = np.bincount(labels)
+    if sizes.min() != sizes.max():
+        return f"groups of unequal sizes {sorted(set(sizes.tolist()))} have no [G, N, T] layout"
+    return np.argsort(labels, kind="stable"), int(sizes[0])
+
+
+def _numpy(target: Callable, target_spec: str, kind: str, device: str, grouped: bool = False) -> Subject:
+    def array(values: np.ndarray, dtype: str) -> np.ndarray:
+        return np.asarray(values, dtype=np.float32 if dtype != "float64" else np.float64).astype(_numpy_dtype(dtype))
+
+    def run(case: Case) -> Outcome:
+        if kind == "sum-pi-squared":
+            inputs = {"logits": array(case.logits, case.dtype)}
+            before = {"logits": inputs["logits"].copy()}
+            results = (("sum_pi_squared", target(inputs["logits"])),)
+        else:
+            names = ("rewards", "response_mask", "log_probs", "sum_pi_squared", "is_weights")
+            inputs = {name: array(getattr(case, name), case.dtype) for name in names if getattr(case, name) is not None}
+            rows, positions = case.rewards.shape
+            order = None
+            if grouped:
+                order, size = _group_order(case.group_ids)
+                inputs = {name: value[order].reshape(rows // size, size, positions) for name, value in inputs.items()}
+            before = {name: value.copy() for name, value in inputs.items()}
+            keywords = {"is_weights": inputs.get("is_weights"), "epsilon": case.epsilon}
+            if kind != "loo-otb":
+                keywords["handle_zero_tail"] = case.handle_zero_tail
+            ids = () if grouped else (case.group_ids,)
+            result = target(inputs["rewards"], inputs["response_mask"], *(np.array(i, copy=True) for i in ids),
+                            inputs["log_probs"],
+                            inputs["sum_pi_squared"], **keywords)
+            results = tuple(zip(("advantages", "returns"), _pair(result)))
+            if grouped:
+                unsorted = []
+                for name, value in results:
+                    host = np.asarray(value)
+                    if host.size == rows * positions:
+                        flat = np.empty_like(host.reshape(rows, positions))
+                        flat[order] = host.reshape(rows, positions)
+                        host = flat
+                    unsorted.append((name, host))
+                results = tuple(unsorted)
+        outcome = _outcome(results, {"cpu"})
+        outcome.mutated = [name for name, value in inputs.items() if not np.array_equal(before[name], value)]
+        return outcome
+
+    def snippet(case: Case) -> str:
+        lines = [_case_source(case), "import otb_spec", _import_line(target_spec)]
+        if kind == "sum-pi-squared":
+            lines.append("got = target(logits)")
+        else:
+            keywords = "epsilon=epsilon" + ("" if kind == "loo-otb" else ", handle_zero_tail=handle_zero_tail")
+            if grouped:
+                lines += ["ids = group_ids.tolist(); order = sorted(range(len(ids)), key=lambda i: "
+                          "(ids.index(ids[i]), i))",
+                          "G = len(dict.fromkeys(ids)); shape = (G, len(ids) // G, rewards.shape[1])",
+                          "r = lambda a: None if a is None else a[order].reshape(shape)",
+                          f"got = target(r(rewards), r(response_mask), r(log_probs), r(sum_pi_squared), "
+                          f"is_weights=r(is_weights), {keywords})  # rows in `order`"]
+            else:
+                lines.append(f"got = target(rewards, response_mask, group_ids, log_probs, sum_pi_squared, "
+                             f"is_weights=is_weights, {keywords})")
+        lines.append(_reference_line(case))
+        if grouped:
+            lines.append("unsort = lambda a: np.asarray(a, dtype=np.float64).reshape(len(order), -1)"
+                         "[np.argsort(order)]")
+            lines.append(_difference_line(case, "unsort(got[0])", "unsort(got[1])", ""))
+        else:
+            lines.append(_difference_line(case, *_ARRAY_OUTPUTS))
+        return "\n".join(lines)
+
+    def expressible(case: Case) -> str | None:
+        if not grouped or case.kind == "sum-pi-squared":
+            return None
+        order = _group_order(case.group_ids)
+        return order if isinstance(order, str) else None
+
+    kinds = ("otb", "tir-otb", "loo-otb") if grouped else ("otb", "tir-otb", "loo-otb", "sum-pi-squared")
+    label = "grouped" if grouped else "numpy"
+    return Subject(f"{target_spec} ({label} convention)", kinds, "cpu", run, snippet,
+                   _signature_check(target, 4 if grouped else 5, "is_weights"), equal_groups=grouped,
+                   supports_dtype=lambda dtype: _numpy_dtype(dtype) is not None, dtype_rule="at-least", expressible=expressible)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# jax
+
+
+def _jax(target: Callable, target_spec: str, kind: str, device: str) -> Subject:
+    import jax
+    import jax.numpy as jnp
+
+    from otb_jax import segment_ids as to_segments
+
+    platform = "gpu" if device.startswith(("cuda", "gpu")) else device
+    try:
+        placement = jax.devices(platform)[0]
+    except RuntimeError as exc:
+        raise RuntimeError(f"--device {device}: JAX has no {platform} device here ({exc})") from None
+
+    def array(values: np.ndarray, dtype: str):
+        host = np.asarray(values, dtype=np.float32 if dtype != "float64" else np.float64)
+        return jax.device_put(jnp.asarray(host).astype(dtype), placement)
+
+    def run(case: Case) -> Outcome:
+        with jax.enable_x64(case.dtype == "float64"):
+            if kind == "sum-pi-squared":
+                logits = array(case.logits, case.dtype)
+                return _outcome((("sum_pi_squared", target(logits)),), {_jax_device(logits)})
+            ids, count = to_segments(case.group_ids)
+            keywords = {"is_weights": None if case.is_weights is None else array(case.is_weights, case.dtype),
+                        "epsilon": case.epsilon}
+            if kind != "loo-otb":
+                keywords["handle_zero_tail"] = case.handle_zero_tail
+            rewards = array(case.rewards, case.dtype)
+            result = target(rewards, array(case.response_mask, case.dtype), jax.device_put(ids, placement), count,
+                            array(case.log_probs, case.dtype), array(case.sum_pi_squared, case.dtype), **keywords)
+            return _outcome(tuple(zip(("advantages", "returns"), _pair(result))), {_jax_device(rewards)})
+
+    def snippet(case: Case) -> str:
+        lines = [_case_source(case), "import jax, jax.numpy as jnp, otb_spec, otb_jax", _import_line(target_spec),
+                 f"jax.config.update('jax_enable_x64', {case.dtype == 'float64'})",
+                 f"a = lambda x: None if x is None else jnp.asarray(x).astype({case.dtype!r})"]
+        if kind == "sum-pi-squared":
+            lines.append("got = target(a(logits))")
+        else:
+            zero_tail = "" if kind == "loo-otb" else ", handle_zero_tail=handle_zero_tail"
+            lines.append("ids, count = otb_jax.segment_ids(group_ids)")
+            lines.append(f"got = target(a(rewards), a(response_mask), ids, count, a(log_probs), a(sum_pi_squared), "
+                         f"is_weights=a(is_weights), epsilon=epsilon{zero_tail})")
+        lines.append(_reference_line(case))
+        lines.append(_difference_line(case, *_ARRAY_OUTPUTS))
+        return "\n".join(lines)
+
+    return Subject(f"{target_spec} (jax convention, {placement})", ("otb", "tir-otb", "loo-otb", "sum-pi-squared"),
+                   str(placement), run, snippet, _signature_check(target, 6, "is_weights"))
+
+
+def _jax_device(value: Any) -> str:
+    devices = getattr(value, "devices", None)
+    return str(next(iter(devices()))) if callable(devices) else "jax"
+
+
+for _convention in (
+    Convention("verl", "verl 0.9.1: torch tensors, NumPy index, returns (advantages, returns)",
+               ("otb", "tir-otb", "sum-pi-squared"), _verl),
+    Convention("numpy", "the reference's signature on NumPy arrays", ("otb", "tir-otb", "loo-otb", "sum-pi-squared"),
+               _numpy),
+    Convention("grouped", "contiguous equal-size groups as [G, N, T] NumPy arrays, no ids",
+               ("otb", "tir-otb", "loo-otb"),
+               lambda target, spec, kind, device: _numpy(target, spec, kind, device, grouped=True)),
+    Convention("jax", "jax.Array inputs with integer segment ids and a static segment count",
+               ("otb", "tir-otb", "loo-otb", "sum-pi-squared"), _jax),
+):
+    register_convention(_convention)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# adapters
+
+_ADAPTER_METHODS = {"otb": "optimal_token_baseline", "tir-otb": "multi_turn_optimal_token_baseline",
+                    "loo-otb": "leave_one_out_token_baseline", "sum-pi-squared": "sum_pi_squared"}
+_ADAPTER_MEMBERS = ("name", "device", "asarray", "to_numpy", "segments", "compute_dtype")
+
+
+def adapter_subject(adapter: Any) -> Subject:
+    """A subject running a port through the adapter protocol (``otb_spec.adapters``) — every kind it implements.
+
+    Outputs may be in any floating dtype at least as precise as the input (the protocol does not promise the input's
+    dtype); the tolerance uses the precision the adapter says it accumulates in (``adapter.compute_dtype``)."""
+    name = getattr(adapter, "name", type(adapter).__name__)
+
+    def host(value: Any) -> tuple[np.ndarray, str]:
+        dtype = str(getattr(value, "dtype", "")).replace("torch.", "")
+        return np.asarray(adapter.to_numpy(value), dtype=np.float64), dtype
+
+    def run(case: Case) -> Outcome:
+        names = ("logits",) if case.kind == "sum-pi-squared" else (
+            "rewards", "response_mask", "log_probs", "sum_pi_squared", "is_weights")
+        arrays = {key: adapter.asarray(np.array(getattr(case, key), copy=True), case.dtype) for key in names
+                  if getattr(case, key) is not None}
+        before = {key: np.array(adapter.to_numpy(value), copy=True) for key, value in arrays.items()}
+        if case.kind == "sum-pi-squared":
+            results = (("sum_pi_squared", adapter.sum_pi_squared(arrays["logits"])),)
+        else:
+            keywords = {"is_weights": arrays.get("is_weights"), "epsilon": case.epsilon}
+            if case.kind != "loo-otb":
+                keywords["handle_zero_tail"] = case.handle_zero_tail
+            results = tuple(zip(("advantages", "returns"), getattr(adapter, _ADAPTER_METHODS[case.kind])(
+                arrays["rewards"], arrays["response_mask"], adapter.segments(np.array(case.group_ids, copy=True)),
+                arrays["log_probs"],
+                arrays["sum_pi_squared"], **keywords)))
+        outputs, dtypes, devices = {}, {}, set()
+        for key, value in results:
+            outputs[key], dtypes[key] = host(value)
+            devices.add(_device_of(value, adapter.device))
+        mutated = [key for key, value in arrays.items()
+                   if not np.array_equal(before[key], adapter.to_numpy(value), equal_nan=True)]
+        return Outcome(outputs, dtypes, devices, {str(adapter.device)}, mutated)
+
+    def snippet(case: Case) -> str:
+        return "\n".join([
+            _case_source(case),
+            "import otb_spec",
+            "from otb_spec.adapters import load_adapter",
+            "from otb_spec.conformance import Case, adapter_subject",
+            f"case = Case({case.kind!r}, {case.name!r}, {case.dtype!r}"
+            + ("" if case.kind == "sum-pi-squared" else
+               ", rewards, response_mask, group_ids, log_probs, sum_pi_squared, is_weights, "
+               "handle_zero_tail, epsilon") + (", logits=logits)" if case.kind == "sum-pi-squared" else ")"),
+            f"got = adapter_subject(load_adapter({name!r})).run(case).outputs",
+            _reference_line(case),
+            _difference_line(case, "got['advantages']", "got['returns']", "got['sum_pi_squared']"),
+        ])
+
+    def signature_problem(kind: str) -> str | None:
+        missing = [member for member in _ADAPTER_MEMBERS if not hasattr(adapter, member)]
+        if not callable(getattr(adapter, _ADAPTER_METHODS[kind], None)):
+            missing.append(_ADAPTER_METHODS[kind])
+        return f"adapter lacks {', '.join(missing)} (see otb_spec.adapters.Adapter)" if missing else None
+
+    kinds = tuple(kind for kind, method in _ADAPTER_METHODS.items() if callable(getattr(adapter, method, None)))
+    return Subject(f"adapter {name}", kinds, str(getattr(adapter, "device", "?")), run, snippet, signature_problem,
+                   dtype_rule="at-least", compute_dtype=adapter.compute_dtype)
+
+
+def _device_of(value: Any, default: str) -> str:
+    device = getattr(value, "device", None)
+    if device is not None and not callable(device):
+        return str(device)
+    devices = getattr(value, "devices", None)
+    if callable(devices):
+        return str(next(iter(devices())))
+    return str(default)

@@ -1,0 +1,376 @@
+"""The conformance verifier: accepts correct implementations under every convention, rejects wrong ones with a useful
+report, and behaves as a command-line tool should (exit statuses, JSON, skip files, seeds).
+
+The verifier's power against realistic bugs is tested separately, over the mutants (test_conformance_mutants.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+
+import numpy as np
+import pytest
+
+import otb_spec
+from otb_spec.cli import main
+from otb_spec.conformance import (CONVENTIONS, KINDS, LAYERS, Case, Outcome, Subject, TargetError,
+                                  assert_matches_reference, compare, find_case, golden_cases, load_target,
+                                  read_skip_file, special_cases, verify, verify_adapter)
+from otb_spec.conformance._checks import run_checks
+
+FAST = dict(max_examples=20)
+
+
+def _run_cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(list(argv))
+    return status, out.getvalue(), err.getvalue()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# correct implementations conform
+
+
+@pytest.mark.parametrize("target, kind", [
+    ("otb_spec:optimal_token_baseline", "otb"),
+    ("otb_spec:multi_turn_optimal_token_baseline", "tir-otb"),
+    ("otb_spec:leave_one_out_token_baseline", "loo-otb"),
+    ("otb_spec:sum_pi_squared", "sum-pi-squared"),
+])
+def test_reference_conforms_under_the_numpy_convention(target, kind):
+    report = verify(target, kind, convention="numpy", **FAST)
+    assert report.conformant, report.to_text()
+    assert report.exit_status == 0
+    layers = {result.layer for result in report.results if result.status == "pass"}
+    assert layers == set(LAYERS)
+
+
+@pytest.mark.parametrize("target, kind", [
+    ("otb_torch:compute_optimal_token_baseline_advantage", "otb"),
+    ("otb_torch:compute_multi_turn_optimal_token_baseline_advantage", "tir-otb"),
+    ("otb_torch:calculate_sum_pi_squared_from_logits", "sum-pi-squared"),
+])
+def test_torch_drop_ins_conform_under_the_verl_convention(target, kind):
+    pytest.importorskip("torch")
+    report = verify(target, kind, **FAST)
+    assert report.conformant, report.to_text()
+    # bfloat16 special cases ran (the drop-ins accumulate in float32)
+    assert any(r.layer == "special" and r.id.endswith("bfloat16") and r.status == "pass" for r in report.results)
+
+
+@pytest.mark.parametrize("name, examples", [("numpy-reference", 20), ("torch-cpu", 20), ("jax-cpu", 5)])
+def test_adapters_conform(name, examples):
+    from otb_spec.adapters import _REGISTRY
+
+    if not _REGISTRY[name].runnable():
+        pytest.skip(f"{name}: framework not installed")
+    report = verify_adapter(name, max_examples=examples)
+    assert report.conformant, report.to_text()
+    assert set(report.kinds) == set(KINDS)
+
+
+def _grouped_reference(kind):
+    function = {"otb": otb_spec.optimal_token_baseline, "tir-otb": otb_spec.multi_turn_optimal_token_baseline,
+                "loo-otb": otb_spec.leave_one_out_token_baseline}[kind]
+
+    def grouped(rewards, response_mask, log_probs, sum_pi_squared, *, is_weights=None, epsilon=1e-8, **options):
+        groups, size, positions = rewards.shape
+        flat = lambda a: None if a is None else a.reshape(groups * size, positions)  # noqa: E731
+        result = function(flat(rewards), flat(response_mask), np.repeat(np.arange(groups), size), flat(log_probs),
+                          flat(sum_pi_squared), is_weights=flat(is_weights), epsilon=epsilon, **options)
+        return result.advantages.reshape(rewards.shape), result.returns.reshape(rewards.shape)
+
+    return grouped
+
+
+@pytest.mark.parametrize("kind", ["otb", "tir-otb", "loo-otb"])
+def test_grouped_convention_checks_a_port_with_a_group_layout(kind):
+    report = verify(_grouped_reference(kind), kind, convention="grouped", **FAST)
+    assert report.conformant, report.to_text()
+    skipped = [r for r in report.results if r.status == "skip"]
+    assert skipped and all("unequal sizes" in r.message for r in skipped)   # golden cases with no [G, N, T] layout
+
+
+def test_jax_convention_checks_otb_jax_functions():
+    otb_jax = pytest.importorskip("otb_jax")
+    report = verify(otb_jax.optimal_token_baseline, "otb", convention="jax",   # each shape compiles: golden only
+                    layers=("signature", "structure", "golden"))
+    assert report.conformant, report.to_text()
+
+
+def test_every_convention_is_described_and_offers_kinds():
+    assert {"verl", "numpy", "grouped", "jax"} <= set(CONVENTIONS)
+    for convention in CONVENTIONS.values():
+        assert convention.description and set(convention.kinds) <= set(KINDS)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# wrong implementations are rejected with a useful report
+
+
+def _wrong_returns(rewards, response_mask, group_ids, log_probs, sum_pi_squared, *, is_weights=None,
+                   handle_zero_tail=True, epsilon=1e-8):
+    result = otb_spec.optimal_token_baseline(rewards, response_mask, group_ids, log_probs, sum_pi_squared,
+                                             is_weights=is_weights, handle_zero_tail=handle_zero_tail, epsilon=epsilon)
+    return result.advantages, result.returns * np.asarray(response_mask)        # verl returns G unmasked
+
+
+@pytest.fixture(scope="module")
+def wrong_report():
+    return verify(_wrong_returns, "otb", convention="numpy", **FAST)
+
+
+def test_failure_report_has_case_errors_tolerance_and_a_snippet_that_reproduces_it(wrong_report):
+    report = wrong_report
+    assert not report.conformant and report.exit_status == 1
+    failure = next(r for r in report.failures if r.layer == "generated")
+    returns = next(c for c in failure.comparisons if c.output == "returns")
+    assert returns.violations > 0 and returns.max_abs_error > 0
+    assert returns.worst_got != returns.worst_expected and "error bound" in returns.tolerance_reason
+    text = report.to_text()
+    for needle in ("FAIL otb/generated/", "shrunk by Hypothesis", "reproduce:", "max abs error", "tolerance:",
+                   "RESULT: NOT CONFORMANT"):
+        assert needle in text
+    # the snippet is a program: it prints the same largest error
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(re.sub(r"^from \S+ import _wrong_returns as target$", "target = _wrong_returns", failure.snippet,
+                    flags=re.M), {"_wrong_returns": _wrong_returns})
+    numbers = [float(x) for x in re.findall(r"returns ([0-9.e+-]+)", printed.getvalue())]
+    assert numbers and numbers[0] == pytest.approx(returns.max_abs_error, rel=1e-12)
+
+
+def test_json_report_holds_the_same_findings(tmp_path, wrong_report):
+    report = wrong_report
+    path = tmp_path / "report.json"
+    report.write_json(str(path))
+    data = json.loads(path.read_text())
+    assert data["schema"] == "otb-spec-verify-report" and data["schema_version"] == 1
+    assert data["conformant"] is False and data["exit_status"] == 1
+    assert len(data["checks"]) == len(report.results)
+    failed = [c for c in data["checks"] if c["status"] == "fail"]
+    assert failed and all(c["snippet"] for c in failed if c["layer"] != "structure")
+    assert data["summary"]["otb/generated"]["fail"] >= 1
+
+
+def test_failing_generated_cases_are_shrunk(wrong_report):
+    unshrunk = verify(_wrong_returns, "otb", convention="numpy", layers=("generated",), shrink_budget=0, **FAST)
+    shrunk = [r for r in wrong_report.results if r.layer == "generated"]
+    assert len(unshrunk.failures) == len(shrunk) == 3
+    for before, after in zip(unshrunk.failures, shrunk):
+        assert "not shrunk" in before.message and "shrunk by Hypothesis" in after.message
+        size = lambda result: int(re.search(r"B=(\d+), T=(\d+)", result.case).group(1)) * int(  # noqa: E731
+            re.search(r"T=(\d+)", result.case).group(1))
+        assert size(after) <= size(before)
+
+
+def test_the_same_seed_replays_the_same_cases():
+    options = dict(convention="numpy", layers=("generated",), seed=7, max_examples=10, shrink_budget=20)
+    first, second = verify(_wrong_returns, "otb", **options), verify(_wrong_returns, "otb", **options)
+    assert [(r.id, r.case, r.snippet) for r in first.results] == [(r.id, r.case, r.snippet) for r in second.results]
+
+
+def test_signature_failure_stops_the_run():
+    report = verify(lambda logits: logits, "otb", convention="numpy")
+    assert [r.id for r in report.results] == ["otb/signature"]
+    assert report.results[0].status == "fail" and "cannot be called" in report.results[0].message
+    assert report.exit_status == 1
+
+
+def test_exceptions_of_the_implementation_are_findings_not_crashes():
+    def crashes(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    report = verify(crashes, "otb", convention="numpy", **FAST)
+    assert not report.conformant
+    assert all("raised RuntimeError: boom" in r.message for r in report.failures if r.layer != "signature")
+
+
+def test_structure_layer_catches_nondeterminism_mutation_and_dtype():
+    rng = np.random.default_rng(0)
+
+    def noisy(rewards, response_mask, group_ids, log_probs, sum_pi_squared, **options):
+        advantages, returns = _wrong_returns(rewards, response_mask, group_ids, log_probs, sum_pi_squared, **options)
+        log_probs *= 1.0                                                       # in place, same values: not a change
+        rewards[...] = rewards + 1.0                                           # in place, changed
+        return advantages + rng.normal(size=advantages.shape) * 1e-3, returns.astype(np.float16)
+
+    failed = {r.id for r in verify(noisy, "otb", convention="numpy", layers=("structure",)).failures}
+    assert {"otb/structure/deterministic", "otb/structure/inputs-unchanged", "otb/structure/dtypes"} <= failed
+    assert "otb/structure/shapes" not in failed
+
+
+def test_structure_layer_catches_outputs_on_another_device():
+    case_run = Subject("fake", KINDS, "cpu", lambda case: Outcome(
+        dict(zip(("advantages", "returns"), otb_spec.optimal_token_baseline(
+            case.rewards, case.response_mask, case.group_ids, case.log_probs, case.sum_pi_squared)[:2])),
+        {"advantages": case.dtype, "returns": case.dtype}, {"cuda:0"}, {"cpu"}), lambda case: "")
+    results = {r.id: r for r in run_checks(case_run, "otb", layers=("structure",))}
+    assert results["otb/structure/devices"].status == "fail"
+    assert "cuda:0" in results["otb/structure/devices"].message
+
+
+def test_otb_spec_definitions_beyond_verl_carry_a_note():
+    noted = [case for case in golden_cases("otb", ("float64",)) if case.note]
+    assert noted and all(case.epsilon == 0.0 and "verl" in case.note for case in noted)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# comparison rule
+
+
+def test_compare_rejects_nan_inf_and_wrong_shapes_and_leaves_ill_conditioned_elements_unchecked():
+    case = golden_cases("otb", ("float32",))[1]
+    expected = case.expected()
+    good = compare(case, dict(expected))
+    assert all(c.ok for c in good)
+    broken = dict(expected, advantages=np.where(np.arange(expected["advantages"].size).reshape(
+        expected["advantages"].shape) == 3, np.nan, expected["advantages"]))
+    assert not compare(case, broken)[0].ok
+    infinite = dict(expected, returns=expected["returns"] + np.inf)
+    assert compare(case, infinite)[1].violations == expected["returns"].size
+    assert compare(case, dict(expected, returns=expected["returns"][:, :-1]))[1].shape_problem
+    assert compare(case, {"advantages": expected["advantages"]})[1].shape_problem == "missing from the outputs"
+    zero_energy = next(c for c in golden_cases("otb", ("float32",)) if c.name.startswith("deterministic"))
+    assert all(c.ok for c in compare(zero_energy, zero_energy.expected()))
+
+
+def test_assert_matches_reference_accepts_torch_tensors_and_reports_the_worst_element():
+    torch = pytest.importorskip("torch")
+    case = golden_cases("otb", ("float32",))[2]
+    advantages = torch.tensor(case.expected()["advantages"], dtype=torch.float32)
+    returns = torch.tensor(case.expected()["returns"], dtype=torch.float32)
+    assert_matches_reference(case, advantages=advantages, returns=returns)
+    with pytest.raises(AssertionError, match="worst at"):
+        assert_matches_reference(case, advantages=advantages + 1e-3, returns=returns)
+
+
+def test_sum_pi_squared_tolerance_is_per_row():
+    case = golden_cases("sum-pi-squared", ("float32",))[2]              # rows near +1e4, −1e4 and 0
+    rtol = np.asarray(case.tolerances()["sum_pi_squared"].rtol)
+    assert rtol.shape == case.logits.shape[:-1]
+    assert rtol.max() < 8 * 2**-23 * (case.logits.shape[-1] + 100) * 2    # the ±1e4 offsets do not loosen it
+
+
+def test_cases_are_private_read_only_copies():
+    rewards = np.zeros((2, 3))
+    case = Case("otb", "copy", "float64", rewards, np.ones((2, 3)), np.array(["a", "a"]), np.full((2, 3), -1.0),
+                np.full((2, 3), 0.5))
+    rewards[0, 0] = 5.0
+    assert case.rewards[0, 0] == 0.0
+    with pytest.raises(ValueError):
+        case.rewards[0, 0] = 1.0
+    assert case.group_ids.dtype == object
+
+
+def test_find_case_finds_golden_and_special_cases():
+    assert find_case("otb", golden_cases("otb")[0].name, "float32").dtype == "float32"
+    special = special_cases("tir-otb")[1]
+    assert find_case("tir-otb", special.name, special.dtype).rewards.shape == (16, 4096)
+    with pytest.raises(ValueError, match="name"):
+        find_case("otb", "no such case", "float32")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# targets, skip files, command line
+
+
+def test_load_target_from_module_and_file(tmp_path):
+    assert load_target("otb_spec:optimal_token_baseline") is otb_spec.optimal_token_baseline
+    assert load_target("otb_spec.adapters:ReferenceAdapter.sum_pi_squared")
+    source = tmp_path / "my_otb.py"
+    source.write_text("def f(*args, **kwargs):\n    return 1\n")
+    assert load_target(f"{source}:f")() == 1
+    for spec, message in [("no_colon", "expected 'package.module:callable'"), ("no_such_module_xyz:f", "cannot import"),
+                          ("otb_spec:no_such_function", "no attribute"), ("otb_spec:__version__", "not a callable"),
+                          (f"{tmp_path}/missing.py:f", "no file")]:
+        with pytest.raises(TargetError, match=message):
+            load_target(spec)
+
+
+def test_snippets_import_the_target_the_way_it_was_named():
+    from otb_spec.conformance._conventions import _import_line
+
+    assert _import_line("pkg.mod:fn") == "from pkg.mod import fn as target"
+    assert _import_line("pkg.mod:Class.method") == "from pkg.mod import Class as target; target = target.method"
+    assert "spec_from_file_location('target', 'dir/my_otb.py')" in _import_line("dir/my_otb.py:fn")
+    assert _import_line("tests.x:outer.<locals>.fn").startswith("target = ...  # bind `target`")
+
+
+def test_skip_file_skips_matching_checks_and_requires_reasons(tmp_path):
+    skip = tmp_path / "skips.txt"
+    skip.write_text("# verl gives NaN where otb-spec defines 0\n"
+                    "otb/golden/*defined-as-baseline-0*  # we reproduce verl exactly\n"
+                    "otb/special/*  # too slow for our CI\n")
+    entries = read_skip_file(str(skip))
+    assert entries == [("otb/golden/*defined-as-baseline-0*", "we reproduce verl exactly"),
+                       ("otb/special/*", "too slow for our CI")]
+    report = verify("otb_spec:optimal_token_baseline", "otb", convention="numpy", skips=entries, **FAST)
+    skipped = [r for r in report.results if r.status == "skip"]
+    assert len(skipped) == 2 * 2 + 2 and all(r.message.startswith("skipped: ") for r in skipped)
+    assert report.conformant
+    (tmp_path / "bad.txt").write_text("otb/special/*\n")
+    with pytest.raises(ValueError, match="needs a reason"):
+        read_skip_file(str(tmp_path / "bad.txt"))
+
+
+def test_cli_verify_exit_status_zero_for_a_conformant_target():
+    status, out, _ = _run_cli("verify", "otb_spec:optimal_token_baseline", "--kind", "otb", "--convention", "numpy",
+                              "--max-examples", "10")
+    assert status == 0 and "RESULT: CONFORMANT" in out and "target:      otb_spec:optimal_token_baseline" in out
+
+
+def test_cli_verify_exit_status_one_and_json_for_a_wrong_target(tmp_path):
+    pytest.importorskip("torch")
+    path = tmp_path / "report.json"
+    status, out, _ = _run_cli("verify", "otb_spec.conformance.mutants:rho_not_squared", "--kind", "otb",
+                              "--max-examples", "10", "--json", str(path), "--layer", "golden")
+    assert status == 1 and "RESULT: NOT CONFORMANT" in out and "reproduce:" in out
+    assert json.loads(path.read_text())["exit_status"] == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["verify", "no_such_module_xyz:f", "--kind", "otb"], "cannot import"),
+    (["verify", "otb_spec:optimal_token_baseline"], "--kind"),
+    (["verify", "otb_spec:optimal_token_baseline", "--kind", "loo-otb"], "verl convention has no 'loo-otb'"),
+    (["verify", "otb_spec:optimal_token_baseline", "--kind", "otb", "--convention", "nope"], "convention"),
+    (["verify", "otb_spec:optimal_token_baseline", "--kind", "otb", "--adapter", "torch-cpu"], "either TARGET"),
+    (["verify", "--adapter", "no-such-adapter"], "unknown adapter"),
+    (["verify", "otb_spec:optimal_token_baseline", "--kind", "otb", "--max-examples", "0"], "--max-examples"),
+])
+def test_cli_verify_exit_status_two_for_usage_and_import_errors(argv, message):
+    status, _, err = _run_cli(*argv)
+    assert status == 2 and message in err
+
+
+def test_cli_verify_cuda_without_a_gpu_is_a_usage_error():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    status, _, err = _run_cli("verify", "otb_torch:compute_optimal_token_baseline_advantage", "--kind", "otb",
+                              "--device", "cuda")
+    assert status == 2 and "no CUDA device" in err
+
+
+def test_cli_verify_adapter_and_list():
+    pytest.importorskip("torch")
+    status, out, _ = _run_cli("verify", "--adapter", "torch-cpu", "--kind", "otb", "--kind", "sum-pi-squared",
+                              "--max-examples", "10")
+    assert status == 0 and "otb/golden" in out and "sum-pi-squared/special" in out and "tir-otb" not in out
+    status, out, _ = _run_cli("verify", "--list")
+    assert status == 0 and all(name in out for name in CONVENTIONS)
+
+
+@pytest.mark.gpu
+def test_torch_drop_ins_conform_on_cuda():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    for target, kind in [("otb_torch:compute_optimal_token_baseline_advantage", "otb"),
+                         ("otb_torch:calculate_sum_pi_squared_from_logits", "sum-pi-squared")]:
+        report = verify(target, kind, device="cuda", **FAST)
+        assert report.conformant, report.to_text()
