@@ -1,11 +1,17 @@
 """otb_torch speed and memory, printed as figures and ratios.
 
     python benchmarks/bench_torch.py [--device cpu|cuda] [--groups 256] [--group-size 8] [--positions 4096]
+                                     [--repeats 5] [--allocator both|as-is|warm] [--section all|otb|sum-pi-squared]
 
 1. OTB (single-turn, verl semantics) at groups × group-size × positions: the vectorized drop-in (with and without the
    value checks, and with precomputed segments) against the per-group loop pattern (benchmarks/loop_otb_torch.py).
    Target (issue 4): ≥ 20× faster than the loop. On CUDA also against a device-to-device copy of the same bytes (the
    physical limit: reading the inputs once and writing the outputs once).
+   On CPU the section runs twice, in fresh subprocesses, because the result depends on the C allocator: "as-is" (glibc's
+   defaults: every large temporary is a fresh mmap whose pages fault in on first touch) and "warm" (glibc told to keep
+   and reuse freed memory: MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_, as in a long-running process that recycles its
+   heap). Each regime prints the memory floor — the fastest any implementation returning fresh outputs can be — as an
+   upper bound on the achievable ratio.
 2. Σπ² at [1, 4096, 32768] float32 logits: the extra peak memory (beyond the logits) of the plain formula
    exp(logsumexp(2z) − 2·logsumexp(z)) and of otb_torch.sum_pi_squared, as a multiple of the logits' size (target
    ≤ 0.25×), and their times (target: no slower). CPU memory: the resident set of a fresh subprocess, sampled every
@@ -89,6 +95,9 @@ def bench_otb(args) -> None:
         "the loop's batch-wide passes alone": timed(loop_full_batch_work, args.repeats, args.device),
         "memory floor (read 4 inputs, write 2 outputs)": timed(
             lambda: torch.add(floor_in[:2 * n], floor_in[2 * n:], out=floor_out), args.repeats, args.device),
+        "memory floor, outputs freshly allocated": timed(
+            lambda: (torch.add(floor_in[:n], floor_in[n:2 * n]), torch.add(floor_in[2 * n:3 * n], floor_in[3 * n:])),
+            args.repeats, args.device),
     }
     for name, seconds in context.items():
         print(f"  {name:42s} {seconds * 1e3:9.2f} ms   ({loop / seconds:4.1f}× vs loop: an upper bound)")
@@ -161,11 +170,37 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--positions", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--allocator", default="both", choices=["both", "as-is", "warm"],
+                        help="CPU: run the OTB section with glibc's defaults, with a warm (reusing) heap, or both")
+    parser.add_argument("--section", default="all", choices=["all", "otb", "sum-pi-squared"])
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, python {platform.python_version()}, {torch.get_num_threads()} threads"
-          + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""))
-    bench_otb(args)
-    bench_sum_pi_squared(args)
+    if args.section != "otb":
+        print(f"torch {torch.__version__}, python {platform.python_version()}, {torch.get_num_threads()} threads"
+              + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""))
+    if args.section in ("all", "otb"):
+        if args.device == "cpu" and args.section == "all":
+            for regime in (("as-is", "warm") if args.allocator == "both" else (args.allocator,)):
+                otb_in_subprocess(args, regime)
+        else:
+            bench_otb(args)
+    if args.section in ("all", "sum-pi-squared"):
+        bench_sum_pi_squared(args)
+
+
+_WARM_HEAP = {"MALLOC_MMAP_THRESHOLD_": str(2**62), "MALLOC_TRIM_THRESHOLD_": str(2**62)}
+
+
+def otb_in_subprocess(args, regime: str) -> None:
+    """The OTB section in a fresh process whose C allocator runs as-is or with a warm heap (see the docstring)."""
+    environment = dict(os.environ)
+    for name in _WARM_HEAP:
+        environment.pop(name, None)
+    if regime == "warm":
+        environment.update(_WARM_HEAP)
+    print(f"[allocator: {regime}]", flush=True)
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--section", "otb", "--device", args.device,
+                    "--groups", str(args.groups), "--group-size", str(args.group_size),
+                    "--positions", str(args.positions), "--repeats", str(args.repeats)], check=True, env=environment)
 
 
 if __name__ == "__main__":

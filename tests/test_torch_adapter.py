@@ -113,6 +113,54 @@ def test_device_mismatch_is_reported():
             torch.empty_like(tensors["log_probs"], device="meta"), tensors["sum_pi_squared"])
 
 
+def _reference_rejects(**named_arrays) -> bool:
+    from otb_spec import _validation as reference_checks
+    mask = named_arrays.get("mask")
+    try:
+        if mask is not None:
+            reference_checks.mask_array("mask", mask, mask.shape, like="mask")
+        if "log_probs" in named_arrays:
+            reference_checks.token_statistics(named_arrays["log_probs"], named_arrays["sum_pi_squared"], mask,
+                                              mask.shape, like="mask")
+    except ValueError:
+        return True
+    return False
+
+
+_HALF = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+@pytest.mark.parametrize("dtype", _HALF, ids=str)
+def test_device_mask_flag_agrees_with_the_reference(dtype):
+    """The device-side binary-mask rule (m − m·m = 0) flags exactly what the reference rejects, per value."""
+    from otb_torch import _checks
+    info = torch.finfo(dtype)
+    candidates = [0.0, 1.0, -0.0, 0.5, 2.0, -1.0, 1.0 - info.eps / 2, 1.0 + info.eps, info.tiny, info.tiny * info.eps,
+                  info.max, -info.max, float("nan"), float("inf"), -float("inf")]
+    for value in candidates:
+        mask = torch.tensor([[1.0, value, 0.0]], dtype=dtype)
+        host = mask.float().numpy() if dtype == torch.bfloat16 else mask.numpy()
+        assert bool(_checks.problems(mask=mask)) == _reference_rejects(mask=host), (dtype, value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_device_token_statistic_flags_agree_with_the_reference(dtype):
+    """Every (log π, Σπ², m) combination from values clearly inside or outside the reference's ranges is flagged on the
+    device exactly when the reference rejects it (masked positions may hold anything finite)."""
+    from otb_torch import _checks
+    log_probs = [0.0, -0.7, -5.0, 0.05, 1.0]
+    sums = [-0.5, 0.0, 0.2, 0.6, 1.0, 1.5]
+    for lp in log_probs:
+        for spp in sums:
+            for valid in (0.0, 1.0):
+                arrays = {name: np.array([[value, -0.1]], dtype=np.float64 if dtype == torch.float64 else np.float32)
+                          for name, value in (("log_probs", lp), ("sum_pi_squared", spp), ("mask", valid))}
+                arrays["sum_pi_squared"][0, 1] = 0.9
+                arrays["mask"][0, 1] = 1.0
+                tensors = {name: torch.from_numpy(array) for name, array in arrays.items()}
+                assert bool(_checks.problems(**tensors)) == _reference_rejects(**arrays), (lp, spp, valid)
+
+
 def test_bad_logits_are_rejected():
     with pytest.raises(ValueError, match="logits: contains NaN"):
         otb_torch.sum_pi_squared(torch.tensor([[0.0, float("nan")]]))
@@ -196,6 +244,39 @@ def test_hot_path_never_synchronises(function):
     reference = getattr(otb, function)(batch.rewards, batch.response_mask, batch.group_ids, batch.log_probs,
                                        batch.sum_pi_squared, is_weights=np.ones_like(batch.rewards))
     np.testing.assert_allclose(result.advantages.numpy(), reference.advantages, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("function", ["optimal_token_baseline", "multi_turn_optimal_token_baseline",
+                                      "leave_one_out_token_baseline", "compute_optimal_token_baseline_advantage"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("with_weights", [False, True], ids=["no-weights", "weights"])
+def test_row_blocks_give_the_one_block_result(monkeypatch, function, dtype, with_weights):
+    """On CPU, contiguous equal-size groups are processed in row blocks of whole groups (results written straight
+    into the outputs, or copied when the output dtype differs from the compute dtype). With blocks forced small —
+    2 groups per block, 5 groups, so the last block is shorter — every output is bitwise the one-block result."""
+    rng = np.random.default_rng(11)
+    groups, size, positions = 5, 3, 9
+    rows = groups * size
+    lengths = rng.integers(0, positions + 1, size=rows)
+    mask = (np.arange(positions)[None, :] < lengths[:, None]).astype(np.float64)
+    mask[rng.random((rows, positions)) < 0.2] = 0.0                                   # holes
+    pi = rng.uniform(0.05, 1.0, size=(rows, positions))
+    tensor = lambda array: torch.as_tensor(array).to(dtype)  # noqa: E731
+    inputs = (tensor(rng.normal(size=(rows, positions))), tensor(mask), np.repeat(np.arange(groups), size),
+              tensor(np.log(pi)), tensor(pi**2 + (1 - pi) ** 2 * rng.uniform(0, 1, size=(rows, positions))))
+    options = {"check_values": False}
+    if with_weights:
+        weights = tensor(rng.uniform(0.5, 2.0, size=(rows, positions)))
+        options["rollout_is_weights" if function.startswith("compute") else "is_weights"] = weights
+    call = getattr(otb_torch, function)
+    one_block = call(*inputs, **options)
+    monkeypatch.setattr(otb_torch._otb, "_BLOCK_ELEMENTS", 2 * size * positions)
+    assert len(otb_torch._otb._blocks(otb_torch.segments_from_index(inputs[2]), rows, positions,
+                                      torch.device("cpu"))) == 3
+    blocked = call(*inputs, **options)
+    for got, expected in zip(blocked, one_block):
+        assert got.dtype == expected.dtype == dtype
+        assert torch.equal(got, expected)
 
 
 def test_segments_from_any_kind_of_index():

@@ -70,6 +70,27 @@ def _slack(value: torch.Tensor) -> float:
     return input_range_slack(value.dtype)
 
 
+def _not_finite(value: torch.Tensor) -> torch.Tensor:
+    """True if any element is NaN or ±inf: one min/max pass (both propagate NaN)."""
+    low, high = torch.aminmax(value)
+    return ~(torch.isfinite(low) & torch.isfinite(high))
+
+
+def _not_binary(mask: torch.Tensor) -> torch.Tensor:
+    """True if any element is outside {0, 1}.
+
+    Floating masks: m − m·m is exactly 0 only for m ∈ {0, 1} (fl(m·m) = m has no other solution: it would need
+    |m − 1| below half an ulp of 1; NaN and ±inf give NaN), checked with one fused pass and one min/max pass —
+    comparisons producing bool tensors cost several times more on CPU. Other dtypes: the direct comparison.
+    """
+    if mask.dtype == torch.bool:
+        return torch.zeros((), dtype=torch.bool, device=mask.device)
+    if not mask.is_floating_point():
+        return ((mask != 0) & (mask != 1)).any()
+    low, high = torch.aminmax(torch.addcmul(mask, mask, mask, value=-1.0))
+    return (low != 0) | (high != 0)
+
+
 def problems(*, rewards: torch.Tensor | None = None, mask: torch.Tensor | None = None,
              log_probs: torch.Tensor | None = None, sum_pi_squared: torch.Tensor | None = None,
              is_weights: torch.Tensor | None = None, others: tuple[torch.Tensor, ...] = (),
@@ -77,27 +98,33 @@ def problems(*, rewards: torch.Tensor | None = None, mask: torch.Tensor | None =
     """A 0-dim bool tensor on the inputs' device: True if any value rule of the reference is violated.
 
     No synchronisation; the rules are evaluated in the inputs' precision (at least float32), which is exact enough
-    for slacks of 1e-9 (float64) and 1e-2 (float32 and below).
+    for slacks of 1e-9 (float64) and 1e-2 (float32 and below). Rules that hold "at valid positions" are evaluated on
+    ``value · mask`` (masked positions become 0, inside every range; a non-binary mask raises its own flag, and the
+    host check then reports it), with min/max reductions rather than bool tensors, which are slow on CPU.
     """
     flags = []
     for value in (rewards, log_probs, sum_pi_squared, is_weights, *others, *energies):
         if value is not None and value.is_floating_point():
-            flags.append(~torch.isfinite(value.amax()) | ~torch.isfinite(value.amin()))
+            flags.append(_not_finite(value))
     if mask is not None:
-        flags.append(((mask != 0) & (mask != 1)).any())
+        flags.append(_not_binary(mask))
     if is_weights is not None:
         flags.append(is_weights.amin() < 0)
-    valid = None if mask is None else mask != 0
+
+    def at_valid(value: torch.Tensor) -> torch.Tensor:
+        return value if mask is None else value * mask
+
     for energy in energies:
-        low = energy < -_slack(energy)
-        flags.append((low if valid is None else low & valid).any())
+        flags.append(at_valid(energy).amin() < -_slack(energy))
     if log_probs is not None and sum_pi_squared is not None:
         wide = torch.float64 if torch.float64 in (log_probs.dtype, sum_pi_squared.dtype) else torch.float32
         lp, spp = log_probs.to(wide), sum_pi_squared.to(wide)
         slack_lp, slack_spp = _slack(log_probs), _slack(sum_pi_squared)
-        own = torch.exp(2.0 * torch.clamp(lp, max=0.0))
-        bad = (lp > slack_lp) | (spp < -slack_spp) | (spp > 1.0 + slack_spp) | (spp < own - (slack_spp + 2 * slack_lp))
-        flags.append((bad if valid is None else valid & bad).any())
+        flags.append(at_valid(lp).amax() > slack_lp)                                   # log π ≤ 0
+        low, high = torch.aminmax(at_valid(spp))                                       # 0 ≤ Σπ² ≤ 1
+        flags.append((low < -slack_spp) | (high > 1.0 + slack_spp))
+        own_minus_spp = torch.clamp(lp, max=0.0).mul_(2.0).exp_().sub_(spp)            # π² − Σπ² ≤ slack
+        flags.append(at_valid(own_minus_spp).amax() > slack_spp + 2 * slack_lp)
     if not flags:
         return torch.zeros((), dtype=torch.bool)
     device = flags[0].device

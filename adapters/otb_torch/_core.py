@@ -114,24 +114,33 @@ class Layout:
             self.segments.index]
 
 
-def reward_to_go(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Gₜ = Σ_{k≥t} mₖrₖ, as the row total minus the exclusive prefix (covered by the reference's error bound)."""
+def reward_to_go(rewards: torch.Tensor, mask: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Gₜ = Σ_{k≥t} mₖrₖ, as the row total minus the exclusive prefix (covered by the reference's error bound),
+    written into ``out`` when given."""
     masked = rewards * mask
     prefix = torch.cumsum(masked, -1)
-    return (prefix[:, -1:] - prefix).add_(masked)
+    return torch.sub(prefix[:, -1:], prefix, out=out).add_(masked)
 
 
 def token_energy(log_probs: torch.Tensor, sum_pi_squared: torch.Tensor) -> torch.Tensor:
     """wₜ = 1 − 2πₜ + Σπ²ₜ with π = exp(min(log π, 0)) (the clamp keeps junk at masked positions finite)."""
-    pi = torch.exp(torch.clamp(log_probs, max=0.0))
+    pi = torch.clamp(log_probs, max=0.0).exp_()
     return (sum_pi_squared + 1.0).sub_(pi, alpha=2.0)
 
 
-def realized_energy(energy: torch.Tensor, mask: torch.Tensor, is_weights: torch.Tensor | None) -> torch.Tensor:
-    """Wₜ = Σ_{j≤t} mⱼρⱼ²wⱼ."""
-    per_token = energy * mask
+def masked_token_energy(log_probs: torch.Tensor, sum_pi_squared: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """mₜwₜ = mₜ + mₜ(Σπ²ₜ − 2πₜ): the masked proxy weight in two passes instead of three."""
+    pi = torch.clamp(log_probs, max=0.0).exp_()
+    return torch.addcmul(mask, torch.sub(sum_pi_squared, pi, alpha=2.0), mask)
+
+
+def realized_energy(energy: torch.Tensor, mask: torch.Tensor | None, is_weights: torch.Tensor | None
+                    ) -> torch.Tensor:
+    """Wₜ = Σ_{j≤t} mⱼρⱼ²wⱼ (``mask`` None: ``energy`` is already mⱼwⱼ)."""
+    per_token = energy if mask is None else energy * mask
     if is_weights is not None:
-        per_token.mul_(is_weights).mul_(is_weights)
+        per_token = per_token * is_weights
+        per_token.mul_(is_weights)
     return torch.cumsum(per_token, -1)
 
 
@@ -157,10 +166,10 @@ class Grid:
             return values
         return torch.zeros_like(values).scatter_add_(1, self.index, values * self.mask)
 
-    def scatter(self, grid: torch.Tensor) -> torch.Tensor:
-        """grid [B, T] → [B, T], 0 at masked positions."""
+    def scatter(self, grid: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """grid [B, T] → [B, T], 0 at masked positions (written into ``out`` when given)."""
         values = grid if self.align == "position" else grid.gather(1, self.index)
-        return values * self.mask
+        return torch.mul(values, self.mask, out=out)
 
 
 def safe_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
@@ -187,13 +196,17 @@ def zero_from(grid: Grid, layout: Layout, handle_zero_tail: bool) -> torch.Tenso
     return torch.where(unique, second, start)
 
 
+_EXACT_INTEGERS = {torch.float32: 2**24, torch.float64: 2**53}    # every integer up to here is representable
+
+
 def token_baseline(returns: torch.Tensor, energy: torch.Tensor, mask: torch.Tensor, segments: Segments, *,
                    align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float,
-                   need_baselines: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   need_baselines: bool = True, out: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(advantages, baselines or None) from returns G and realized energy W (compute dtype, [B, T]).
 
     ``mask`` is 0/1 in the compute dtype. Aₜ = mₜ·(Gₜ − Bₜ·keepₜ) is formed in one fused pass (``addcmul``) on the
-    aligned grid.
+    aligned grid, then masked into ``out`` when given.
     """
     grid = Grid(mask, align)
     layout = Layout(segments)
@@ -209,10 +222,15 @@ def token_baseline(returns: torch.Tensor, energy: torch.Tensor, mask: torch.Tens
                                      (denominator - weights).clamp_(min=0.0).add_(epsilon))
     else:
         start = zero_from(grid, layout, handle_zero_tail)
-        keep = (grid.positions < start.unsqueeze(-1)).to(weights.dtype)
+        if grid.positions.shape[0] <= _EXACT_INTEGERS.get(weights.dtype, 0):
+            # keepₜ = 1[t < start] as clamp(start − t, 0, 1), exact while positions are exact in the compute dtype
+            # (comparisons producing bool tensors are several times slower on CPU)
+            keep = (start.unsqueeze(-1).to(weights.dtype) - grid.positions.to(weights.dtype)).clamp_(0.0, 1.0)
+        else:
+            keep = (grid.positions < start.unsqueeze(-1)).to(weights.dtype)
         group_baselines = safe_ratio(numerator, denominator + epsilon)
     baselines = None
     if need_baselines:
         baselines = grid.scatter(layout.unview(group_baselines * keep))
     grid_advantages = layout.unview(torch.addcmul(grid_returns, group_baselines, keep, value=-1.0))
-    return grid.scatter(grid_advantages), baselines
+    return grid.scatter(grid_advantages, out=out), baselines

@@ -13,6 +13,7 @@ import torch
 from otb_torch import _checks as check
 from otb_torch._core import (
     Segments,
+    masked_token_energy,
     realized_energy,
     reward_to_go,
     segments_from_index,
@@ -53,7 +54,7 @@ def _segments(group_ids: Any, rows: int, device: torch.device, name: str) -> Seg
     return segments
 
 
-_BLOCK_ELEMENTS = 2**20       # ~4 MiB per float32 array: a block's temporaries stay in cache on CPU
+_BLOCK_ELEMENTS = 2**19       # 2 MiB per float32 array: a block's temporaries stay in cache (fastest of 2**18–2**21 here)
 
 
 def _blocks(segments: Segments, rows: int, positions: int, device: torch.device) -> list[tuple[slice, Segments]]:
@@ -77,15 +78,17 @@ def _blocks(segments: Segments, rows: int, positions: int, device: torch.device)
 
 def _block(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor, sum_pi_squared: torch.Tensor,
            is_weights: torch.Tensor | None, local_index: torch.Tensor, num_groups: int, group_size: int | None, *,
-           align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float, need_baselines: bool
+           align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float, need_baselines: bool,
+           out: tuple[torch.Tensor, torch.Tensor] | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One block in the compute dtype: (advantages, returns, baselines)."""
-    returns = reward_to_go(rewards, mask)
-    energy = realized_energy(token_energy(log_probs, sum_pi_squared), mask, is_weights)
+    """One block in the compute dtype: (advantages, returns, baselines); advantages and returns are written into
+    ``out`` = (advantages, returns) when given (eager only: saves a copy of each)."""
+    returns = reward_to_go(rewards, mask, out=None if out is None else out[1])
+    energy = realized_energy(masked_token_energy(log_probs, sum_pi_squared, mask), None, is_weights)
     advantages, baselines = token_baseline(returns, energy, mask, Segments(local_index, num_groups, group_size),
                                            align=align, leave_one_out=leave_one_out,
                                            handle_zero_tail=handle_zero_tail, epsilon=epsilon,
-                                           need_baselines=need_baselines)
+                                           need_baselines=need_baselines, out=None if out is None else out[0])
     return advantages, returns, baselines
 
 
@@ -136,11 +139,13 @@ def _run(names: tuple[str, str, str, str, str, str], rewards: Any, response_mask
         w = None if weights_t is None else weights_t[block]
         if check_values:
             bad = bad | check.problems(rewards=r, mask=m, log_probs=lp, sum_pi_squared=spp, is_weights=w)
+        direct = blocks_outputs is not None and kernel is _block and out_dtype == dtype
         result = kernel(r.to(dtype), m.to(dtype), lp.to(dtype), spp.to(dtype), None if w is None else w.to(dtype),
                         local.index, local.num_groups, local.group_size, align=align, leave_one_out=leave_one_out,
-                        handle_zero_tail=handle_zero_tail, epsilon=epsilon, need_baselines=need_baselines)
+                        handle_zero_tail=handle_zero_tail, epsilon=epsilon, need_baselines=need_baselines,
+                        **({"out": (blocks_outputs[0][block], blocks_outputs[1][block])} if direct else {}))
         if blocks_outputs is not None:
-            for output, value in zip(blocks_outputs, result):
+            for output, value in list(zip(blocks_outputs, result))[2 if direct else 0:]:
                 output[block] = value
     if check_values and bool(bad):                                      # the one synchronisation
         check.check_values(True, rewards=(r_name, rewards_t), mask=(m_name, mask_t), log_probs=(lp_name, lp_t),
