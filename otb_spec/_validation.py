@@ -209,3 +209,45 @@ def _check_where(name: str, array: np.ndarray, bad: np.ndarray, requirement: str
     if bad.any():
         first = tuple(int(i) for i in np.argwhere(bad)[0])
         raise ValueError(f"{name}: {requirement}; found {shown(array[first])} at index {first}")
+
+
+def flag(name: str, value: Any) -> bool:
+    """A boolean option (``handle_zero_tail``, ``leave_one_out``, …): exactly True or False."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected True or False, got {value!r}")
+    return bool(value)
+
+
+def epsilon(value: Any) -> float:
+    """The ε of a baseline's denominator: a finite scalar ≥ 0."""
+    return scalar("epsilon", value, minimum=0.0)
+
+
+def raise_value_error(host: Any, *, rewards: tuple[str, Any] | None = None, mask: tuple[str, Any] | None = None,
+                      log_probs: tuple[str, Any] | None = None, sum_pi_squared: tuple[str, Any] | None = None,
+                      is_weights: tuple[str, Any] | None = None, others: list[tuple[str, Any]] | None = None,
+                      energies: list[tuple[str, Any]] | None = None) -> None:
+    """Raise the reference's error, naming the argument, for (name, array) pairs a port's device-side check flagged.
+
+    ``host`` copies a port's array to a NumPy array. The rules run in the reference's order: finite values
+    (``rewards``, ``others``, ``energies``), a 0/1 ``mask``, ``energies`` ≥ 0 at valid positions, the token
+    statistics, ``is_weights`` ≥ 0. If none fires, the device and the host disagree: that is reported as such.
+    """
+    others, energies = others or [], energies or []
+    like = rewards[0] if rewards is not None else "the first argument"
+    for item in (rewards, *others, *energies):
+        if item is not None:
+            float_array(item[0], host(item[1]))
+    mask_host = None
+    if mask is not None:
+        mask_host = mask_array(mask[0], host(mask[1]), tuple(mask[1].shape), like=like)
+    for name, energy in energies:
+        energy_host = host(energy)
+        where = np.ones(tuple(energy.shape), dtype=bool) if mask_host is None else mask_host > 0
+        nonnegative_where(name, float_array(name, energy_host), where, energy_host.dtype)
+    if log_probs is not None and sum_pi_squared is not None:
+        token_statistics(host(log_probs[1]), host(sum_pi_squared[1]), mask_host, tuple(log_probs[1].shape),
+                         like=like, names=(log_probs[0], sum_pi_squared[0]))
+    if is_weights is not None:
+        nonnegative(is_weights[0], float_array(is_weights[0], host(is_weights[1])))
+    raise ValueError("inputs: a value check failed on the device but not on the host copy; please report this")

@@ -114,7 +114,8 @@ def optimal_token_baseline(
     """
     prepared = _prepare(rewards, response_mask, group_ids, log_probs, sum_pi_squared, is_weights)
     return _token_baseline(*prepared, align="position", leave_one_out=False,
-                           handle_zero_tail=_flag("handle_zero_tail", handle_zero_tail), epsilon=_epsilon(epsilon))
+                           handle_zero_tail=check.flag("handle_zero_tail", handle_zero_tail),
+                           epsilon=check.epsilon(epsilon))
 
 
 def multi_turn_optimal_token_baseline(
@@ -149,7 +150,8 @@ def multi_turn_optimal_token_baseline(
     """
     prepared = _prepare(rewards, response_mask, group_ids, log_probs, sum_pi_squared, is_weights)
     return _token_baseline(*prepared, align="valid_token", leave_one_out=False,
-                           handle_zero_tail=_flag("handle_zero_tail", handle_zero_tail), epsilon=_epsilon(epsilon))
+                           handle_zero_tail=check.flag("handle_zero_tail", handle_zero_tail),
+                           epsilon=check.epsilon(epsilon))
 
 
 def leave_one_out_token_baseline(
@@ -191,7 +193,7 @@ def leave_one_out_token_baseline(
     """
     prepared = _prepare(rewards, response_mask, group_ids, log_probs, sum_pi_squared, is_weights)
     return _token_baseline(*prepared, align=_align(align), leave_one_out=True, handle_zero_tail=False,
-                           epsilon=_epsilon(epsilon))
+                           epsilon=check.epsilon(epsilon))
 
 
 def exact_norm_token_baseline(
@@ -225,11 +227,11 @@ def exact_norm_token_baseline(
     raw_norms = check.to_numpy("cumulative_score_sq_norms", cumulative_score_sq_norms)
     norms = check.float_array("cumulative_score_sq_norms", raw_norms, shape=shape, like="rewards")
     check.nonnegative_where("cumulative_score_sq_norms", norms, mask > 0, raw_norms.dtype)
-    leave_one_out = _flag("leave_one_out", leave_one_out)
+    leave_one_out = check.flag("leave_one_out", leave_one_out)
     return _token_baseline(reward_to_go(rewards64, mask), norms, mask, segments, align=_align(align),
                            leave_one_out=leave_one_out,
                            handle_zero_tail=_zero_tail_default(handle_zero_tail, leave_one_out),
-                           epsilon=_epsilon(epsilon))
+                           epsilon=check.epsilon(epsilon))
 
 
 def token_baseline(
@@ -266,10 +268,10 @@ def token_baseline(
     energy = check.float_array("realized_energy", raw_energy, shape=shape, like="returns")
     check.nonnegative_where("realized_energy", energy, mask > 0, raw_energy.dtype)
     segments = group_segments(group_ids, shape[0])
-    leave_one_out = _flag("leave_one_out", leave_one_out)
+    leave_one_out = check.flag("leave_one_out", leave_one_out)
     return _token_baseline(returns64, energy, mask, segments, align=_align(align), leave_one_out=leave_one_out,
                            handle_zero_tail=_zero_tail_default(handle_zero_tail, leave_one_out),
-                           epsilon=_epsilon(epsilon))
+                           epsilon=check.epsilon(epsilon))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -296,16 +298,6 @@ def _prepare(rewards: Any, response_mask: Any, group_ids: Any, log_probs: Any, s
     return reward_to_go(rewards64, mask), cumulative_energy(energy, mask, weights), mask, segments
 
 
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected True or False, got {value!r}")
-    return bool(value)
-
-
-def _epsilon(epsilon: Any) -> float:
-    return check.scalar("epsilon", epsilon, minimum=0.0)
-
-
 def _align(align: Any) -> str:
     if align not in _ALIGNMENTS:
         raise ValueError(f"align: expected one of {_ALIGNMENTS}, got {align!r}")
@@ -315,7 +307,7 @@ def _align(align: Any) -> str:
 def _zero_tail_default(handle_zero_tail: Any, leave_one_out: bool) -> bool:
     if handle_zero_tail is None:
         return not leave_one_out
-    handle_zero_tail = _flag("handle_zero_tail", handle_zero_tail)
+    handle_zero_tail = check.flag("handle_zero_tail", handle_zero_tail)
     if handle_zero_tail and leave_one_out:
         raise ValueError("handle_zero_tail: not applicable with leave_one_out=True (where no other member is valid the "
                          "leave-one-out baseline is already 0); leave it unset")

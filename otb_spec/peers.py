@@ -27,7 +27,7 @@ import numpy as np
 
 from otb_spec import _validation as check
 from otb_spec.groups import Segments, group_segments, segment_sums
-from otb_spec.otb import AdvantageResult, _flag
+from otb_spec.otb import AdvantageResult
 from otb_spec.trajectory import reward_to_go
 
 __all__ = [
@@ -81,8 +81,8 @@ def group_mean_advantage(
     [[0.5], [-0.5], [5.0]]
     """
     shape, R, mask, segments = _sequence_inputs(rewards, response_mask, group_ids)
-    normalize_by_std = _flag("normalize_by_std", normalize_by_std)
-    epsilon = check.scalar("epsilon", epsilon, minimum=0.0)
+    normalize_by_std = check.flag("normalize_by_std", normalize_by_std)
+    epsilon = check.epsilon(epsilon)
     baseline = weighted_group_baseline(R, np.ones_like(R), segments, leave_one_out=False)
     scale = np.ones_like(R)
     if normalize_by_std:
@@ -112,7 +112,7 @@ def opo_advantage(rewards: Any, response_mask: Any, group_ids: Any, *, leave_one
     """
     shape, R, mask, segments = _sequence_inputs(rewards, response_mask, group_ids)
     lengths = mask.sum(axis=-1)
-    baseline = weighted_group_baseline(R, lengths, segments, leave_one_out=_flag("leave_one_out", leave_one_out))
+    baseline = weighted_group_baseline(R, lengths, segments, leave_one_out=check.flag("leave_one_out", leave_one_out))
     return _broadcast(R, baseline, mask, np.ones_like(R))
 
 
@@ -137,7 +137,7 @@ def sequence_optimal_advantage(
     shape, R, mask, segments = _sequence_inputs(rewards, response_mask, group_ids)
     norms = check.float_array("sequence_score_sq_norms", sequence_score_sq_norms, shape=(shape[0],), like="[B]")
     check.nonnegative("sequence_score_sq_norms", norms)
-    baseline = weighted_group_baseline(R, norms, segments, leave_one_out=_flag("leave_one_out", leave_one_out))
+    baseline = weighted_group_baseline(R, norms, segments, leave_one_out=check.flag("leave_one_out", leave_one_out))
     return _broadcast(R, baseline, mask, np.ones_like(R))
 
 

@@ -287,9 +287,18 @@ def otb_tolerance(
       leave_one_out: the leave-one-out variant.
       dtype: the precision the implementation computes in.
     """
-    from otb_spec.otb import _error_bounds, _validated  # local import: otb imports this module
+    from otb_spec.otb import _validated  # local import: otb imports this module
 
     prepared = _validated(rewards, response_mask, group_ids, log_probs, sum_pi_squared, is_weights)
+    return _otb_bounds(prepared, align=align, leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail,
+                       epsilon=epsilon, dtype=dtype)
+
+
+def _otb_bounds(prepared: tuple, *, align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float,
+                dtype: Any) -> tuple[Tolerance, Tolerance]:
+    """:func:`otb_tolerance` on inputs already validated by ``otb_spec.otb._validated``."""
+    from otb_spec.otb import _error_bounds  # local import: otb imports this module
+
     unit = machine_epsilon(dtype)
     advantage_bound, returns_bound = _error_bounds(
         *prepared, align=align, leave_one_out=leave_one_out,
@@ -329,11 +338,11 @@ def otb_comparison_tolerance(
     = the implementation's bound in ``compute_dtype`` + the reference's float64 bound + the rounding of the output to
     ``output_dtype`` (default: ``compute_dtype``). See :func:`otb_tolerance`.
     """
-    options = dict(is_weights=is_weights, align=align, leave_one_out=leave_one_out,
-                   handle_zero_tail=handle_zero_tail, epsilon=epsilon)
-    implementation = otb_tolerance(rewards, response_mask, group_ids, log_probs, sum_pi_squared,
-                                   dtype=compute_dtype, **options)
-    reference = otb_tolerance(rewards, response_mask, group_ids, log_probs, sum_pi_squared, dtype=np.float64,
-                              **options)
+    from otb_spec.otb import _validated  # local import: otb imports this module
+
+    prepared = _validated(rewards, response_mask, group_ids, log_probs, sum_pi_squared, is_weights)   # once for both
+    options = dict(align=align, leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail, epsilon=epsilon)
+    implementation = _otb_bounds(prepared, dtype=compute_dtype, **options)
+    reference = _otb_bounds(prepared, dtype=np.float64, **options)
     rounding = output_rounding(compute_dtype if output_dtype is None else output_dtype)
     return (implementation[0] + reference[0] + rounding, implementation[1] + reference[1] + rounding)

@@ -127,10 +127,7 @@ def _reference_rejects(**named_arrays) -> bool:
     return False
 
 
-_HALF = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
-
-
-@pytest.mark.parametrize("dtype", _HALF, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
 def test_device_mask_flag_agrees_with_the_reference(dtype):
     """The device-side binary-mask rule (m − m·m = 0) flags exactly what the reference rejects, per value."""
     from otb_torch import _checks

@@ -153,31 +153,10 @@ def check_values(enabled: bool, *, rewards: Named | None = None, mask: Named | N
                     energies=tuple(v for _, v in energies))
     if not enabled or not bool(flag):
         return
-    like = rewards[0] if rewards is not None else "the first argument"
-    for item in (rewards, *others, *energies):
-        if item is not None:
-            reference_checks.float_array(item[0], _host(item[1]))
-    mask_array = None
-    if mask is not None:
-        mask_array = reference_checks.mask_array(mask[0], _host(mask[1]), tuple(mask[1].shape), like=like)
-    for name, energy in energies:
-        where = np.ones(tuple(energy.shape), dtype=bool) if mask_array is None else mask_array > 0
-        reference_checks.nonnegative_where(name, reference_checks.float_array(name, _host(energy)), where,
-                                           _host(energy).dtype)
-    if log_probs is not None and sum_pi_squared is not None:
-        reference_checks.token_statistics(_host(log_probs[1]), _host(sum_pi_squared[1]), mask_array,
-                                          tuple(log_probs[1].shape), like=like,
-                                          names=(log_probs[0], sum_pi_squared[0]))
-    if is_weights is not None:
-        reference_checks.nonnegative(is_weights[0], reference_checks.float_array(is_weights[0], _host(is_weights[1])))
-    raise ValueError("inputs: a value check failed on the device but not on the host copy; please report this")
+    reference_checks.raise_value_error(_host, rewards=rewards, mask=mask, log_probs=log_probs,
+                                       sum_pi_squared=sum_pi_squared, is_weights=is_weights, others=others,
+                                       energies=energies)
 
 
-def epsilon(value: Any) -> float:
-    return reference_checks.scalar("epsilon", value, minimum=0.0)
-
-
-def flag(name: str, value: Any) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected True or False, got {value!r}")
-    return bool(value)
+epsilon = reference_checks.epsilon
+flag = reference_checks.flag

@@ -122,15 +122,13 @@ def reward_to_go(rewards: torch.Tensor, mask: torch.Tensor, out: torch.Tensor | 
     return torch.sub(prefix[:, -1:], prefix, out=out).add_(masked)
 
 
-def token_energy(log_probs: torch.Tensor, sum_pi_squared: torch.Tensor) -> torch.Tensor:
-    """wₜ = 1 − 2πₜ + Σπ²ₜ with π = exp(min(log π, 0)) (the clamp keeps junk at masked positions finite)."""
+def token_energy(log_probs: torch.Tensor, sum_pi_squared: torch.Tensor, mask: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """wₜ = 1 − 2πₜ + Σπ²ₜ with π = exp(min(log π, 0)) (the clamp keeps junk at masked positions finite); with a
+    ``mask``, mₜwₜ = mₜ + mₜ(Σπ²ₜ − 2πₜ), in two passes instead of the three of w·m."""
     pi = torch.clamp(log_probs, max=0.0).exp_()
-    return (sum_pi_squared + 1.0).sub_(pi, alpha=2.0)
-
-
-def masked_token_energy(log_probs: torch.Tensor, sum_pi_squared: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """mₜwₜ = mₜ + mₜ(Σπ²ₜ − 2πₜ): the masked proxy weight in two passes instead of three."""
-    pi = torch.clamp(log_probs, max=0.0).exp_()
+    if mask is None:
+        return (sum_pi_squared + 1.0).sub_(pi, alpha=2.0)
     return torch.addcmul(mask, torch.sub(sum_pi_squared, pi, alpha=2.0), mask)
 
 

@@ -13,7 +13,6 @@ import torch
 from otb_torch import _checks as check
 from otb_torch._core import (
     Segments,
-    masked_token_energy,
     realized_energy,
     reward_to_go,
     segments_from_index,
@@ -84,7 +83,7 @@ def _block(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor, s
     """One block in the compute dtype: (advantages, returns, baselines); advantages and returns are written into
     ``out`` = (advantages, returns) when given (eager only: saves a copy of each)."""
     returns = reward_to_go(rewards, mask, out=None if out is None else out[1])
-    energy = realized_energy(masked_token_energy(log_probs, sum_pi_squared, mask), None, is_weights)
+    energy = realized_energy(token_energy(log_probs, sum_pi_squared, mask), None, is_weights)
     advantages, baselines = token_baseline(returns, energy, mask, Segments(local_index, num_groups, group_size),
                                            align=align, leave_one_out=leave_one_out,
                                            handle_zero_tail=handle_zero_tail, epsilon=epsilon,
@@ -132,6 +131,8 @@ def _run(names: tuple[str, str, str, str, str, str], rewards: Any, response_mask
     else:
         blocks_outputs = [torch.empty((rows, positions), dtype=out_dtype, device=device)
                           for _ in range(3 if need_baselines else 2)]
+    # eager blocks write advantages and returns straight into the outputs; compiled ones return them to copy
+    direct = blocks_outputs is not None and kernel is _block and out_dtype == dtype
     bad = torch.zeros((), dtype=torch.bool, device=device)
     result: tuple = ()
     for block, local in blocks:
@@ -139,7 +140,6 @@ def _run(names: tuple[str, str, str, str, str, str], rewards: Any, response_mask
         w = None if weights_t is None else weights_t[block]
         if check_values:
             bad = bad | check.problems(rewards=r, mask=m, log_probs=lp, sum_pi_squared=spp, is_weights=w)
-        direct = blocks_outputs is not None and kernel is _block and out_dtype == dtype
         result = kernel(r.to(dtype), m.to(dtype), lp.to(dtype), spp.to(dtype), None if w is None else w.to(dtype),
                         local.index, local.num_groups, local.group_size, align=align, leave_one_out=leave_one_out,
                         handle_zero_tail=handle_zero_tail, epsilon=epsilon, need_baselines=need_baselines,
