@@ -36,6 +36,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 from hypothesis.extra import numpy as hnp
 
+from otb_spec import _portable as portable
 from otb_spec.estimators import RolloutBatch
 from otb_spec.proxy import sum_pi_squared as _sum_pi_squared
 from otb_spec.proxy import token_log_probs as _token_log_probs
@@ -104,13 +105,14 @@ def _check_dtype(value: Any) -> np.dtype:
 
 
 def _values(draw: Any, shape: tuple[int, ...], low: float, high: float, label: str) -> np.ndarray:
-    """float64 array of ``shape`` with values in [low, high]: element-wise Hypothesis draws when small, else seeded."""
+    """float64 array of ``shape`` with values in [low, high]: element-wise Hypothesis draws when small, else seeded
+    (bit-portable draws: the same seed gives the same values on every machine)."""
     size = int(np.prod(shape))
     if size <= _ELEMENTWISE_LIMIT:
         elements = st.floats(low, high, allow_nan=False, allow_infinity=False, allow_subnormal=False)
         return draw(hnp.arrays(np.float64, shape, elements=elements), label=label)
     seed = draw(st.integers(0, 2**32 - 1), label=f"{label} (seed)")
-    return np.random.default_rng(seed).uniform(low, high, size=shape)
+    return portable.PortableRandom(seed).uniform(low, high, shape)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -195,11 +197,13 @@ def _token_statistics(draw: Any, shape: tuple[int, ...], low_vocab: int, high_vo
     # −log π = log 2 · e^{κt}, t ∈ [−1, 1]: the simplest draw t = 0 (what Hypothesis shrinks towards) is π = ½, an
     # ordinary token with non-zero energy; t = 1 gives π = e^{−20} ≈ 2e-9, t = −1 gives π = e^{−0.001} ≈ 0.999
     position = _values(draw, shape, -1.0, 1.0, "log π position")
-    rate = np.where(position >= 0, np.log(20.0 / np.log(2.0)), np.log(np.log(2.0) / 1e-3))
-    log_pi = -np.log(2.0) * np.exp(position * rate)
+    # (exp and log from otb_spec._portable: the same draw gives the same bits on every machine)
+    log2 = float(portable.log(2.0))
+    rate = np.where(position >= 0, portable.log(20.0 / log2), portable.log(log2 / 1e-3))
+    log_pi = -log2 * portable.exp(position * rate)
     if draw(st.booleans(), label="some certain tokens"):          # π = 1 exactly: w = 0, the zero-energy corner
         log_pi = np.where(_values(draw, shape, 0.0, 1.0, "certain token draws") < 0.3, 0.0, log_pi)
-    pi = np.exp(log_pi)
+    pi = portable.exp(log_pi)
     spread = _values(draw, shape, 0.0, 1.0, "Σπ² position in its interval")
     rest = np.square(1.0 - pi)
     spp = np.square(pi) + rest * (1.0 / (vocab - 1) + spread * (1.0 - 1.0 / (vocab - 1)))

@@ -6,7 +6,10 @@ Profiles (select with the environment variable ``OTB_HYPOTHESIS_PROFILE``; defau
 * ``dev``      — random seeds, 60 examples: finds new counterexamples during development.
 * ``thorough`` — random seeds, 2000 examples per property: for hand runs before a release.
 
-Tests marked ``slow`` (large Monte Carlo runs) are skipped unless ``--run-slow`` is given.
+Tests marked ``slow`` (large Monte Carlo runs) are skipped unless ``--run-slow`` is given. Tests marked ``bitexact``
+assert bit-for-bit equality; ``.ci/run`` runs them a second time with NumPy's SIMD dispatch limited to its baseline
+(``NPY_DISABLE_CPU_FEATURES``) and ``OTB_TORCH_THREADS=1`` (``torch.set_num_threads`` before any test), so that bits
+depending on the CPU's features or on the thread count fail in CI (docs/vectors.md, "What is promised bit for bit").
 """
 
 from __future__ import annotations
@@ -22,6 +25,14 @@ settings.register_profile("ci", derandomize=True, database=None, max_examples=60
 settings.register_profile("dev", max_examples=60, **_COMMON)
 settings.register_profile("thorough", max_examples=2000, **_COMMON)
 settings.load_profile(os.environ.get("OTB_HYPOTHESIS_PROFILE", "ci"))
+
+if os.environ.get("OTB_TORCH_THREADS"):
+    try:
+        import torch
+    except ImportError:
+        pass
+    else:
+        torch.set_num_threads(int(os.environ["OTB_TORCH_THREADS"]))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -37,6 +37,7 @@ def test_demo_with_estimators_and_options(capsys):
     assert "A(grpo)" in out and "handle_zero_tail = False" in out
 
 
+@pytest.mark.bitexact
 def test_compute_reads_an_npz_and_writes_the_results(tmp_path, capsys):
     batch = example_batch()
     source = tmp_path / "batch.npz"

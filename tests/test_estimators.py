@@ -43,6 +43,7 @@ def test_every_estimator_runs_on_a_batch_with_its_fields(batch):
         assert np.isfinite(result.advantages).all(), name
 
 
+@pytest.mark.bitexact
 @given(batch=otb_st.rollout_batches(is_weights=False))
 def test_exact_norm_otb_with_the_proxy_energy_is_otb(batch):
     """Feeding the proxy's realized energy as the 'exact' cumulative norms reproduces OTB and its leave-one-out."""

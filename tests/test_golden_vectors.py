@@ -14,6 +14,8 @@ from otb_spec.cli import main
 from otb_spec.conformance import KINDS, golden_cases
 from otb_spec.conformance.vectors import read_vector, vector_json_schema, write_vectors
 
+pytestmark = pytest.mark.bitexact  # bit-for-bit assertions: .ci/run repeats them at baseline SIMD, one thread
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMITTED = os.path.join(ROOT, "vectors")
 

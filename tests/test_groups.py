@@ -48,6 +48,7 @@ def test_unorderable_ids_fall_back_to_hashing():
     assert _segment_partition(otb.group_segments(ids)) == [[0, 3], [1], [2], [4]]
 
 
+@pytest.mark.bitexact
 def test_segment_sums_add_up_the_members_of_each_group():
     segments = otb.group_segments(["b", "a", "b", "c"])
     sums = otb.segment_sums(np.array([[1.0], [2.0], [3.0], [4.0]]), segments)

@@ -100,6 +100,7 @@ def test_float64_with_x64_enabled():
         np.testing.assert_allclose(np.asarray(result.advantages), expected.advantages, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.bitexact
 def test_more_segments_than_groups_changes_nothing():
     _, arrays, ids, count = _inputs()
     exact = otb_jax.optimal_token_baseline(arrays["rewards"], arrays["response_mask"], ids, count,

@@ -36,6 +36,7 @@ def test_monte_carlo_matches_exact_moments(small_task, small_runs, estimator):
     assert abs(run.total_variance.z_score(exact_variance)) < 5
 
 
+@pytest.mark.bitexact
 def test_common_random_numbers_and_determinism(small_task):
     first = mc.run_monte_carlo(small_task, ["rloo", "otb_loo"], group_size=2, n_groups=4000, seed=3)
     second = mc.run_monte_carlo(small_task, ["otb_loo", "rloo"], group_size=2, n_groups=4000, seed=3)

@@ -49,6 +49,7 @@ def _subset(batch, rows):
 variants = st.sampled_from(sorted(VARIANTS))
 
 
+@pytest.mark.bitexact
 @given(batch=otb_st.rollout_batches(), variant=variants, data=st.data())
 def test_permuting_trajectories_permutes_the_results(batch, variant, data):
     """Reordering the batch (within and across groups) reorders advantages and changes nothing else."""
@@ -61,6 +62,7 @@ def test_permuting_trajectories_permutes_the_results(batch, variant, data):
     np.testing.assert_array_equal(permuted.returns, original.returns[order])
 
 
+@pytest.mark.bitexact
 @given(batch=otb_st.rollout_batches(min_groups=2), variant=variants, data=st.data())
 def test_groups_are_independent(batch, variant, data):
     """Dropping other groups leaves a group's results bit-for-bit unchanged (segment sums never mix groups)."""
@@ -155,6 +157,7 @@ def test_constant_energy_and_equal_lengths_make_otb_the_group_mean(batch, data):
     (bound + bound).assert_close(result.advantages, expected.advantages, "OTB vs group mean")
 
 
+@pytest.mark.bitexact
 @given(batch=otb_st.rollout_batches(padding="right", holes=False), handle_zero_tail=st.booleans(),
        epsilon=st.sampled_from([0.0, 1e-8, 1.0]))
 def test_multi_turn_equals_single_turn_on_prefix_masks(batch, handle_zero_tail, epsilon):
@@ -174,6 +177,7 @@ def test_multi_turn_equals_single_turn_on_prefix_masks(batch, handle_zero_tail, 
     np.testing.assert_array_equal(multi.returns, single.returns)
 
 
+@pytest.mark.bitexact
 def test_multi_turn_differs_from_single_turn_when_only_one_member_is_nonempty():
     """The exception to the identity above, recorded in docs/verl-differences.md: with handle_zero_tail=False, a group
     whose only non-empty member has an empty partner is a singleton for TIR (baseline 0) but not for single-turn
@@ -270,6 +274,7 @@ def test_inputs_are_never_modified(batch, variant):
         np.testing.assert_array_equal(array, np.asarray(getattr(batch, name)), err_msg=name)
 
 
+@pytest.mark.bitexact
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_low_precision_inputs_are_read_exactly(dtype):
     """float32/float16 inputs are converted exactly to float64: the result equals the float64 call on the same
@@ -288,6 +293,7 @@ def test_low_precision_inputs_are_read_exactly(dtype):
     assert low.advantages.dtype == np.float64
 
 
+@pytest.mark.bitexact
 @given(batch=otb_st.rollout_batches(), variant=variants, extra_rows=st.integers(0, 3),
        extra_positions=st.integers(0, 3))
 def test_padding_changes_nothing(batch, variant, extra_rows, extra_positions):

@@ -16,6 +16,8 @@ from naive_otb import leave_one_out as naive_leave_one_out
 from naive_otb import multi_turn as naive_multi_turn
 from naive_otb import single_turn as naive_single_turn
 
+pytestmark = pytest.mark.bitexact  # bit-for-bit assertions: .ci/run repeats them at baseline SIMD, one thread
+
 
 def _tolerances(batch, **variant):
     """Reference and oracle both compute in float64, each within the forward error bound: compare with twice it."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -104,6 +105,7 @@ def test_weighted_baselines_with_equal_weights_are_the_group_mean(batch, data):
     tolerance.assert_close(loo_optimal, loo_mean, "leave-one-out optimal vs RLOO")
 
 
+@pytest.mark.bitexact
 @given(batch=batches)
 def test_reinforce_is_the_return_to_go(batch):
     result = otb.reinforce_advantage(batch.rewards, batch.response_mask)
@@ -124,6 +126,7 @@ def test_sequence_level_advantages_are_constant_along_each_row(batch):
         assert np.all(result.advantages[~mask] == 0.0)
 
 
+@pytest.mark.bitexact
 def test_singletons_and_zero_weights_give_baseline_zero():
     rewards = np.array([[1.0, 2.0], [3.0, 0.0], [5.0, 0.0]])
     mask = np.array([[1, 1], [0, 0], [0, 0]])

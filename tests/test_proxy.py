@@ -42,6 +42,7 @@ def _complex_step_log_softmax_jacobian(logits: np.ndarray, step: float = 1e-30) 
 # T1: w = 1 − 2π_y + Σπ² = ‖∇_z log softmax(z)_y‖²
 
 
+@pytest.mark.bitexact
 @given(logits=logit_rows, data=st.data())
 def test_proxy_equals_squared_norm_of_the_logit_gradient(logits, data):
     """T1 (proofs/T1_proxy_identity.md): the proxy from (log π(y), Σπ²) equals ‖J[y]‖², J the analytic Jacobian."""
@@ -125,12 +126,14 @@ def test_negative_infinite_logits_mean_probability_zero(logits):
         logsumexp_tolerance(row.shape[-1], _spread(row)).assert_close(value, otb.sum_pi_squared(kept), "Σπ²")
 
 
+@pytest.mark.bitexact
 @given(logits=st.one_of(logit_rows, extreme_rows), chunk=st.integers(1, 4))
 def test_chunking_does_not_change_the_result(logits, chunk):
     """Rows are independent: any chunk size gives the same bits."""
     np.testing.assert_array_equal(otb.sum_pi_squared(logits, chunk_size=chunk), otb.sum_pi_squared(logits))
 
 
+@pytest.mark.bitexact
 def test_default_chunking_of_a_large_batch_matches_row_by_row():
     rng = np.random.default_rng(0)
     logits = rng.normal(scale=5.0, size=(3, 700, 64))     # 134 400 logits … split into chunks internally
@@ -139,6 +142,7 @@ def test_default_chunking_of_a_large_batch_matches_row_by_row():
     np.testing.assert_array_equal(spp[1, 5], otb.sum_pi_squared(logits[1, 5]))
 
 
+@pytest.mark.bitexact
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16", "float32"])
 def test_low_precision_logits_are_accumulated_in_float64(dtype_name):
     """Half-precision logits (|z| up to the format's range) are read exactly and reduced in float64."""
@@ -176,6 +180,7 @@ def test_combining_vocab_shards_equals_the_unsharded_result(logits, data):
         combined.logsumexp, whole.logsumexp, "lse from shards")
 
 
+@pytest.mark.bitexact
 @given(logits=otb_st.logits((2,), min_vocab_size=3, max_vocab_size=30))
 def test_combining_shards_is_associative(logits):
     a, b, c = (otb.vocab_shard_partials(part) for part in np.array_split(logits, 3, axis=-1))
@@ -186,6 +191,7 @@ def test_combining_shards_is_associative(logits):
     np.testing.assert_array_equal(left.max_logit, right.max_logit)
 
 
+@pytest.mark.bitexact
 def test_an_all_excluded_shard_contributes_the_identity():
     identity = otb.vocab_shard_partials([[-np.inf, -np.inf], [0.0, -np.inf]])
     assert identity.max_logit[0] == -np.inf and identity.sum_exp[0] == 0 and identity.sum_exp_squared[0] == 0
@@ -240,6 +246,7 @@ def test_entropy_matches_mpmath(logits):
     summation_tolerance(4 * vocab, magnitude).assert_close(otb.token_entropy(logits), expected, "entropy")
 
 
+@pytest.mark.bitexact
 @given(logits=st.one_of(logit_rows, extreme_rows), data=st.data(), chunk=st.sampled_from([None, 1, 2]))
 def test_fused_statistics_equal_the_separate_functions(logits, data, chunk):
     vocab = logits.shape[-1]

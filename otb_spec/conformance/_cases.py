@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from hypothesis import strategies as st
 
+from otb_spec import _portable as portable
 from otb_spec import strategies as otb_st
 from otb_spec.otb import leave_one_out_token_baseline, multi_turn_optimal_token_baseline, optimal_token_baseline
 from otb_spec.proxy import sum_pi_squared
@@ -163,16 +164,22 @@ class Case:
 
 
 def _uniform(shape: tuple[int, int], pi: float = 0.5, spp: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-    spp = pi * pi + (1 - pi) ** 2 if spp is None else spp
-    return np.full(shape, np.log(pi)), np.full(shape, spp)
+    spp = pi * pi + (1 - pi) * (1 - pi) if spp is None else spp
+    return np.full(shape, portable.log(pi)), np.full(shape, spp)
 
 
 def _policy_statistics(shape: tuple[int, int], seed: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    log_pi = np.log(rng.uniform(0.02, 0.98, size=shape))
-    pi = np.exp(log_pi)
-    spp = pi**2 + (1 - pi) ** 2 * rng.uniform(0.05, 1.0, size=shape)
-    return log_pi, spp
+    rng = portable.PortableRandom(seed)
+    log_pi = portable.log(rng.uniform(0.02, 0.98, shape))
+    pi = portable.exp(log_pi)
+    return log_pi, _consistent_sum_pi_squared(pi, rng.uniform(0.05, 1.0, shape))
+
+
+def _consistent_sum_pi_squared(pi: np.ndarray, spread: np.ndarray) -> np.ndarray:
+    """Σπ² = π² + (1 − π)²·spread (spread ∈ (0, 1]): the collision probability of a policy that gives the sampled
+    token π and spreads the rest over some other tokens; in correctly rounded operations (bit-portable)."""
+    rest = np.subtract(1.0, pi)
+    return np.add(np.multiply(pi, pi), np.multiply(np.multiply(rest, rest), spread))
 
 
 def _ids(*names: str) -> np.ndarray:
@@ -201,7 +208,7 @@ def _otb_golden(kind: str) -> list[Case]:
     mask = np.array([[1, 1, 0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0, 0, 0], [1, 0, 0, 1, 1, 0, 1, 1.0],
                      [0, 0, 0, 1, 1, 1, 1, 1.0]])
     lp, spp = _policy_statistics((4, 8), 3)
-    rewards = np.random.default_rng(3).normal(size=(4, 8))
+    rewards = portable.PortableRandom(3).normal((4, 8))
     cases.append(Case(kind, "tool-output holes, left padding and dense rewards", "float64", rewards, mask,
                       _ids("x", "x", "x", "y"), lp, spp))
     mask = np.array([[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 0, 0.0]])
@@ -211,16 +218,16 @@ def _otb_golden(kind: str) -> list[Case]:
                       mask, _ids(7, 7, 7), lp, spp))
     lp, spp = _policy_statistics((5, 4), 9)
     cases.append(Case(kind, "a lone non-empty member among empty ones, handle_zero_tail=False", "float64",
-                      np.random.default_rng(9).normal(size=(5, 4)),
+                      portable.PortableRandom(9).normal((5, 4)),
                       np.array([[1, 1, 1, 0], [0, 0, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1.0]]),
                       _ids("solo", "solo", "solo", "pair", "pair"), lp, spp, handle_zero_tail=False))
     lp, spp = _policy_statistics((3, 8), 10)
     cases.append(Case(kind, "zero tail where valid-token counts and spans disagree (holes)", "float64",
-                      np.random.default_rng(10).normal(size=(3, 8)),
+                      portable.PortableRandom(10).normal((3, 8)),
                       np.array([[1, 1, 1, 1, 1, 1, 0, 0], [1, 0, 0, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 1, 0, 0.0]]),
                       _ids("h", "h", "h"), lp, spp))
     lp, spp = _policy_statistics((4, 5), 5)
-    weights = np.random.default_rng(5).uniform(0.0, 2.5, size=(4, 5))
+    weights = portable.PortableRandom(5).uniform(0.0, 2.5, (4, 5))
     weights[1, 2] = 0.0
     rewards = np.zeros((4, 5))
     rewards[:, -1] = [1.0, 0.0, 0.5, 1.0]
@@ -239,32 +246,32 @@ def _otb_golden(kind: str) -> list[Case]:
                       np.array([[1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0.0]]), _ids("z", "z", "z"), lp, spp,
                       epsilon=0.0, note=verl_nan))
     lp, spp = _policy_statistics((4, 4), 6)
-    cases.append(Case(kind, "ε large enough to matter (ε = 0.5)", "float64", np.random.default_rng(6).normal(
-        size=(4, 4)), np.ones((4, 4)), _ids("e", "e", "e", "e"), lp, spp, epsilon=0.5))
+    cases.append(Case(kind, "ε large enough to matter (ε = 0.5)", "float64", portable.PortableRandom(6).normal(
+        (4, 4)), np.ones((4, 4)), _ids("e", "e", "e", "e"), lp, spp, epsilon=0.5))
     return cases
 
 
 def _with_excluded_tokens(rng: np.random.Generator) -> np.ndarray:
     """[3, 30] logits with about half the entries −inf, the first column always finite."""
-    logits = rng.normal(size=(3, 30))
-    excluded = rng.uniform(size=(3, 30)) < 0.5
+    logits = rng.normal((3, 30))
+    excluded = rng.random((3, 30)) < 0.5
     excluded[:, 0] = False
     return np.where(excluded, -np.inf, logits)
 
 
 def _spp_golden() -> list[Case]:
-    rng = np.random.default_rng(7)
+    rng = portable.PortableRandom(7)
     return [
         Case("sum-pi-squared", "uniform and two-token worked examples", "float64",
-             logits=np.array([[0.0, 0.0], [np.log(3.0), 0.0]])),
-        Case("sum-pi-squared", "ordinary logits", "float64", logits=rng.normal(scale=3.0, size=(4, 7, 50))),
+             logits=np.array([[0.0, 0.0], [float(portable.log(3.0)), 0.0]])),
+        Case("sum-pi-squared", "ordinary logits", "float64", logits=rng.normal((4, 7, 50), scale=3.0)),
         Case("sum-pi-squared", "logits near ±1e4 (overflow without the max shift)", "float64",
-             logits=rng.normal(scale=5.0, size=(3, 40)) + np.array([[1e4], [-1e4], [0.0]])),
+             logits=rng.normal((3, 40), scale=5.0) + np.array([[1e4], [-1e4], [0.0]])),
         Case("sum-pi-squared", "logits spread over ±1e4 (most probabilities underflow)", "float64",
-             logits=rng.uniform(-1e4, 1e4, size=(3, 40))),
+             logits=rng.uniform(-1e4, 1e4, (3, 40))),
         Case("sum-pi-squared", "−inf logits (excluded tokens)", "float64", logits=_with_excluded_tokens(rng)),
         Case("sum-pi-squared", "near-deterministic rows (Σπ² → 1)", "float64",
-             logits=np.concatenate([np.full((2, 1), 40.0), rng.normal(size=(2, 99))], axis=1)),
+             logits=np.concatenate([np.full((2, 1), 40.0), rng.normal((2, 99))], axis=1)),
     ]
 
 
@@ -356,24 +363,24 @@ def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
     """Cases where low precision shows: long sequences (T = 4096) in float32 and as bfloat16 inputs (which must be
     accumulated in float32), and for Σπ² a large vocabulary, extreme logits in float32, and bfloat16 logits."""
     if kind == "sum-pi-squared":
-        rng = np.random.default_rng(11)
-        large = rng.normal(scale=3.0, size=(8, 65536))
-        extreme = rng.normal(scale=5.0, size=(8, 4096)) + rng.choice([-1e4, 1e4], size=(8, 1))
+        rng = portable.PortableRandom(11)
+        large = rng.normal((8, 65536), scale=3.0)
+        extreme = rng.normal((8, 4096), scale=5.0) + rng.choice([-1e4, 1e4], (8, 1))
         return [Case(kind, "large vocabulary (V = 65536)", "float64", logits=large).with_dtype("float32"),
                 Case(kind, "logits near ±1e4", "float64", logits=extreme).with_dtype("float32"),
                 Case(kind, "bfloat16 logits, V = 32768", "float64",
-                     logits=rng.normal(scale=4.0, size=(8, 32768))).with_dtype("bfloat16")]
-    rng = np.random.default_rng(12)
+                     logits=rng.normal((8, 32768), scale=4.0)).with_dtype("bfloat16")]
+    rng = portable.PortableRandom(12)
     rows, positions = 16, 4096
-    lengths = rng.integers(positions // 2, positions + 1, size=rows)
+    lengths = rng.integers(positions // 2, positions + 1, rows)
     mask = (np.arange(positions)[None, :] < lengths[:, None]).astype(np.float64)
     if kind == "tir-otb":
         mask[::3, 100:300] = 0.0                                                     # tool output
-    log_pi = np.log(rng.uniform(0.3, 0.999, size=(rows, positions)))
-    pi = np.exp(log_pi)
-    spp = pi**2 + (1 - pi) ** 2 * rng.uniform(0.05, 1.0, size=pi.shape)
+    log_pi = portable.log(rng.uniform(0.3, 0.999, (rows, positions)))
+    pi = portable.exp(log_pi)
+    spp = _consistent_sum_pi_squared(pi, rng.uniform(0.05, 1.0, pi.shape))
     rewards = np.zeros((rows, positions))
-    rewards[np.arange(rows), lengths - 1] = rng.integers(0, 2, size=rows)
+    rewards[np.arange(rows), lengths - 1] = rng.integers(0, 2, rows)
     ids = np.array([f"long-{i // 8}" for i in range(rows)], dtype=object)
     if not equal_groups:
         ids = ids[rng.permutation(rows)]
