@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from otb_spec.tolerances import input_range_slack
+from otb_spec._dtypes import input_range_slack
 
 __all__: list[str] = []  # private module
 

@@ -6,11 +6,12 @@
     otb-spec lab [--quick] [--seed S] [--regime NAME ...] [--group-size N ...] [--plot PNG] [--json PATH]
     otb-spec verify TARGET --kind {otb,tir-otb,loo-otb,sum-pi-squared} [--convention verl] [--device cpu|cuda]
                     [--max-examples N] [--seed S] [--json PATH] [--skip FILE] [--layer L ...] [--shrink-budget N]
+                    [--strict] [--timeout SECONDS] [--fail-fast] [--no-progress] [--verbose]
     otb-spec verify --adapter NAME [--kind K ...] [same options]
     otb-spec mutants [--max-examples N] [--seed S] [--markdown]
     otb-spec vectors --out DIR [--kind K ...] [--generated N] [--no-special] [--seed S]
 
-Exit status: 0 on success (verify: conformant), 1 verify: not conformant (mutants: a mutant survived), 2 on usage,
+Exit status: 0 on success (verify: conformant, documented deviations of verl included), 1 verify: not conformant (mutants: a mutant survived), 2 on usage,
 import or input errors (with a one-line message on stderr).
 """
 
@@ -74,7 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     verify = commands.add_parser(
         "verify", help="check an OTB implementation against the reference (exit 0 conformant, 1 not, 2 usage)",
         description="Layered conformance checks: signature, structure (shapes, dtypes, devices, inputs unchanged, "
-                    "determinism), golden cases, Hypothesis-generated cases (shrunk on failure), special cases.")
+                    "determinism), golden cases, Hypothesis-generated cases (shrunk on failure), special cases, "
+                    "robustness (warnings only). The first line of the report is the verdict: CONFORMANT, CONFORMANT "
+                    "WITH N DOCUMENTED DEVIATIONS (verl 0.9.1's own differences from the reference, listed; exit 0) "
+                    "or NOT CONFORMANT (exit 1).")
     verify.add_argument("target", nargs="?", help="package.module:callable or path/to/file.py:callable")
     verify.add_argument("--kind", action="append", choices=list(_KINDS),
                         help="what the target computes (required with TARGET; with --adapter, repeatable, default "
@@ -88,9 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--shrink-budget", type=int, default=None, metavar="N",
                         help="further runs spent shrinking a failing generated case (default 200; 0: none)")
     verify.add_argument("--layer", action="append", metavar="LAYER",
-                        help="run only these layers (repeatable): signature, structure, golden, generated, special")
+                        help="run only these layers (repeatable): signature, structure, golden, generated, special, "
+                             "robustness")
     verify.add_argument("--skip", metavar="FILE",
                         help="skip checks: one check-id pattern per line, each with '# reason'")
+    verify.add_argument("--strict", action="store_true",
+                        help="count the documented deviations of verl 0.9.1 as failures")
+    verify.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                        help="time limit for one call of the target (default 120; 0: none); a call that does not "
+                             "return fails its check and stops the run")
+    verify.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    verify.add_argument("--fail-fast", action="store_true", help="stop at the first failing check")
     verify.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     verify.add_argument("--verbose", action="store_true", help="list passing checks too")
     verify.add_argument("--list", action="store_true", help="list conventions and kinds, then exit")
@@ -224,7 +236,8 @@ def _run_lab(args: argparse.Namespace) -> int:
 
 
 def _run_verify(args: argparse.Namespace) -> int:
-    from otb_spec.conformance import CONVENTIONS, LAYERS, SHRINK_BUDGET, read_skip_file, verify, verify_adapter
+    from otb_spec.conformance import (CONVENTIONS, DEFAULT_TIMEOUT, LAYERS, SHRINK_BUDGET, read_skip_file, verify,
+                                      verify_adapter)
 
     if args.list:
         print("conventions (--convention):")
@@ -239,14 +252,24 @@ def _run_verify(args: argparse.Namespace) -> int:
         raise ValueError("--kind: give exactly one kind with TARGET (otb, tir-otb, loo-otb, sum-pi-squared)")
     if args.max_examples < 1:
         raise ValueError(f"--max-examples: must be ≥ 1, got {args.max_examples}")
+    if args.timeout is not None and not args.timeout >= 0:
+        raise ValueError(f"--timeout: must be ≥ 0 seconds (0: no limit), got {args.timeout}")
+    progress = None
+    if not args.no_progress and sys.stderr.isatty():
+        def progress(label: str) -> None:
+            print(f"\r\033[Kverifying: {label}", end="", file=sys.stderr, flush=True)
     options = dict(max_examples=args.max_examples, seed=args.seed,
                    layers=tuple(args.layer) if args.layer else LAYERS,
                    skips=read_skip_file(args.skip) if args.skip else (),
-                   shrink_budget=SHRINK_BUDGET if args.shrink_budget is None else args.shrink_budget)
+                   shrink_budget=SHRINK_BUDGET if args.shrink_budget is None else args.shrink_budget,
+                   strict=args.strict, timeout=DEFAULT_TIMEOUT if args.timeout is None else args.timeout,
+                   progress=progress, fail_fast=args.fail_fast)
     if args.adapter is not None:
         report = verify_adapter(args.adapter, kinds=tuple(args.kind) if args.kind else None, **options)
     else:
         report = verify(args.target, args.kind[0], convention=args.convention, device=args.device, **options)
+    if progress is not None:
+        print("\r\033[K", end="", file=sys.stderr, flush=True)
     print(report.to_text(verbose=args.verbose))
     if args.json:
         report.write_json(args.json)

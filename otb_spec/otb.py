@@ -38,9 +38,10 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from otb_spec import _validation as check
-from otb_spec.groups import Segments, group_segments, segment_sums
-from otb_spec.proxy import _energy
-from otb_spec.trajectory import cumulative_energy, importance_weights, reward_to_go, valid_token_index
+from otb_spec._baseline import token_baseline as _core_token_baseline
+from otb_spec._baseline import validated_otb_inputs
+from otb_spec.groups import Segments, group_segments
+from otb_spec.trajectory import cumulative_energy, reward_to_go
 
 __all__ = [
     "AdvantageResult",
@@ -278,23 +279,11 @@ def token_baseline(
 # Argument handling
 
 
-def _validated(rewards: Any, response_mask: Any, group_ids: Any, log_probs: Any, sum_pi_squared: Any,
-               is_weights: Any) -> tuple[np.ndarray, np.ndarray, Segments, np.ndarray, np.ndarray | None]:
-    """Validate the verl-style arguments; return (rewards, mask, segments, token energy w, IS weights ρ or None)."""
-    shape = check.batch_shape("rewards", rewards)
-    rewards64 = check.float_array("rewards", rewards, shape=shape)
-    mask = check.mask_array("response_mask", response_mask, shape, like="rewards")
-    segments = group_segments(group_ids, shape[0])
-    log_probs64, spp64 = check.token_statistics(log_probs, sum_pi_squared, mask, shape, like="rewards")
-    weights = None if is_weights is None else importance_weights(is_weights, shape, like="rewards")
-    return rewards64, mask, segments, _energy(log_probs64, spp64), weights
-
-
 def _prepare(rewards: Any, response_mask: Any, group_ids: Any, log_probs: Any, sum_pi_squared: Any,
              is_weights: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, Segments]:
     """Validate the verl-style arguments and return (G, W, m, segments)."""
-    rewards64, mask, segments, energy, weights = _validated(rewards, response_mask, group_ids, log_probs,
-                                                           sum_pi_squared, is_weights)
+    rewards64, mask, segments, energy, weights = validated_otb_inputs(rewards, response_mask, group_ids, log_probs,
+                                                                     sum_pi_squared, is_weights)
     return reward_to_go(rewards64, mask), cumulative_energy(energy, mask, weights), mask, segments
 
 
@@ -318,168 +307,8 @@ def _zero_tail_default(handle_zero_tail: Any, leave_one_out: bool) -> bool:
 # The computation (float64 arrays, already validated)
 
 
-class _Grid:
-    """The aligned layout [B, K] in which column k is "token k" for every member of a group.
-
-    ``"position"``: K = T and column k is absolute position k. ``"valid_token"``: K = max length and column k is the
-    k-th valid token of each row (rows shorter than k have nothing there); rows with no valid token are not members.
-    """
-
-    def __init__(self, mask: np.ndarray, align: str):
-        self.mask = mask
-        self.align = align
-        self.lengths = mask.sum(axis=-1).astype(np.int64)
-        if align == "position":
-            self.valid = mask
-            self.members = np.ones(mask.shape[0], dtype=bool)
-        else:
-            flat = np.flatnonzero(mask)                        # valid tokens, row-major
-            rows = flat // mask.shape[1]
-            width = int(self.lengths.max())
-            self.source = flat                                 # flat index into [B, T]
-            self.target = rows * width + valid_token_index(mask).ravel()[flat]   # flat index into [B, K]
-            self.valid = (np.arange(width)[None, :] < self.lengths[:, None]).astype(np.float64)
-            self.members = self.lengths > 0
-
-    @property
-    def width(self) -> int:
-        return self.valid.shape[1]
-
-    def gather(self, array: np.ndarray) -> np.ndarray:
-        """[B, T] → [B, K] (values at valid tokens; 0 elsewhere in the valid-token layout)."""
-        if self.align == "position":
-            return array
-        grid = np.zeros(self.valid.shape)
-        grid.ravel()[self.target] = array.ravel()[self.source]
-        return grid
-
-    def scatter(self, grid: np.ndarray) -> np.ndarray:
-        """[B, K] → [B, T], 0 at masked positions."""
-        if self.align == "position":
-            return grid * self.mask
-        array = np.zeros(self.mask.shape)
-        array.ravel()[self.source] = grid.ravel()[self.target]
-        return array
-
-
 def _token_baseline(returns: np.ndarray, energy: np.ndarray, mask: np.ndarray, segments: Segments, *,
                     align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float) -> AdvantageResult:
-    grid = _Grid(mask, align)
-    grid_baselines = _grid_baseline(grid.gather(returns), grid.gather(energy), grid, segments,
-                                    leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail, epsilon=epsilon)
-    baselines = grid.scatter(grid_baselines)
-    advantages = (returns - baselines) * mask
-    return AdvantageResult(advantages=advantages, returns=returns, baselines=baselines)
-
-
-def _grid_baseline(returns: np.ndarray, energy: np.ndarray, grid: _Grid, segments: Segments, *,
-                   leave_one_out: bool, handle_zero_tail: bool, epsilon: float) -> np.ndarray:
-    """Baselines on the aligned grid [B, K] (0 where the rules force it)."""
-    weights = energy * grid.valid
-    weighted_returns = returns * weights
-    numerator = segment_sums(weighted_returns, segments)      # [G, K] group totals
-    denominator = segment_sums(weights, segments)
-    if leave_one_out:                                         # per member: the group total minus its own term
-        numerator = numerator[segments.index] - weighted_returns
-        denominator = np.maximum(denominator[segments.index] - weights, 0.0)
-        baselines = _safe_ratio(numerator, denominator + epsilon)
-    else:                                                     # one ratio per group and position, then per member
-        baselines = _safe_ratio(numerator, denominator + epsilon)[segments.index]
-    return np.where(_forced_zero(grid, segments, leave_one_out, handle_zero_tail), 0.0, baselines)
-
-
-def _safe_ratio(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
-    """numerator / denominator, and 0 where the denominator is 0 (only possible with ε = 0 and no energy)."""
-    out = np.zeros(np.broadcast(numerator, denominator).shape)
-    np.divide(numerator, denominator, out=out, where=denominator != 0)
-    return out
-
-
-def _forced_zero(grid: _Grid, segments: Segments, leave_one_out: bool, handle_zero_tail: bool) -> np.ndarray:
-    """[B, K] True where the baseline is 0 by rule: singleton group, zero tail, or (leave-one-out) no other member."""
-    if leave_one_out:
-        others_valid = segment_sums(grid.valid, segments)[segments.index] - grid.valid   # exact small integers
-        return others_valid <= 0
-    group_members = segment_sums(grid.members.astype(np.int64), segments)[segments.index]
-    forced = np.broadcast_to((group_members < 2)[:, None], grid.valid.shape)
-    if handle_zero_tail:
-        forced = forced | _zero_tail(grid.lengths, grid.members, segments, grid.width)
-    return forced
-
-
-def _zero_tail(lengths: np.ndarray, members: np.ndarray, segments: Segments, width: int) -> np.ndarray:
-    """[B, K] True where verl's handle_zero_tail zeroes the baseline.
-
-    In a group with at least two members, if exactly one member has the largest length L₁ and the second largest is
-    L₂ (< L₁), that member's aligned positions k ≥ L₂ are zeroed.
-    """
-    member_lengths = np.where(members, lengths, -1)
-    longest = np.maximum.reduceat(member_lengths[segments.order], segments.starts)        # [G]
-    at_longest = members & (lengths == longest[segments.index])
-    count_longest = segment_sums(at_longest.astype(np.int64), segments)                 # [G]
-    shorter = np.where(members & ~at_longest, lengths, -1)
-    second = np.maximum.reduceat(shorter[segments.order], segments.starts)             # [G]; −1 if none
-    group_members = segment_sums(members.astype(np.int64), segments)
-    unique_longest = at_longest & (count_longest == 1)[segments.index] & (group_members >= 2)[segments.index]
-    return unique_longest[:, None] & (np.arange(width)[None, :] >= second[segments.index][:, None])
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Forward error bounds (used by otb_spec.tolerances)
-
-
-def _error_bounds(rewards: np.ndarray, mask: np.ndarray, segments: Segments, token_energy: np.ndarray,
-                  is_weights: np.ndarray | None, *, align: str, leave_one_out: bool, handle_zero_tail: bool,
-                  epsilon: float, unit: float) -> tuple[np.ndarray, np.ndarray]:
-    """Rigorous first-order bounds on |computed − exact| for (advantages, returns) of an implementation whose every
-    arithmetic operation has relative error ≤ ``unit`` (and whose inputs are the given numbers exactly).
-
-    Derivation (docs/tolerances.md): with T positions, n_g members and u = ``unit``,
-
-      |Δ(ρ²w)ⱼ| ≤ u(8ρⱼ² + 3ρⱼ²|wⱼ|)                        w = 1 − 2π + Σπ² from O(1) operands
-      |ΔWₜ|    ≤ u(Σ_{j≤t} mⱼ(8ρⱼ² + 3ρⱼ²|wⱼ|) + (T+3)Wₜ)     any summation order: n·u·Σ|terms|
-      |ΔGₜ|    ≤ u(T+1)·Σₖ|mₖrₖ|                             also covers G = total − prefix
-      |ΔN|     ≤ Σᵢ(|Gᵢ||ΔWᵢ| + Wᵢ|ΔGᵢ|) + u(n_g+2)Σᵢ|Gᵢ|Wᵢ   N = Σᵢ GᵢWᵢ (leave-one-out: the full-group sums)
-      |ΔD|     ≤ Σᵢ|ΔWᵢ| + u(n_g+2)(ΣᵢWᵢ + ε)                D = ΣᵢWᵢ + ε (or over j ≠ i)
-      |ΔB|     ≤ (|ΔN| + |B||ΔD|)/D + u|B|                   first order; +inf when |ΔD| > D/2 (ill-conditioned)
-      |ΔA|     ≤ |ΔG| + |ΔB| + u(|G| + |B|)
-
-    where the baseline is 0 by rule (singleton, zero tail, no other member) ΔB = 0: those decisions use exact integer
-    lengths. Masked advantages are exactly 0 (bound 0).
-    """
-    n_positions = mask.shape[1]
-    rho2 = np.ones(mask.shape) if is_weights is None else np.square(is_weights)
-    energy_terms = mask * rho2 * (8.0 + 3.0 * np.abs(token_energy))
-    realized = cumulative_energy(token_energy, mask, is_weights)
-    returns = reward_to_go(rewards, mask)
-    energy_error = unit * (np.cumsum(energy_terms, axis=-1) + (n_positions + 3) * np.abs(realized))
-    return_error = np.broadcast_to(unit * (n_positions + 1) * np.abs(rewards * mask).sum(axis=-1, keepdims=True),
-                                   mask.shape)
-
-    grid = _Grid(mask, align)
-    G, W, dW, dG = (grid.gather(a) for a in (returns, realized, energy_error, return_error))
-    baselines = _grid_baseline(G, W, grid, segments, leave_one_out=leave_one_out,
-                               handle_zero_tail=handle_zero_tail, epsilon=epsilon)
-    v = grid.valid
-    size = (segments.sizes[segments.index] + 2.0)[:, None]
-    W_abs = np.abs(W)   # inputs within the accepted slack can make w (hence W) a hair negative
-    sum_gw = segment_sums(np.abs(G) * W_abs * v, segments)[segments.index]
-    sum_w = segment_sums(W * v, segments)[segments.index]
-    sum_w_abs = segment_sums(W_abs * v, segments)[segments.index]
-    numerator_error = (segment_sums((np.abs(G) * dW + W_abs * dG) * v, segments)[segments.index]
-                       + unit * size * sum_gw)
-    denominator_error = segment_sums(dW * v, segments)[segments.index] + unit * size * (sum_w_abs + epsilon)
-    denominator = (np.maximum(sum_w - W * v, 0.0) if leave_one_out else sum_w) + epsilon
-    if leave_one_out:
-        numerator_error = numerator_error + unit * (sum_gw + np.abs(G) * W_abs * v)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):   # overflow only where ill-conditioned
-        baseline_error = np.where(
-            denominator_error > 0.5 * np.abs(denominator), np.inf,
-            (numerator_error + np.abs(baselines) * denominator_error) / np.where(denominator != 0, np.abs(denominator), 1.0)
-            + unit * np.abs(baselines))
-    baseline_error = np.where(_forced_zero(grid, segments, leave_one_out, handle_zero_tail), 0.0, baseline_error)
-    full_baselines = grid.scatter(baselines)
-    advantage_error = (return_error + grid.scatter(np.where(v > 0, baseline_error, 0.0))
-                       + unit * (np.abs(returns) + np.abs(full_baselines))) * mask
-    returns_bound = return_error + unit * np.abs(returns)
-    return advantage_error, returns_bound
+    return AdvantageResult(*_core_token_baseline(returns, energy, mask, segments, align=align,
+                                                 leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail,
+                                                 epsilon=epsilon))

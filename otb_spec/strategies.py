@@ -45,9 +45,10 @@ from otb_spec.toy import EnumerablePolicy, EnumerableTask
 __all__ = ["rollout_batches", "group_ids", "logits", "token_statistics", "toy_policies", "toy_tasks"]
 
 _PADDINGS = ("right", "left", "any")
-_ID_KINDS = ("int", "str", "uuid", "object", "any")
+_ID_KINDS = ("int", "str", "uuid", "object", "trainer", "any")
+_CONCRETE_ID_KINDS = ("int", "str", "uuid", "object")
 _REWARD_STYLES = ("terminal", "dense", "sparse", "any")
-_FILLS = ("junk", "zero")
+_FILLS = ("junk", "trainer", "zero")
 _FLOAT_DTYPES = ("float64", "float32")
 _ELEMENTWISE_LIMIT = 4096
 
@@ -126,7 +127,7 @@ def group_ids(sizes: Sequence[int], *, kind: str = "any", shuffle: bool = True) 
       sizes: members per group (each ≥ 1).
       kind: ``"int"`` (sparse non-negative ints), ``"str"`` (``"prompt-17"``), ``"uuid"`` (uuid4-format strings),
         ``"object"`` (object array mixing ints, strings and tuples — not orderable, so implementations must hash),
-        or ``"any"``.
+        ``"trainer"`` (one of int, str, uuid: what trainers use — verl's uids are strings), or ``"any"``.
       shuffle: permute the batch so groups are not contiguous.
 
     Example: ``group_ids([2, 1], kind="str").example()`` → ``array(['prompt-9', 'prompt-0', 'prompt-9'], ...)``.
@@ -144,7 +145,9 @@ def group_ids(sizes: Sequence[int], *, kind: str = "any", shuffle: bool = True) 
 def _group_ids(draw: Any, sizes: list[int], kind: str, shuffle: bool) -> np.ndarray:
     n_groups = len(sizes)
     if kind == "any":
-        kind = draw(st.sampled_from(_ID_KINDS[:-1]), label="group id kind")
+        kind = draw(st.sampled_from(_CONCRETE_ID_KINDS), label="group id kind")
+    elif kind == "trainer":
+        kind = draw(st.sampled_from(_CONCRETE_ID_KINDS[:3]), label="group id kind")
     codes = draw(st.lists(st.integers(0, 10**6), min_size=n_groups, max_size=n_groups, unique=True),
                  label="group codes")
     if kind == "int":
@@ -300,7 +303,7 @@ def rollout_batches(
         None = sometimes.
       empty_rows: rows with no valid token: True = allowed, False = never, None = rarely.
       singleton_groups: allow groups of one member (``False`` raises the minimum group size to 2).
-      id_kind: ``"int"``, ``"str"``, ``"uuid"``, ``"object"`` or ``"any"`` (see :func:`group_ids`).
+      id_kind: ``"int"``, ``"str"``, ``"uuid"``, ``"object"``, ``"trainer"`` or ``"any"`` (see :func:`group_ids`).
       shuffle: non-contiguous groups.
       is_weights: rollout importance weights ρ ∈ [0, 3]: True, False, or None (sometimes).
       reward_style: ``"terminal"`` (one reward on the last valid token), ``"dense"`` (every valid token),
@@ -309,8 +312,11 @@ def rollout_batches(
       min_abs_reward: rewarded positions get |r| ≥ min_abs_reward (> 0: no zero rewards there, and no 0/1 rewards —
         useful where a zero reward would hide a wrong baseline).
       fill_masked: what masked positions hold in rewards, log_probs, sum_pi_squared and is_weights: ``"junk"``
-        (arbitrary finite values — an implementation that forgets the mask gets them wrong) or ``"zero"``
-        (rewards 0, log π 0, Σπ² 0, ρ 1, as many trainers pad).
+        (arbitrary finite values, log π up to +50 and Σπ² in [−5, 5] included — an implementation that forgets the
+        mask gets them wrong, and so may a correct one that forms exp(log π) before masking), ``"trainer"`` (what a
+        trainer can leave there: in each batch either the real statistics of the padding token — log π ≤ 0 with a
+        consistent Σπ², ρ ∈ [0, 3] — or zeros with ρ = 1; rewards any values up to ``max_abs_reward``, which a
+        correct implementation ignores) or ``"zero"`` (rewards 0, log π 0, Σπ² 0, ρ 1, as many trainers pad).
       vocab_size: when set, draw logits [B, T, V] (V = vocab_size) and token ids, and derive log π(y) and Σπ² from
         them exactly; otherwise draw consistent (log π, Σπ²) pairs over V ≤ max_vocab_size (cheaper).
       max_vocab_size: vocabulary bound for the logit-free token statistics.
@@ -395,7 +401,20 @@ def _rollout_batches(draw: Any, min_groups: int, max_groups: int, min_group_size
         if zero_some:
             weights = np.where(_values(draw, (n_rows, n_positions), 0.0, 1.0, "ρ = 0 draws") < 0.2, 0.0, weights)
 
-    if fill_masked == "junk":
+    if fill_masked == "trainer":
+        rewards = np.where(valid, rewards, _values(draw, mask.shape, -max_abs_reward, max_abs_reward,
+                                                   "masked rewards"))
+        if draw(st.booleans(), label="padding holds real token statistics"):
+            padding_lp, padding_spp = draw(_token_statistics(mask.shape, 2, max_vocab_size),
+                                           label="padding token statistics")
+            padding_weights = 1.0 + _values(draw, mask.shape, -1.0, 2.0, "masked is_weights − 1")
+        else:
+            padding_lp, padding_spp, padding_weights = 0.0, 0.0, 1.0
+        log_probs = np.where(valid, log_probs, padding_lp)
+        spp = np.where(valid, spp, padding_spp)
+        if weights is not None:
+            weights = np.where(valid, weights, padding_weights)
+    elif fill_masked == "junk":
         rewards = np.where(valid, rewards, _values(draw, mask.shape, -99.0, 99.0, "masked rewards"))
         log_probs = np.where(valid, log_probs, _values(draw, mask.shape, -50.0, 50.0, "masked log_probs"))
         spp = np.where(valid, spp, _values(draw, mask.shape, -5.0, 5.0, "masked sum_pi_squared"))

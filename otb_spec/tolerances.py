@@ -1,26 +1,34 @@
-"""Every numerical tolerance used by the project, decided in one place.
+"""Every numerical tolerance and error bound used by the project, decided in one place.
 
 Nothing in the tests, the adapters' equivalence suites or the conformance verifier picks a tolerance by hand: they
-call the functions below, which derive it from the machine epsilon ``ε`` of the dtype and from the size of the
-computation. ``u = ε/2`` is the unit round-off.
+call the functions below, which derive it from the machine epsilon ``ε`` of the dtypes involved and from the size of
+the computation. ``u = ε/2`` is the unit round-off. Derivations: docs/tolerances.md.
 
-============================  ==========================================  =================================================
-quantity                      bound                                       reason
-============================  ==========================================  =================================================
-elementwise formula           ``rtol = 8ε``                               a handful of correctly rounded operations
-sum of ``n`` terms            ``atol = n·ε·Σ|terms|``                     the classic recursive-summation bound γₙ ≤ n·u/(1−n·u)
-Σπ² / log-sum-exp of logits   ``rtol = 8ε·(V + Δz)``                      ``exp`` amplifies the absolute error of ``z − max z``
-                                                                          (≤ ε·Δz, Δz = max z − min z) into a relative error
-proxy w from logits           ``atol = 8ε·(V + 4·max|z| + 4)``            log π = z_y − lse(z) carries an absolute error
-                                                                          ε·(|z_y| + |lse|); w = 1 − 2π + Σπ² is O(1)
-port vs reference             ``rtol = atol = 4·√ε``                      the default for independent implementations (STYLE.md)
-OTB advantages and returns    per-element forward error bound              :func:`otb_tolerance`: first-order error analysis
-                                                                          of the whole pipeline (docs/tolerances.md); +inf
-                                                                          where the problem is ill-conditioned
-input range checks            :func:`input_range_slack` table             admits rounding of the producer, not mis-scaling
-============================  ==========================================  =================================================
+==============================  ============================================  ===============================================
+quantity                        bound                                         reason
+==============================  ============================================  ===============================================
+elementwise formula             ``rtol = 8ε``                                 a handful of correctly rounded operations
+sum of ``n`` terms              ``atol = (n+2)·ε·Σ|terms|``                   recursive summation, any order: γₙ ≤ n·u/(1−n·u)
+Σπ² of a correct implementation ``rtol = expm1(ε_w·(8M + 4·ln V + 4))``        :func:`sum_pi_squared_tolerance`: mixed forward-
+                                ``+ 2(V + 2)·ε_a``                            backward error of any evaluation (shifted or
+                                                                              unshifted log-sum-exp, softmax-then-square,
+                                                                              chunked online); M = max |z| of the row, ε_w of
+                                                                              the dtype given, ε_a of the accumulation
+Σπ² by a max-shifted evaluation ``rtol = 8ε·(V + Δz)``                        :func:`logsumexp_tolerance`: the reference's own
+                                                                              algorithm (Δz = max z − min z)
+proxy w from logits             ``atol = 8ε·(V + 4·max|z| + 4)``              log π = z_y − lse(z) carries an absolute error
+                                                                              ε·(|z_y| + |lse|); w = 1 − 2π + Σπ² is O(1)
+port vs reference               ``rtol = atol = 4·√ε``                        the default for independent implementations
+OTB advantages and returns      per-element forward error bound               :func:`otb_tolerance`: first-order error analysis
+                                                                              of the whole pipeline with per-token work in the
+                                                                              dtype given and sums in the accumulation dtype;
+                                                                              +inf where the problem is ill-conditioned
+output rounding                 ``rtol = ε_out, atol = smallest normal``       :func:`output_rounding`
+input range checks              :func:`input_range_slack` table               admits rounding of the producer, not mis-scaling
+==============================  ============================================  ===============================================
 
-``ε``: float64 2⁻⁵², float32 2⁻²³, float16 2⁻¹⁰, bfloat16 2⁻⁷.
+``ε``: float64 2⁻⁵², float32 2⁻²³, float16 2⁻¹⁰, bfloat16 2⁻⁷ (the table lives in ``otb_spec._dtypes``, a leaf module
+that argument checking shares without an import cycle).
 """
 
 from __future__ import annotations
@@ -31,8 +39,15 @@ from typing import Any
 
 import numpy as np
 
+from otb_spec._baseline import Grid, forced_zero, grid_baseline, validated_otb_inputs
+from otb_spec._dtypes import dtype_name as _dtype_name
+from otb_spec._dtypes import input_range_slack, machine_epsilon, smallest_normal
+from otb_spec.groups import Segments, segment_sums
+from otb_spec.trajectory import cumulative_energy, reward_to_go
+
 __all__ = [
     "Tolerance",
+    "sum_pi_squared_tolerance",
     "machine_epsilon",
     "smallest_normal",
     "elementwise_tolerance",
@@ -46,58 +61,6 @@ __all__ = [
     "otb_comparison_tolerance",
     "output_rounding",
 ]
-
-# Smallest positive normal number: below it results may be subnormal or flushed to zero (compiled and GPU kernels often
-# flush), so every operation can add an absolute error up to this much (the "η" term of the floating-point model).
-_SMALLEST_NORMAL_BY_NAME = {
-    "float64": 2.0**-1022,
-    "float32": 2.0**-126,
-    "bfloat16": 2.0**-126,
-    "float16": 2.0**-14,
-}
-
-_EPSILON_BY_NAME = {
-    "float64": 2.0**-52,
-    "float32": 2.0**-23,
-    "float16": 2.0**-10,
-    "bfloat16": 2.0**-7,
-    "float8_e4m3fn": 2.0**-3,
-    "float8_e4m3fnuz": 2.0**-3,
-    "float8_e5m2": 2.0**-2,
-    "float8_e5m2fnuz": 2.0**-2,
-}
-
-# Slack for the range checks of inputs (log π ≤ 0, 0 ≤ Σπ² ≤ 1, Σπ² ≥ π²). It admits the rounding of a producer
-# evaluating exp(lse(2z) − 2·lse(z)) in that precision at |z| ≤ 1e4 (float32: ulp(2e4) ≈ 2e-3 in each log-sum-exp),
-# and still rejects swapped or mis-scaled arguments (π passed as log π, entropy passed as Σπ²), which are off by O(1).
-_RANGE_SLACK_BY_NAME = {
-    "float64": 1e-9,
-    "float32": 1e-2,
-    "float16": 1e-2,
-    "bfloat16": 3e-2,
-}
-
-
-def smallest_normal(dtype: Any) -> float:
-    """The smallest positive normal number of a floating dtype (float64's for integer and unknown dtypes)."""
-    return _SMALLEST_NORMAL_BY_NAME.get(_dtype_name(dtype), _SMALLEST_NORMAL_BY_NAME["float64"])
-
-
-def machine_epsilon(dtype: Any) -> float:
-    """Machine epsilon ε (gap between 1 and the next representable number) of a floating dtype.
-
-    Integer and boolean dtypes are exact inputs; they are computed in float64, so float64's ε is returned.
-
-    >>> machine_epsilon(np.float32) == 2.0**-23
-    True
-    """
-    name = _dtype_name(dtype)
-    if name in _EPSILON_BY_NAME:
-        return _EPSILON_BY_NAME[name]
-    if name.startswith(("int", "uint", "bool")):
-        return _EPSILON_BY_NAME["float64"]
-    raise ValueError(f"dtype: no machine epsilon known for {name!r}")
-
 
 @dataclass(frozen=True)
 class Tolerance:
@@ -171,11 +134,13 @@ def summation_tolerance(n_terms: int, magnitude: float, dtype: Any = np.float64)
 
 
 def logsumexp_tolerance(vocab_size: int, logit_spread: Any, dtype: Any = np.float64) -> Tolerance:
-    """Σπ² (or any ratio of exponential sums) of ``vocab_size`` logits spanning ``logit_spread = max z − min z``.
+    """Σπ² (or any ratio of exponential sums) of ``vocab_size`` logits spanning ``logit_spread = max z − min z``, by an
+    evaluation that subtracts the row maximum first — the reference's own algorithm (``otb_spec.proxy``).
 
     ``z − max z`` carries an absolute rounding error ≤ ε·Δz, which ``exp`` turns into a relative error of the same size;
     the V-term sums add ``V·ε``. Hence ``rtol = 8ε·(V + Δz)``. ``logit_spread`` may be a float or an array of
-    per-row spreads (:func:`logit_spread`), giving per-element bounds.
+    per-row spreads (:func:`logit_spread`), giving per-element bounds. An implementation that does not subtract the
+    maximum (verl's ``exp(lse(2z) − 2·lse(z))``) is not covered: judge it with :func:`sum_pi_squared_tolerance`.
     """
     eps = machine_epsilon(dtype)
     spread = np.asarray(logit_spread, dtype=np.float64)
@@ -218,41 +183,53 @@ def port_tolerance(dtype: Any) -> Tolerance:
     return Tolerance(rtol=value, atol=value, reason=f"independent implementation in {_dtype_name(dtype)}: 4·√ε")
 
 
-def input_range_slack(dtype: Any) -> float:
-    """How far outside its mathematical range an input of this dtype may be before it is rejected.
+def sum_pi_squared_tolerance(logits: Any, *, dtype: Any = np.float32, accumulation_dtype: Any = None) -> Tolerance:
+    """Per-row tolerance for |Σπ² computed by a correct implementation − exact Σπ²|.
 
-    ============  =======
-    dtype         slack
-    ============  =======
-    float64       1e-9
-    float32       1e-2
-    float16       1e-2
-    bfloat16      3e-2
-    int, bool     0
-    ============  =======
+    A correct implementation given logits of ``dtype`` returns, for each row z ∈ ℝⱽ with M = max_v |z_v| over the finite
+    logits (−inf are excluded tokens), Σπ²(z)·(1 + θ) with
+
+        |θ| ≤ expm1(ε_w·(8M + 4·ln V + 4)) + 2(V + 2)·ε_a,
+
+    ε_w the machine epsilon of ``dtype`` (its working precision) and ε_a that of ``accumulation_dtype`` (its sums over
+    the vocabulary). The exponential term is a mixed backward-forward error: perturbing the logits by δ changes
+    ln Σπ² by at most 4‖δ‖∞ (|∂ ln Σπ²/∂z|₁ ≤ 4), and any evaluation through log-sum-exps or exponentials of logits of
+    size M commits an error of a few u_w·(M + ln V) in the exponent — a log-sum-exp of such logits is itself only
+    known to that absolute precision — which grows with M, not only with the spread of the row. The second term is
+    the V-term summation. docs/tolerances.md derives the constants for the four evaluations in use (shifted ratio
+    S₂/S₁², verl's unshifted exp(lse(2z) − 2·lse(z)), softmax-then-square, chunked online rescaling), and
+    tests/test_tolerances.py checks the bound against a high-precision oracle for float16, bfloat16, float32 and
+    float64 logits with |z| up to 1e4 and V up to 2¹⁷.
+
+    Every per-token term formed in the working dtype may also underflow: ``atol = 2(V + 2)·η_w`` (η_w its smallest
+    normal number: results below it may be flushed to zero), negligible except in float16.
+
+    Args:
+      logits: [..., V] the logits the implementation was given (any array of their values).
+      dtype: the dtype it was given.
+      accumulation_dtype: the precision of its sums over the vocabulary; default float64 for float64 inputs and
+        float32 otherwise.
+    Returns:
+      :class:`Tolerance` with an rtol per row ([...]) and the underflow atol.
     """
-    name = _dtype_name(dtype)
-    if name in _RANGE_SLACK_BY_NAME:
-        return _RANGE_SLACK_BY_NAME[name]
-    if name.startswith(("int", "uint", "bool")):
-        return 0.0
-    if name in _EPSILON_BY_NAME:  # float8 formats: a quarter of the unit interval is all they resolve
-        return 0.25
-    raise ValueError(f"dtype: no input range slack known for {name!r}")
-
-
-def _dtype_name(dtype: Any) -> str:
-    """"float32" for np.float32, np.dtype("float32"), "float32", "torch.float32", torch.float32, jnp.float32, …"""
-    if isinstance(dtype, str):
-        return dtype.rsplit(".", 1)[-1]
-    name = getattr(dtype, "name", None)  # np.dtype, or a torch/jax dtype exposing .name? (torch does not)
-    if isinstance(name, str) and not isinstance(dtype, type):
-        return name
-    try:
-        return np.dtype(dtype).name
-    except TypeError:
-        text = str(dtype)  # e.g. "torch.float32"
-        return text.rsplit(".", 1)[-1]
+    values = np.asarray(logits, dtype=np.float64)
+    if values.ndim < 1 or values.shape[-1] == 0:
+        raise ValueError(f"logits: expected shape [..., V] with V ≥ 1, got {values.shape}")
+    vocab = values.shape[-1]
+    finite = np.isfinite(values)
+    largest = np.where(finite, np.abs(values), 0.0).max(axis=-1)
+    working = machine_epsilon(dtype)
+    accumulation = machine_epsilon(accumulation_dtype if accumulation_dtype is not None else
+                                   ("float64" if _dtype_name(dtype) == "float64" else "float32"))
+    with np.errstate(over="ignore"):
+        rtol = np.expm1(working * (8.0 * largest + 4.0 * math.log(vocab) + 4.0)) + 2.0 * (vocab + 2) * accumulation
+    # underflow: each of the ~2V per-token terms (exponentials, probabilities, their squares) formed in the working
+    # dtype may lose up to its smallest normal number (flushed to zero); negligible except in float16, whose normal
+    # range ends at 6.1e-5 — above π² ≈ 1/V² for V ≳ 128, so float16 cannot resolve Σπ² of a wide, flat vocabulary
+    underflow = 2.0 * (vocab + 2) * smallest_normal(dtype)
+    return Tolerance(rtol=float(rtol) if rtol.ndim == 0 else rtol, atol=underflow,
+                     reason=f"Σπ² of V={vocab} logits (max |z| ≤ {float(largest.max(initial=0.0)):.3g}) given in "
+                            f"{_dtype_name(dtype)}: mixed backward-forward error bound")
 
 
 def otb_tolerance(
@@ -268,14 +245,19 @@ def otb_tolerance(
     handle_zero_tail: bool = True,
     epsilon: float = 1e-8,
     dtype: Any = np.float32,
+    input_dtype: Any = None,
 ) -> tuple[Tolerance, Tolerance]:
-    """Per-element tolerances (advantages, returns) for an OTB implementation computing in ``dtype``.
+    """Per-element tolerances (advantages, returns) for an OTB implementation.
 
-    Each is a rigorous first-order bound on |computed − exact| for *any* summation order, from a forward error
-    analysis of w → W → G → (N, D) → B → A (derivation: ``otb_spec.otb._error_bounds`` and docs/tolerances.md). The
-    bound grows with T, the group size and 1/(Σ W + ε); where the denominator itself is not known to within a factor
-    of two in ``dtype`` (e.g. near-deterministic prefixes with W ≈ ε), the element is ill-conditioned: its tolerance
-    is +inf and it is not checked (:meth:`Tolerance.checked_fraction` tells how many are).
+    Each is a rigorous first-order bound on |computed − exact| for *any* summation order, from an error analysis of
+    w → W → G → (N, D) → B → A (docs/tolerances.md) in which every per-token quantity (π, w, ρ², products, the ratio,
+    and any intermediate stored between steps) may carry the rounding of ``input_dtype`` — the dtype the implementation
+    was given — and every sum (over positions or over group members) the rounding of ``dtype``, the precision it
+    accumulates in. For float32 or float64 inputs accumulated in the same precision the two coincide; for bfloat16
+    inputs, per-token work in bfloat16 is allowed but sums must be accumulated in float32 (``dtype=np.float32``).
+    The bound grows with T, the group size and 1/(Σ W + ε); where the denominator itself is not known to within a
+    factor of two, the element is ill-conditioned: its tolerance is +inf and it is not checked
+    (:meth:`Tolerance.checked_fraction` tells how many are).
 
     To compare two implementations, add their tolerances: ``otb_tolerance(..., dtype=np.float32)[0] +
     otb_tolerance(..., dtype=np.float64)[0]`` bounds |float32 result − float64 reference|.
@@ -285,30 +267,91 @@ def otb_tolerance(
         inputs of the OTB call being checked.
       align: ``"position"`` (single-turn) or ``"valid_token"`` (multi-turn).
       leave_one_out: the leave-one-out variant.
-      dtype: the precision the implementation computes in.
+      dtype: the precision the implementation accumulates in.
+      input_dtype: the dtype it was given (default: ``dtype``).
     """
-    from otb_spec.otb import _validated  # local import: otb imports this module
-
-    prepared = _validated(rewards, response_mask, group_ids, log_probs, sum_pi_squared, is_weights)
+    prepared = validated_otb_inputs(rewards, response_mask, group_ids, log_probs, sum_pi_squared, is_weights)
     return _otb_bounds(prepared, align=align, leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail,
-                       epsilon=epsilon, dtype=dtype)
+                       epsilon=epsilon, dtype=dtype, input_dtype=dtype if input_dtype is None else input_dtype)
 
 
 def _otb_bounds(prepared: tuple, *, align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float,
-                dtype: Any) -> tuple[Tolerance, Tolerance]:
-    """:func:`otb_tolerance` on inputs already validated by ``otb_spec.otb._validated``."""
-    from otb_spec.otb import _error_bounds  # local import: otb imports this module
-
-    unit = machine_epsilon(dtype)
-    advantage_bound, returns_bound = _error_bounds(
-        *prepared, align=align, leave_one_out=leave_one_out,
-        handle_zero_tail=handle_zero_tail and not leave_one_out, epsilon=float(epsilon), unit=unit)
+                dtype: Any, input_dtype: Any) -> tuple[Tolerance, Tolerance]:
+    """:func:`otb_tolerance` on inputs already validated by ``otb_spec._baseline.validated_otb_inputs``."""
+    accumulation = machine_epsilon(dtype)
+    elementwise = max(machine_epsilon(input_dtype), accumulation)
+    advantage_bound, returns_bound = _otb_error_bounds(
+        *prepared, align=align, leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail and not leave_one_out,
+        epsilon=float(epsilon), elementwise_unit=elementwise, accumulation_unit=accumulation)
     name = _dtype_name(dtype)
+    given = _dtype_name(input_dtype)
+    where = name if given == name else f"{given} (sums in {name})"
     # underflow: each of the O(T + group size) operations on an element may add up to the smallest normal number
     mask = np.asarray(prepared[1])
-    underflow = (mask.shape[1] + int(prepared[2].sizes.max()) + 16) * smallest_normal(dtype)
-    return (Tolerance(rtol=unit, atol=advantage_bound + underflow * mask, reason=f"OTB forward error bound in {name}"),
-            Tolerance(rtol=unit, atol=returns_bound + underflow, reason=f"return-to-go error bound in {name}"))
+    tiny = max(smallest_normal(dtype), smallest_normal(input_dtype))
+    underflow = (mask.shape[1] + int(prepared[2].sizes.max()) + 16) * tiny
+    return (Tolerance(rtol=elementwise, atol=advantage_bound + underflow * mask,
+                      reason=f"OTB forward error bound in {where}"),
+            Tolerance(rtol=elementwise, atol=returns_bound + underflow, reason=f"return-to-go error bound in {where}"))
+
+
+def _otb_error_bounds(rewards: np.ndarray, mask: np.ndarray, segments: Segments, token_energy: np.ndarray,
+                      is_weights: np.ndarray | None, *, align: str, leave_one_out: bool, handle_zero_tail: bool,
+                      epsilon: float, elementwise_unit: float, accumulation_unit: float
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """Rigorous first-order bounds on |computed − exact| for (advantages, returns) of an implementation whose per-token
+    operations (and stored intermediates) have relative error ≤ e = ``elementwise_unit`` and whose sums have relative
+    error ≤ a = ``accumulation_unit`` per term (inputs are the given numbers exactly).
+
+    Derivation (docs/tolerances.md): with T positions, n_g members,
+
+      |Δ(ρ²w)ⱼ| ≤ e(8ρⱼ² + 3ρⱼ²|wⱼ|)                                 w = 1 − 2π + Σπ² from O(1) operands
+      |ΔWₜ|    ≤ e·Σ_{j≤t} mⱼ(8ρⱼ² + 3ρⱼ²|wⱼ|) + (a(T+3) + e)·|Wₜ|     any summation order, then stored
+      |ΔGₜ|    ≤ (a(T+1) + e)·Σₖ|mₖrₖ|                               also covers G = total − prefix
+      |ΔN|     ≤ Σᵢ(|Gᵢ||ΔWᵢ| + Wᵢ|ΔGᵢ|) + (a(n_g+2) + e)·Σᵢ|Gᵢ|Wᵢ     N = Σᵢ GᵢWᵢ (leave-one-out: full-group sums)
+      |ΔD|     ≤ Σᵢ|ΔWᵢ| + (a(n_g+2) + e)·(ΣᵢWᵢ + ε)                  D = ΣᵢWᵢ + ε (or over j ≠ i)
+      |ΔB|     ≤ (|ΔN| + |B||ΔD|)/D + e|B|                          first order; +inf when |ΔD| > D/2 (ill-conditioned)
+      |ΔA|     ≤ |ΔG| + |ΔB| + e(|G| + |B|)
+
+    where the baseline is 0 by rule (singleton, zero tail, no other member) ΔB = 0: those decisions use exact integer
+    lengths. Masked advantages are exactly 0 (bound 0).
+    """
+    e, a = elementwise_unit, accumulation_unit
+    n_positions = mask.shape[1]
+    rho2 = np.ones(mask.shape) if is_weights is None else np.square(is_weights)
+    energy_terms = mask * rho2 * (8.0 + 3.0 * np.abs(token_energy))
+    realized = cumulative_energy(token_energy, mask, is_weights)
+    returns = reward_to_go(rewards, mask)
+    energy_error = e * np.cumsum(energy_terms, axis=-1) + (a * (n_positions + 3) + e) * np.abs(realized)
+    return_error = np.broadcast_to((a * (n_positions + 1) + e) * np.abs(rewards * mask).sum(axis=-1, keepdims=True),
+                                   mask.shape)
+
+    grid = Grid(mask, align)
+    G, W, dW, dG = (grid.gather(array) for array in (returns, realized, energy_error, return_error))
+    baselines = grid_baseline(G, W, grid, segments, leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail,
+                              epsilon=epsilon)
+    v = grid.valid
+    sum_unit = a * (segments.sizes[segments.index] + 2.0)[:, None] + e
+    W_abs = np.abs(W)   # inputs within the accepted slack can make w (hence W) a hair negative
+    sum_gw = segment_sums(np.abs(G) * W_abs * v, segments)[segments.index]
+    sum_w = segment_sums(W * v, segments)[segments.index]
+    sum_w_abs = segment_sums(W_abs * v, segments)[segments.index]
+    numerator_error = segment_sums((np.abs(G) * dW + W_abs * dG) * v, segments)[segments.index] + sum_unit * sum_gw
+    denominator_error = segment_sums(dW * v, segments)[segments.index] + sum_unit * (sum_w_abs + epsilon)
+    denominator = (np.maximum(sum_w - W * v, 0.0) if leave_one_out else sum_w) + epsilon
+    if leave_one_out:
+        numerator_error = numerator_error + e * (sum_gw + np.abs(G) * W_abs * v)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):   # overflow only where ill-conditioned
+        baseline_error = np.where(
+            denominator_error > 0.5 * np.abs(denominator), np.inf,
+            (numerator_error + np.abs(baselines) * denominator_error) / np.where(denominator != 0, np.abs(denominator), 1.0)
+            + e * np.abs(baselines))
+    baseline_error = np.where(forced_zero(grid, segments, leave_one_out, handle_zero_tail), 0.0, baseline_error)
+    full_baselines = grid.scatter(baselines)
+    advantage_error = (return_error + grid.scatter(np.where(v > 0, baseline_error, 0.0))
+                       + e * (np.abs(returns) + np.abs(full_baselines))) * mask
+    returns_bound = return_error + e * np.abs(returns)
+    return advantage_error, returns_bound
 
 
 def output_rounding(dtype: Any) -> Tolerance:
@@ -332,17 +375,20 @@ def otb_comparison_tolerance(
     epsilon: float = 1e-8,
     compute_dtype: Any = np.float32,
     output_dtype: Any = None,
+    input_dtype: Any = None,
 ) -> tuple[Tolerance, Tolerance]:
     """Tolerances (advantages, returns) for |implementation − float64 reference| on the same inputs.
 
-    = the implementation's bound in ``compute_dtype`` + the reference's float64 bound + the rounding of the output to
-    ``output_dtype`` (default: ``compute_dtype``). See :func:`otb_tolerance`.
+    = the implementation's bound (:func:`otb_tolerance`: given ``input_dtype``, default ``compute_dtype``, and
+    accumulating in ``compute_dtype``) + the reference's float64 bound + the rounding of the output to ``output_dtype``
+    (default: the lower precision of ``input_dtype`` and ``compute_dtype``).
     """
-    from otb_spec.otb import _validated  # local import: otb imports this module
-
-    prepared = _validated(rewards, response_mask, group_ids, log_probs, sum_pi_squared, is_weights)   # once for both
+    prepared = validated_otb_inputs(rewards, response_mask, group_ids, log_probs, sum_pi_squared, is_weights)
     options = dict(align=align, leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail, epsilon=epsilon)
-    implementation = _otb_bounds(prepared, dtype=compute_dtype, **options)
-    reference = _otb_bounds(prepared, dtype=np.float64, **options)
-    rounding = output_rounding(compute_dtype if output_dtype is None else output_dtype)
+    given = compute_dtype if input_dtype is None else input_dtype
+    implementation = _otb_bounds(prepared, dtype=compute_dtype, input_dtype=given, **options)
+    reference = _otb_bounds(prepared, dtype=np.float64, input_dtype=np.float64, **options)
+    if output_dtype is None:
+        output_dtype = given if machine_epsilon(given) >= machine_epsilon(compute_dtype) else compute_dtype
+    rounding = output_rounding(output_dtype)
     return (implementation[0] + reference[0] + rounding, implementation[1] + reference[1] + rounding)

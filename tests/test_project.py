@@ -87,3 +87,67 @@ def test_documented_files_exist():
             if not (ROOT / reference).exists():
                 missing.add(f"{source.relative_to(ROOT)} → {reference}")
     assert not missing, sorted(missing)
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """otb_spec module → the otb_spec modules it imports, at module level or inside functions (a deferred import
+    still closes a cycle: it only moves the failure from import time to call time)."""
+    modules = {}
+    for path in (ROOT / "otb_spec").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+            else:
+                continue
+            edges |= {target for target in targets if target in modules and target != name}
+        graph[name] = edges
+    return graph
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A chain of imports leading from a module back to itself, or None (depth-first search)."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        stack.append(module)
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == 1:
+                return stack[stack.index(target):] + [target]
+            if target not in state and (found := visit(target)):
+                return found
+        stack.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (found := visit(module)):
+            return found
+    return None
+
+
+def test_the_package_has_no_import_cycle():
+    """No chain of imports — module-level or deferred inside a function — leads from an otb_spec module back to itself
+    (issue 11: otb → _validation → tolerances → otb was closed by a function-level import)."""
+    cycle = _find_cycle(_package_imports())
+    assert cycle is None, "import cycle: " + " → ".join(cycle)
+
+
+def test_the_import_cycle_check_can_fail():
+    """The old layout's deferred import (tolerances importing otb, which imports _validation, which imports the
+    tolerances' table) is found as a cycle."""
+    graph = _package_imports()
+    graph["otb_spec._dtypes"] = graph["otb_spec._dtypes"] | {"otb_spec.tolerances"}
+    assert _find_cycle(graph) is not None

@@ -8,7 +8,13 @@ One call (or ``otb-spec verify``) runs layered checks against the reference::
 
 Layers (``LAYERS``): signature → structure (shapes, dtypes, devices, inputs unchanged, determinism) → golden cases →
 Hypothesis-generated cases (shrunk to a minimal failing case) → special cases (long sequences, large or extreme
-logits, bfloat16). Tolerances are per element, from the dtype and the problem size (``otb_spec.tolerances``).
+logits, bfloat16) → robustness (values no trainer produces at masked positions: warnings only). Tolerances are per
+element, from the dtypes and the problem size (``otb_spec.tolerances``): a correct program in floating point passes.
+
+The verdict (:attr:`Report.verdict`, the report's first line) is ``CONFORMANT``, ``CONFORMANT WITH N DOCUMENTED
+DEVIATIONS`` or ``NOT CONFORMANT``. A documented deviation (``DEVIATIONS``) is a place where verl 0.9.1 itself differs
+from the reference — by definition (ε = 0: 0/0 = NaN) or by a known verl defect (half-precision lengths); an
+implementation that behaves exactly as verl does there is listed, not failed, unless ``strict=True``.
 
 Calling conventions (``CONVENTIONS``; add one with :func:`register_convention`): ``verl`` (torch tensors, NumPy
 ``index``, returns ``(advantages, returns)`` — verl 0.9.1's functions), ``numpy`` (the reference's signature),
@@ -31,22 +37,27 @@ import time
 from typing import Any, Callable, Iterable
 
 from otb_spec.conformance._cases import (GENERATED_PROFILES, KINDS, Case, compute_dtype_for, generated_cases,
-                                         golden_cases, special_cases)
-from otb_spec.conformance._checks import (LAYERS, SHRINK_BUDGET, CheckResult, Comparison, compare, read_skip_file,
-                                          run_checks)
+                                         golden_cases, robustness_cases, special_cases)
+from otb_spec.conformance._checks import (DEFAULT_TIMEOUT, LAYERS, SHRINK_BUDGET, STATUSES, CheckResult, Comparison,
+                                          TargetTimeout, compare, read_skip_file, run_checks)
+from otb_spec.conformance._deviations import DEVIATIONS, Deviation
 from otb_spec.conformance._conventions import (CONVENTIONS, Convention, Outcome, Subject, adapter_subject,
                                                register_convention)
 from otb_spec.conformance._report import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, Report
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
+    "DEVIATIONS",
     "GENERATED_PROFILES",
     "KINDS",
     "LAYERS",
+    "STATUSES",
     "CONVENTIONS",
     "Case",
     "CheckResult",
     "Comparison",
     "Convention",
+    "Deviation",
     "Outcome",
     "Report",
     "REPORT_SCHEMA",
@@ -54,6 +65,7 @@ __all__ = [
     "SHRINK_BUDGET",
     "Subject",
     "TargetError",
+    "TargetTimeout",
     "adapter_subject",
     "assert_matches_reference",
     "compare",
@@ -64,6 +76,7 @@ __all__ = [
     "load_target",
     "read_skip_file",
     "register_convention",
+    "robustness_cases",
     "special_cases",
     "verify",
     "verify_adapter",
@@ -130,7 +143,9 @@ def _subject(target: Callable | str, kind: str, convention: str, device: str) ->
 
 def verify(target: Callable | str, kind: str, *, convention: str = "verl", device: str = "cpu",
            max_examples: int = 100, seed: int = 0, layers: Iterable[str] = LAYERS,
-           skips: Iterable[tuple[str, str]] = (), shrink_budget: int = SHRINK_BUDGET) -> Report:
+           skips: Iterable[tuple[str, str]] = (), shrink_budget: int = SHRINK_BUDGET, strict: bool = False,
+           timeout: float | None = DEFAULT_TIMEOUT, progress: Callable[[str], None] | None = None,
+           fail_fast: bool = False) -> Report:
     """Check an implementation of ``kind`` against the reference; returns a :class:`Report`.
 
     Args:
@@ -143,20 +158,28 @@ def verify(target: Callable | str, kind: str, *, convention: str = "verl", devic
       layers: which of :data:`LAYERS` to run.
       skips: ``(check-id pattern, reason)`` pairs (:func:`read_skip_file`).
       shrink_budget: further runs Hypothesis may spend shrinking a failing generated case (0: no shrinking).
+      strict: count the documented deviations of verl 0.9.1 (``DEVIATIONS``) as failures.
+      timeout: seconds one call of the target may take (None or 0: no limit); a call that does not return fails its
+        check, and the remaining checks are not run.
+      progress: called with a short label before each check (the command line shows it on a terminal).
+      fail_fast: stop at the first failing check.
     Raises:
       TargetError: the target cannot be loaded, or the convention does not offer ``kind`` or ``device``.
     """
     start = time.perf_counter()
     subject, spec = _subject(target, kind, convention, device)
     results = run_checks(subject, kind, max_examples=max_examples, seed=seed, layers=layers, skips=skips,
-                         shrink_budget=shrink_budget)
+                         shrink_budget=shrink_budget, strict=strict, timeout=timeout, progress=progress,
+                         fail_fast=fail_fast)
     return Report(spec, convention, subject.name, (kind,), device, seed, max_examples, results,
-                  time.perf_counter() - start)
+                  time.perf_counter() - start, strict)
 
 
 def verify_adapter(adapter: Any, *, kinds: Iterable[str] | None = None, max_examples: int = 100, seed: int = 0,
                    layers: Iterable[str] = LAYERS, skips: Iterable[tuple[str, str]] = (),
-                   shrink_budget: int = SHRINK_BUDGET, **options: Any) -> Report:
+                   shrink_budget: int = SHRINK_BUDGET, strict: bool = False, timeout: float | None = DEFAULT_TIMEOUT,
+                   progress: Callable[[str], None] | None = None, fail_fast: bool = False,
+                   **options: Any) -> Report:
     """Check a port through the adapter protocol: every kind it implements (or ``kinds``).
 
     ``adapter`` is an adapter object or a registered name (``"torch-cpu"``, ``"jax-cpu"``, an entry-point name);
@@ -177,9 +200,10 @@ def verify_adapter(adapter: Any, *, kinds: Iterable[str] | None = None, max_exam
     results: list[CheckResult] = []
     for kind in chosen:
         results += run_checks(subject, kind, max_examples=max_examples, seed=seed, layers=layers, skips=skips,
-                              shrink_budget=shrink_budget)
+                              shrink_budget=shrink_budget, strict=strict, timeout=timeout, progress=progress,
+                              fail_fast=fail_fast)
     return Report(f"adapter {getattr(adapter, 'name', type(adapter).__name__)}", "adapter", subject.name, chosen,
-                  subject.device, seed, max_examples, results, time.perf_counter() - start)
+                  subject.device, seed, max_examples, results, time.perf_counter() - start, strict)
 
 
 def find_case(kind: str, name: str, dtype: str) -> Case:

@@ -23,10 +23,10 @@ from otb_spec import strategies as otb_st
 from otb_spec.otb import leave_one_out_token_baseline, multi_turn_optimal_token_baseline, optimal_token_baseline
 from otb_spec.proxy import sum_pi_squared
 from otb_spec.tolerances import (Tolerance, logit_spread, logsumexp_tolerance, otb_comparison_tolerance,
-                                 output_rounding)
+                                 output_rounding, sum_pi_squared_tolerance)
 
 __all__ = ["KINDS", "GENERATED_PROFILES", "Case", "golden_cases", "generated_cases", "special_cases",
-           "compute_dtype_for"]
+           "robustness_cases", "compute_dtype_for"]
 
 KINDS = ("otb", "tir-otb", "loo-otb", "sum-pi-squared")
 _OTB_KINDS = ("otb", "tir-otb", "loo-otb")
@@ -128,17 +128,18 @@ class Case:
         return self._cache["expected"]
 
     def tolerances(self, output_dtype: str | None = None, compute_dtype: str | None = None) -> dict[str, Tolerance]:
-        """Per-output tolerance for |implementation − reference|: the implementation's bound in ``compute_dtype``
-        (default :func:`compute_dtype_for` the case's dtype) + the reference's float64 bound + the rounding of the
-        output to ``output_dtype`` (default the case's dtype). Σπ² bounds are per row (each row's logit spread)."""
+        """Per-output tolerance for |implementation − reference|: the bound of a correct implementation given the
+        case's dtype and accumulating in ``compute_dtype`` (default :func:`compute_dtype_for` the case's dtype) + the
+        reference's own float64 bound + the rounding of the output to ``output_dtype`` (default the case's dtype).
+        Per row for Σπ² (each row's largest logit), per element for OTB (``otb_spec.tolerances``)."""
         compute = compute_dtype or compute_dtype_for(self.dtype)
         out = output_dtype or self.dtype
         key = ("tolerances", out, compute)
         if key not in self._cache:
             if self.kind == "sum-pi-squared":
                 vocab, spread = self.logits.shape[-1], logit_spread(self.logits)
-                tolerance = (logsumexp_tolerance(vocab, spread, compute) + logsumexp_tolerance(vocab, spread)
-                             + output_rounding(out))
+                tolerance = (sum_pi_squared_tolerance(self.logits, dtype=self.dtype, accumulation_dtype=compute)
+                             + logsumexp_tolerance(vocab, spread) + output_rounding(out))
                 self._cache[key] = {"sum_pi_squared": tolerance}
             else:
                 align = "valid_token" if self.kind == "tir-otb" else "position"
@@ -146,7 +147,7 @@ class Case:
                     self.rewards, self.response_mask, self.group_ids, self.log_probs, self.sum_pi_squared,
                     is_weights=self.is_weights, align=align, leave_one_out=self.kind == "loo-otb",
                     handle_zero_tail=self.handle_zero_tail and self.kind != "loo-otb", epsilon=self.epsilon,
-                    compute_dtype=compute, output_dtype=out)
+                    compute_dtype=compute, output_dtype=out, input_dtype=self.dtype)
                 self._cache[key] = {"advantages": advantages, "returns": returns}
         return self._cache[key]
 
@@ -221,6 +222,8 @@ def _otb_golden(kind: str) -> list[Case]:
                       portable.PortableRandom(9).normal((5, 4)),
                       np.array([[1, 1, 1, 0], [0, 0, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1.0]]),
                       _ids("solo", "solo", "solo", "pair", "pair"), lp, spp, handle_zero_tail=False))
+    cases.append(replace(cases[-1], name="a lone non-empty member among empty ones, handle_zero_tail=True",
+                         handle_zero_tail=True))     # the empty members rank below it: zero tail from t = 0, A = G
     lp, spp = _policy_statistics((3, 8), 10)
     cases.append(Case(kind, "zero tail where valid-token counts and spans disagree (holes)", "float64",
                       portable.PortableRandom(10).normal((3, 8)),
@@ -237,8 +240,8 @@ def _otb_golden(kind: str) -> list[Case]:
     cases.append(Case(kind, "deterministic policy: zero energy, ε decides", "float64",
                       np.array([[0, 0, 1.0], [0, 0, 0], [0, 0, 2.0]]), ones, _ids("d", "d", "d"), np.zeros((3, 3)),
                       ones))
-    verl_nan = ("verl 0.9.1 divides 0/0 = NaN here; otb-spec defines the baseline as 0 (docs/verl-differences.md #3) "
-                "— skip this check if you reproduce verl bit for bit")
+    verl_nan = ("verl 0.9.1 divides 0/0 = NaN here; otb-spec defines the baseline as 0 — the documented deviation "
+                "'epsilon-zero-nan' (docs/verl-differences.md #3): reported, not failed, unless --strict")
     cases.append(replace(cases[-1], name="zero energy with ε = 0 (defined as baseline 0)", epsilon=0.0, note=verl_nan))
     lp, spp = _policy_statistics((3, 5), 8)
     cases.append(Case(kind, "ε = 0 and positions no member reaches (defined as baseline 0)", "float64",
@@ -291,19 +294,21 @@ def golden_cases(kind: str, dtypes: tuple[str, ...] = ("float64", "float32")) ->
 # the example budget: name → (what it stresses, rollout_batches options, forced options).
 GENERATED_PROFILES: dict[str, dict[str, tuple[str, dict, dict]]] = {
     "otb": {
-        "general": ("anything: shuffled ids of every kind, singletons, holes, left padding, empty rows, IS weights or "
-                    "not, both zero-tail settings, ε ∈ {1e-8, 1e-3}, junk at masked positions", {}, {}),
+        "general": ("anything: shuffled int, str or uuid ids, singletons, holes, left padding, empty rows, IS weights or "
+                    "not, both zero-tail settings, ε ∈ {1e-8, 1e-3}; masked positions hold what a trainer leaves "
+                    "there (the padding token's statistics, or zeros)", {}, {}),
         "zero-tail": ("groups of 2–4 with unequal lengths and dense non-zero rewards, handle_zero_tail=True: unique "
                       "longest members, ties, right and left padding",
                       dict(singleton_groups=False, max_group_size=4, reward_style="dense", min_abs_reward=0.1,
                            empty_rows=False),
                       dict(handle_zero_tail=True)),
         "holes-empty-rows-weights": ("groups of 2–3 with tool-output holes in every row long enough, empty rows "
-                                     "(so lone non-empty members), IS weights always (some ρ = 0), dense non-zero "
-                                     "rewards, handle_zero_tail=False",
+                                     "(so lone non-empty members, which the zero tail must rank above their empty "
+                                     "partners), IS weights always (some ρ = 0), dense non-zero rewards, both "
+                                     "zero-tail settings",
                                      dict(holes=True, empty_rows=True, is_weights=True, reward_style="dense",
                                           min_abs_reward=0.1, singleton_groups=False, max_group_size=3),
-                                     dict(handle_zero_tail=False)),
+                                     {}),
     },
     "sum-pi-squared": {
         "general": ("ordinary logits, V from 1 to 64", {}, {}),
@@ -320,8 +325,9 @@ def generated_cases(kind: str, *, profile: str = "general", dtypes: tuple[str, .
 
     OTB kinds — ``"general"``: shuffled non-contiguous groups with string (and other) ids, singletons, unequal lengths
     with unique longest members, holes, left padding, all-masked rows, IS weights or not, both zero-tail settings,
-    ε ∈ {1e-8, 1e-3}, junk at masked positions; ``"zero-tail"`` and ``"holes-empty-rows-weights"`` concentrate on those
-    features. (ε = 0, where verl divides 0/0, is in the golden cases, marked with a note.) Σπ² — ``"general"``,
+    ε ∈ {1e-8, 1e-3}, masked positions holding what a trainer leaves there (the padding token's log π ≤ 0 and Σπ², or
+    zeros; :func:`robustness_cases` has wilder values); ``"zero-tail"`` and ``"holes-empty-rows-weights"`` concentrate
+    on those features. (ε = 0, where verl divides 0/0, is in the golden cases, marked with a note.) Σπ² — ``"general"``,
     ``"extreme"`` (±1e4), ``"excluded-tokens"`` (−inf). Cases come in each dtype of ``dtypes``. ``equal_groups``
     restricts to contiguous groups of one size (conventions with a [G, N, T] layout).
     """
@@ -341,9 +347,10 @@ def generated_cases(kind: str, *, profile: str = "general", dtypes: tuple[str, .
         options = {key: value for key, value in options.items() if key not in ("singleton_groups", "max_group_size")}
         low = 2 if profile == "zero-tail" else 1
         batches = st.integers(low, 4).flatmap(lambda n: otb_st.rollout_batches(
-            min_group_size=n, max_group_size=n, shuffle=False, max_length=max_length, **options))
+            min_group_size=n, max_group_size=n, shuffle=False, max_length=max_length, fill_masked="trainer",
+            id_kind="trainer", **options))
     else:
-        batches = otb_st.rollout_batches(max_length=max_length, **options)
+        batches = otb_st.rollout_batches(max_length=max_length, fill_masked="trainer", id_kind="trainer", **options)
 
     def build(batch: Any, dtype: str, handle_zero_tail: bool, epsilon: float) -> Case:
         ids = np.asarray(batch.group_ids)
@@ -361,7 +368,8 @@ def generated_cases(kind: str, *, profile: str = "general", dtypes: tuple[str, .
 
 def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
     """Cases where low precision shows: long sequences (T = 4096) in float32 and as bfloat16 inputs (which must be
-    accumulated in float32), and for Σπ² a large vocabulary, extreme logits in float32, and bfloat16 logits."""
+    accumulated in float32), and for Σπ² a large vocabulary, extreme logits in float32, and bfloat16 logits — spread
+    (N(0, 4²)) and nearly flat (N(0, ½²), where summing 32768 comparable terms in bfloat16 would stall)."""
     if kind == "sum-pi-squared":
         rng = portable.PortableRandom(11)
         large = rng.normal((8, 65536), scale=3.0)
@@ -369,7 +377,9 @@ def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
         return [Case(kind, "large vocabulary (V = 65536)", "float64", logits=large).with_dtype("float32"),
                 Case(kind, "logits near ±1e4", "float64", logits=extreme).with_dtype("float32"),
                 Case(kind, "bfloat16 logits, V = 32768", "float64",
-                     logits=rng.normal((8, 32768), scale=4.0)).with_dtype("bfloat16")]
+                     logits=rng.normal((8, 32768), scale=4.0)).with_dtype("bfloat16"),
+                Case(kind, "nearly flat bfloat16 logits, V = 32768", "float64",
+                     logits=rng.normal((8, 32768), scale=0.5)).with_dtype("bfloat16")]
     rng = portable.PortableRandom(12)
     rows, positions = 16, 4096
     lengths = rng.integers(positions // 2, positions + 1, rows)
@@ -387,5 +397,58 @@ def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
     layout = ", contiguous groups" if equal_groups else ""
     base = Case(kind, f"long sequences (T = 4096){layout}", "float64", rewards, mask, ids, log_pi, spp)
     return [base.with_dtype("float32"),
-            replace(base, name=f"long sequences as bfloat16 inputs{layout}").with_dtype("bfloat16")]
+            replace(base, name=f"long sequences as bfloat16 inputs{layout}").with_dtype("bfloat16"),
+            _energy_timing_case(kind, equal_groups).with_dtype("bfloat16")]
 
+
+def _energy_timing_case(kind: str, equal_groups: bool) -> Case:
+    """T = 4096, groups of 4, full rows: half the members spend their first 512 tokens far from the sampled token
+    (π ≈ 0.01 with another token near-certain: w ≈ 1.9) and the rest near a coin flip (π ≈ ½: w ≈ ½), the other half
+    the other way round (coin flips first, the 512 high-energy tokens last); dense rewards on every token, and a bonus
+    at the end for the first half. A running total kept in bfloat16 stops growing once its increments fall below half
+    its spacing (G and W stall near 256 increments), which leaves returns wrong by hundreds and distorts how the
+    halves' energies compare; per-token work in bfloat16 — every w well away from 0 here — and float32 sums do not."""
+    rng = portable.PortableRandom(14)
+    rows, positions, burst = 8, 4096, 512
+    high = np.zeros((rows, positions), dtype=bool)
+    high[0::2, :burst] = True                             # even rows: high energy first
+    high[1::2, -burst:] = True                            # odd rows: high energy last
+    pi = np.where(high, rng.uniform(0.005, 0.015, (rows, positions)), rng.uniform(0.45, 0.55, (rows, positions)))
+    spread = np.where(high, rng.uniform(0.95, 1.0, (rows, positions)), rng.uniform(0.9, 1.0, (rows, positions)))
+    log_pi = portable.log(pi)
+    spp = _consistent_sum_pi_squared(portable.exp(log_pi), spread)
+    rewards = rng.uniform(0.0, 0.5, (rows, positions))    # dense rewards: returns run up to ~1000
+    rewards[0::2, -1] += 1.0
+    ids = np.array([f"timing-{i // 4}" for i in range(rows)], dtype=object)
+    if not equal_groups:
+        ids = ids[rng.permutation(rows)]
+    layout = ", contiguous groups" if equal_groups else ""
+    return Case(kind, f"dense rewards, energy early or late, T = 4096, as bfloat16 inputs{layout}", "float64", rewards,
+                np.ones((rows, positions)), ids, log_pi, spp)
+
+
+def robustness_cases(kind: str) -> list[Case]:
+    """Inputs no trainer produces, on which the verifier reports a difference as a warning, never a failure: masked
+    positions holding log π up to +50 (π = e⁵⁰), Σπ² outside [0, 1], ρ up to 50 and rewards up to ±99 (float32 and
+    float64; a correct implementation may overflow on them, e.g. by forming (1 − π)² before masking), and group ids
+    of mixed types that cannot be ordered (a port using ``np.unique`` on the ids fails there). None for
+    ``"sum-pi-squared"`` (logits have neither masks nor ids)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind: expected one of {', '.join(KINDS)}, got {kind!r}")
+    if kind == "sum-pi-squared":
+        return []
+    base = next(case for case in golden_cases(kind, ("float64",)) if case.name.startswith("tool-output holes"))
+    rng = portable.PortableRandom(13)
+    masked = base.response_mask == 0
+    shape = base.rewards.shape
+    junk = replace(base, name="values no trainer produces at masked positions (log π ≤ 50, Σπ² ∈ [−5, 5], ρ ≤ 50)",
+                   rewards=np.where(masked, rng.uniform(-99.0, 99.0, shape), base.rewards),
+                   log_probs=np.where(masked, rng.uniform(-50.0, 50.0, shape), base.log_probs),
+                   sum_pi_squared=np.where(masked, rng.uniform(-5.0, 5.0, shape), base.sum_pi_squared),
+                   is_weights=np.where(masked, rng.uniform(0.0, 50.0, shape), rng.uniform(0.5, 1.5, shape)),
+                   note="robustness only: no trainer leaves these values at masked positions")
+    mixed = replace(base, name="ids of mixed types that cannot be ordered (an int, a str and a tuple)",
+                    group_ids=np.array([3, 3, ("prompt", 3), "3"], dtype=object),
+                    note="robustness only: trainers use ids of one type (verl: uid strings); the reference accepts "
+                         "any hashable ids, as verl's dict of ids does")
+    return [junk.with_dtype(dtype) for dtype in ("float64", "float32")] + [mixed.with_dtype("float32")]

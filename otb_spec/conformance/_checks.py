@@ -3,36 +3,54 @@
 1. **signature** — the target can be called the way its convention says;
 2. **structure** — on one ordinary case in every dtype the convention delivers: it runs, outputs have the input's
    shape, the convention's dtype rule holds, outputs stay on the inputs' device, inputs are not modified, and a second
-   call gives bit-identical outputs;
+   call gives the same outputs;
 3. **golden** — hand-built cases, each isolating one behaviour real implementations get wrong;
 4. **generated** — Hypothesis-generated cases (seeded; a failure is shrunk to a minimal case);
-5. **special** — long sequences and large or extreme inputs, where low-precision accumulation shows.
+5. **special** — long sequences and large or extreme inputs, where low-precision accumulation shows;
+6. **robustness** — values no trainer produces at masked positions; a difference there is a warning, never a failure.
 
 Every value check compares each output with the reference elementwise, within the per-element tolerance of
 :meth:`Case.tolerances` (``otb_spec.tolerances`` — one documented place); an output that is NaN or ±inf where the
-reference is finite is always a failure.
+reference is finite is always a failure. A value check that fails against the reference but matches a documented
+deviation of verl 0.9.1 (``_deviations``) gets the status ``"deviation"``: listed, not failed, unless ``strict``.
+
+Statuses: ``pass``, ``fail``, ``deviation`` (a documented difference from verl), ``warn`` (worth knowing, never a
+failure: robustness to impossible inputs, bit-level nondeterminism, a more precise output dtype than verl's), ``skip``.
+
+Every call of the target runs under a per-call time limit (``timeout``): a target that does not return is reported as
+failing that check, and the remaining checks are not run (the verdict is then NOT CONFORMANT, not a stuck terminal).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
 import re
+import tempfile
+import threading
 import time
+import traceback
+import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from otb_spec.conformance._cases import GENERATED_PROFILES, Case, generated_cases, golden_cases, special_cases
-from otb_spec.conformance._conventions import Subject
+from otb_spec.conformance._cases import (GENERATED_PROFILES, Case, generated_cases, golden_cases, robustness_cases,
+                                         special_cases)
+from otb_spec.conformance._conventions import Outcome, Subject
+from otb_spec.conformance._deviations import RAISES, Deviation, deviations_for
 from otb_spec.tolerances import machine_epsilon
 
-__all__ = ["LAYERS", "SHRINK_BUDGET", "Comparison", "CheckResult", "compare", "run_checks", "read_skip_file"]
+__all__ = ["LAYERS", "STATUSES", "SHRINK_BUDGET", "DEFAULT_TIMEOUT", "Comparison", "CheckResult", "compare",
+           "run_checks", "read_skip_file"]
 
-LAYERS = ("signature", "structure", "golden", "generated", "special")
+LAYERS = ("signature", "structure", "golden", "generated", "special", "robustness")
+STATUSES = ("pass", "fail", "deviation", "warn", "skip")
 _STRUCTURE_DTYPES = ("float64", "float32", "bfloat16")
 _VALUE_DTYPES = ("float64", "float32")
+DEFAULT_TIMEOUT = 120.0      # seconds per call of the target (the T = 4096 special cases included)
 
 
 @dataclass
@@ -40,8 +58,10 @@ class Comparison:
     """One output compared with the reference.
 
     ``max_abs_error`` and ``max_rel_error`` are over the elements with a finite tolerance (``checked_fraction`` of
-    them; the rest are ill-conditioned); ``worst_*`` describe the element furthest outside its tolerance (or closest
-    to it, when all pass), ``allowed`` its tolerance ``atol + rtol·|expected|``.
+    them; the rest are ill-conditioned); ``worst_*`` describe the element furthest outside its tolerance — the largest
+    ratio of error to allowed error, ``worst_ratio`` (or the closest to it, when all pass) — and ``worst_allowed`` its
+    tolerance ``atol + rtol·|expected|``. ``first_nan`` is the first position (row-major) where the output is NaN and
+    the reference is not, and ``first_nan_masked`` whether the mask is 0 there.
     """
 
     output: str
@@ -56,6 +76,9 @@ class Comparison:
     worst_allowed: float | None
     tolerance_reason: str
     shape_problem: str = ""
+    worst_ratio: float = 0.0
+    first_nan: tuple[int, ...] | None = None
+    first_nan_masked: bool = False
 
     @property
     def ok(self) -> bool:
@@ -64,20 +87,33 @@ class Comparison:
     def describe(self) -> str:
         if self.shape_problem:
             return f"{self.output}: {self.shape_problem}"
-        where = "" if self.worst_index is None else (
-            f"; worst at {self.worst_index}: got {_number(self.worst_got)}, expected {_number(self.worst_expected)}"
-            f" (|Δ| = {_number(abs(self.worst_got - self.worst_expected)) if _finite(self.worst_got) else 'nan'},"
-            f" allowed {_number(self.worst_allowed)})")
+        where = ""
+        if self.worst_index is not None:
+            got, expected = _distinguishing(self.worst_got, self.worst_expected)
+            error = abs(self.worst_got - self.worst_expected) if _finite(self.worst_got) else math.nan
+            where = (f"; worst at {self.worst_index}: got {got}, expected {expected} (|Δ| = {_number(error)}, "
+                     f"allowed {_number(self.worst_allowed)}"
+                     + (f", {_ratio(self.worst_ratio)} the allowed error" if self.violations else "") + ")")
         head = (f"{self.output}: {self.violations} of {self.size} elements outside tolerance" if self.violations
                 else f"{self.output}: all {self.size} elements within tolerance")
-        return (f"{head}{where}; max abs error {_number(self.max_abs_error)}, max rel error "
+        nan = ""
+        if self.first_nan is not None:
+            nan = (f"; NaN first appears at {self.first_nan}, a MASKED position (mask 0 there: look for 0/0 or inf·0 on "
+                   "padding or tool output)" if self.first_nan_masked else f"; NaN first appears at {self.first_nan}")
+        return (f"{head}{where}{nan}; max abs error {_number(self.max_abs_error)}, max rel error "
                 f"{_number(self.max_rel_error)} over {self.checked_fraction:.0%} checked elements; tolerance: "
                 f"{self.tolerance_reason}")
 
 
 @dataclass
 class CheckResult:
-    """The result of one check. ``status``: ``"pass"``, ``"fail"`` or ``"skip"``."""
+    """The result of one check. ``status``: one of :data:`STATUSES`.
+
+    ``deviation`` names the documented deviation a ``"deviation"`` check matched (or, with ``strict``, the one a
+    failing check matched); ``ratio`` is how far outside its tolerance the check's worst element was (error / allowed;
+    inf for an exception, a timeout, NaN or a shape error), which decides which failure the report shows in full;
+    ``call`` describes the arguments the target was called with and ``traceback`` its exception, if it raised.
+    """
 
     id: str
     layer: str
@@ -90,6 +126,10 @@ class CheckResult:
     snippet: str = ""
     examples: int | None = None
     seconds: float = 0.0
+    deviation: str = ""
+    ratio: float = 0.0
+    call: str = ""
+    traceback: str = ""
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -103,6 +143,22 @@ def _finite(value: Any) -> bool:
 
 def _number(value: float | None) -> str:
     return "—" if value is None else f"{value:.6g}"
+
+
+def _ratio(value: float) -> str:
+    return "∞×" if not math.isfinite(value) else f"{value:.3g}×"
+
+
+def _distinguishing(got: float | None, expected: float | None) -> tuple[str, str]:
+    """got and expected with as many significant digits as it takes to tell them apart (6 at least, 17 at most):
+    never "got 0.5, expected 0.5"."""
+    if got is None or expected is None:
+        return _number(got), _number(expected)
+    for digits in range(6, 18):
+        a, b = f"{got:.{digits}g}", f"{expected:.{digits}g}"
+        if a != b or got == expected:
+            return a, b
+    return repr(float(got)), repr(float(expected))
 
 
 def _json_safe(value: Any) -> Any:
@@ -123,7 +179,7 @@ def _json_safe(value: Any) -> Any:
 
 
 def compare(case: Case, outputs: dict[str, Any], *, output_dtypes: dict[str, str] | None = None,
-            compute_dtype: str | None = None) -> list[Comparison]:
+            compute_dtype: str | None = None, expected: dict[str, np.ndarray] | None = None) -> list[Comparison]:
     """Compare an implementation's outputs on ``case`` with the reference, output by output.
 
     Args:
@@ -133,8 +189,11 @@ def compare(case: Case, outputs: dict[str, Any], *, output_dtypes: dict[str, str
         default the case's dtype.
       compute_dtype: the precision the implementation accumulates in; default float64 for float64 inputs, float32
         otherwise.
+      expected: compare with these outputs instead of the reference's (a documented deviation's model); NaN there
+        is matched only by NaN.
     """
-    expected = case.expected()
+    expected = case.expected() if expected is None else expected
+    mask = None if case.kind == "sum-pi-squared" else np.asarray(case.response_mask)
     comparisons = []
     for name in case.output_names:
         dtype = (output_dtypes or {}).get(name) or case.dtype
@@ -146,30 +205,35 @@ def compare(case: Case, outputs: dict[str, Any], *, output_dtypes: dict[str, str
         want = np.asarray(expected[name], dtype=np.float64)
         if name not in outputs:
             comparisons.append(Comparison(name, want.size, want.size, math.inf, math.inf, 0.0, None, None, None,
-                                          None, tolerance.reason, shape_problem="missing from the outputs"))
+                                          None, tolerance.reason, shape_problem="missing from the outputs",
+                                          worst_ratio=math.inf))
             continue
         try:
             got = np.asarray(outputs[name], dtype=np.float64)
         except (TypeError, ValueError) as exc:
             comparisons.append(Comparison(name, want.size, want.size, math.inf, math.inf, 0.0, None, None, None,
-                                          None, tolerance.reason, shape_problem=f"not a numeric array ({exc})"))
+                                          None, tolerance.reason, shape_problem=f"not a numeric array ({exc})",
+                                          worst_ratio=math.inf))
             continue
         if got.shape != want.shape:
             comparisons.append(Comparison(name, want.size, want.size, math.inf, math.inf, 0.0, None, None, None,
                                           None, tolerance.reason,
-                                          shape_problem=f"shape {got.shape}, expected {want.shape}"))
+                                          shape_problem=f"shape {got.shape}, expected {want.shape}",
+                                          worst_ratio=math.inf))
             continue
-        comparisons.append(_compare_values(name, got, want, tolerance))
+        comparisons.append(_compare_values(name, got, want, tolerance, mask if mask is not None and
+                                           mask.shape == want.shape else None))
     return comparisons
 
 
-def _compare_values(name: str, got: np.ndarray, want: np.ndarray, tolerance) -> Comparison:
+def _compare_values(name: str, got: np.ndarray, want: np.ndarray, tolerance, mask: np.ndarray | None) -> Comparison:
     allowed = np.broadcast_to(np.asarray(tolerance.atol, dtype=np.float64)
-                              + np.asarray(tolerance.rtol, dtype=np.float64) * np.abs(want), want.shape)
+                              + np.asarray(tolerance.rtol, dtype=np.float64) * np.abs(np.nan_to_num(want)), want.shape)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        error = np.nan_to_num(np.abs(got - want), nan=np.inf)           # NaN output: infinitely wrong
-        checked = np.isfinite(allowed)
-        not_finite = ~np.isfinite(got) & np.isfinite(want)
+        both_nan = np.isnan(got) & np.isnan(want)                       # a model's NaN, matched
+        error = np.where(both_nan, 0.0, np.nan_to_num(np.abs(got - want), nan=np.inf))   # NaN output: infinitely wrong
+        checked = np.isfinite(allowed) & ~np.isnan(want)
+        not_finite = (~np.isfinite(got) & np.isfinite(want)) | (np.isnan(want) & ~np.isnan(got))
         considered = checked | not_finite
         bad = not_finite | (checked & (error > allowed))
         excess = np.where(allowed > 0, error / np.where(allowed > 0, allowed, 1.0), np.where(error > 0, np.inf, 0.0))
@@ -179,10 +243,17 @@ def _compare_values(name: str, got: np.ndarray, want: np.ndarray, tolerance) -> 
     if want.size and considered.any():
         worst = tuple(int(i) for i in np.unravel_index(int(np.argmax(excess)), want.shape))
     pick = (lambda a: float(a[worst])) if worst is not None else (lambda a: None)
+    surprise_nan = np.isnan(got) & ~np.isnan(want)
+    first_nan, first_nan_masked = None, False
+    if surprise_nan.any():
+        first_nan = tuple(int(i) for i in np.argwhere(surprise_nan)[0])
+        first_nan_masked = mask is not None and bool(mask[first_nan] == 0)
     return Comparison(
         name, int(bad.sum()), int(want.size), float(np.max(np.where(considered, error, 0.0), initial=0.0)),
         float(np.max(np.where(considered, relative, 0.0), initial=0.0)), float(checked.mean()) if want.size else 1.0,
-        worst, pick(got), pick(want), pick(allowed), tolerance.reason)
+        worst, pick(got), pick(want), pick(allowed), tolerance.reason,
+        worst_ratio=float(excess[worst]) if worst is not None and bad.any() else 0.0,
+        first_nan=first_nan, first_nan_masked=first_nan_masked)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -214,6 +285,73 @@ def _skip_reason(check_id: str, skips: Iterable[tuple[str, str]]) -> str | None:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# calling the target: time limit, exceptions
+
+
+class TargetTimeout(Exception):
+    """The target did not return within the time limit."""
+
+
+class _Session:
+    """What the checks of one run share: the subject, the time limit, and whether the target has hung."""
+
+    def __init__(self, subject: Subject, timeout: float | None, strict: bool,
+                 progress: Callable[[str], None] | None):
+        self.subject = subject
+        self.timeout = timeout
+        self.strict = strict
+        self.progress = progress
+        self.hung = ""
+
+    def run(self, case: Case) -> Outcome:
+        """``subject.run(case)`` in a worker thread, waited for at most ``timeout`` seconds. A call that does not return
+        raises :class:`TargetTimeout`; the thread is abandoned (a daemon: it cannot keep the process alive) and every
+        later call is refused, since the target may be stuck for good. Warnings the target emits are recorded, not
+        raised: a caller's filter that turns them into errors (pytest's ``-W error``) must not change the verdict."""
+        if self.hung:
+            raise TargetTimeout(self.hung)
+        if not self.timeout:
+            return self._run_quietly(case)
+        box: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                box["outcome"] = self._run_quietly(case)
+            except BaseException as exc:        # noqa: BLE001 - handed to the caller below
+                box["error"] = exc
+
+        worker = threading.Thread(target=work, name="otb-spec-verify-target", daemon=True)
+        worker.start()
+        worker.join(self.timeout)
+        if worker.is_alive():
+            self.hung = (f"the target did not return within {self.timeout:g} s (--timeout) on {case.describe()}; the "
+                         f"remaining checks were not run")
+            raise TargetTimeout(self.hung)
+        if "error" in box:
+            raise box["error"]
+        return box["outcome"]
+
+    def _run_quietly(self, case: Case) -> Outcome:
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            return self.subject.run(case)
+
+    def tell(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress(text)
+
+
+def _target_traceback(exc: BaseException) -> str:
+    """The exception's traceback from the first frame outside otb_spec.conformance (the target's own frames)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    outside = [i for i, frame in enumerate(frames) if "otb_spec/conformance" not in frame.filename.replace("\\", "/")]
+    shown = frames[outside[0]:] if outside else frames
+    lines = ["Traceback (most recent call last):\n"] + traceback.format_list(shown)
+    lines += traceback.format_exception_only(type(exc), exc)
+    return "".join(lines).rstrip()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # the layers
 
 
@@ -222,25 +360,67 @@ def _slug(text: str) -> str:
                   .replace("π", "pi").replace("±", "pm").replace("²", "2").replace("→", "to")).strip("-")
 
 
-def _value_check(subject: Subject, case: Case, check_id: str, layer: str, snippet: bool = True) -> CheckResult:
+def _matching_deviation(session: _Session, case: Case, outcome: Outcome | None,
+                        deviations: tuple[Deviation, ...]) -> tuple[Deviation, list[Comparison]] | None:
+    """The documented deviation whose model the outcome (or the exception, ``outcome=None``) matches, if any."""
+    for deviation in deviations:
+        if not deviation.applies(case):
+            continue
+        model = deviation.model(case)
+        if outcome is None:
+            if model == RAISES:
+                return deviation, []
+            continue
+        if model == RAISES:
+            continue
+        comparisons = compare(case, outcome.outputs, output_dtypes=outcome.output_dtypes,
+                              compute_dtype=session.subject.compute_dtype(case.dtype), expected=model)
+        if all(c.ok for c in comparisons):
+            return deviation, comparisons
+    return None
+
+
+def _value_check(session: _Session, case: Case, check_id: str, layer: str, snippet: bool = True,
+                 deviations: tuple[Deviation, ...] = ()) -> CheckResult:
     start = time.perf_counter()
+    subject = session.subject
     result = CheckResult(check_id, layer, case.kind, "pass", case=case.describe(), note=case.note)
     reason = subject.expressible(case)
     if reason:
         result.status, result.message = "skip", f"not expressible in this convention: {reason}"
         return result
+    outcome = None
     try:
-        outcome = subject.run(case)
+        outcome = session.run(case)
+    except TargetTimeout as exc:
+        result.status, result.message, result.ratio = "fail", f"timed out: {exc}", math.inf
+        result.call = subject.describe_call(case)
     except Exception as exc:  # the implementation's own error is a finding, whatever its type
-        result.status, result.message = "fail", f"raised {type(exc).__name__}: {exc}"
+        result.status, result.message, result.ratio = "fail", f"raised {type(exc).__name__}: {exc}", math.inf
+        result.call, result.traceback = subject.describe_call(case), _target_traceback(exc)
     else:
         result.comparisons = compare(case, outcome.outputs, output_dtypes=outcome.output_dtypes,
                                      compute_dtype=subject.compute_dtype(case.dtype))
         failed = [c for c in result.comparisons if not c.ok]
         if failed:
             result.status = "fail"
+            result.ratio = max(c.worst_ratio for c in failed)
             result.message = "; ".join(f"{c.output} differs from the reference" if not c.shape_problem else
                                        f"{c.output}: {c.shape_problem}" for c in failed)
+    if result.status == "fail" and not session.hung and deviations:
+        found = _matching_deviation(session, case, outcome, deviations)
+        if found is not None:
+            deviation, _ = found
+            result.deviation = deviation.id
+            what = (f"{result.message.removeprefix('raised ')} — raises, as verl does" if outcome is None else
+                    "differs from the reference exactly as verl does")
+            if session.strict:
+                result.message += f" — documented deviation {deviation.id} ({deviation.category}): {what}; failed " \
+                                  f"because of --strict"
+            else:
+                result.status = "deviation"
+                result.message = (f"documented deviation {deviation.id} ({deviation.category}): {what} — "
+                                  f"{deviation.title}; the reference: {deviation.reference}")
     if result.status == "fail" and snippet:
         result.snippet = subject.snippet(case)
     result.seconds = time.perf_counter() - start
@@ -260,25 +440,38 @@ def _precision_rank(dtype: str) -> float:
         return -math.inf
 
 
-def _structure_checks(subject: Subject, kind: str) -> list[CheckResult]:
+def _structure_checks(session: _Session, kind: str) -> list[CheckResult]:
     start = time.perf_counter()
+    subject = session.subject
     base = _probe_case(kind)
     if subject.equal_groups and kind != "sum-pi-squared":
         base = next(case for case in golden_cases(kind, ("float64",)) if subject.expressible(case) is None)
     dtypes = [dtype for dtype in _STRUCTURE_DTYPES if subject.supports_dtype(dtype)]
-    problems: dict[str, list[str]] = {name: [] for name in ("runs", "shapes", "dtypes", "devices", "inputs-unchanged",
-                                                              "deterministic")}
+    names = ("runs", "shapes", "dtypes", "devices", "inputs-unchanged", "deterministic")
+    problems: dict[str, list[str]] = {name: [] for name in names}
+    notes: dict[str, list[str]] = {name: [] for name in names}
     snippets: dict[str, str] = {}
+    details: dict[str, tuple[str, str]] = {}
     for dtype in dtypes:
         case = base.with_dtype(dtype)
+        session.tell(f"{kind} structure {dtype}")
         try:
-            first = subject.run(case)
-            second = subject.run(case)
+            first = session.run(case)
+            second = session.run(case)
         except Exception as exc:
-            problems["runs"].append(f"{dtype}: raised {type(exc).__name__}: {exc}")
+            problems["runs"].append(f"{dtype}: {'timed out' if isinstance(exc, TargetTimeout) else 'raised'} "
+                                    f"{type(exc).__name__}: {exc}")
             snippets.setdefault("runs", subject.snippet(case))
+            if not isinstance(exc, TargetTimeout):
+                details.setdefault("runs", (subject.describe_call(case), _target_traceback(exc)))
+            if session.hung:
+                break
             continue
         shape = case.logits.shape[:-1] if kind == "sum-pi-squared" else case.rewards.shape
+        complete = all(name in first.outputs and name in second.outputs for name in case.output_names)
+        drift = {c.output: c for c in compare(case, second.outputs, output_dtypes=first.output_dtypes,
+                                              compute_dtype=subject.compute_dtype(dtype), expected=first.outputs)
+                 } if complete else {}
         for name in case.output_names:
             value = first.outputs.get(name)
             if value is None:
@@ -287,12 +480,19 @@ def _structure_checks(subject: Subject, kind: str) -> list[CheckResult]:
             if tuple(value.shape) != tuple(shape):
                 problems["shapes"].append(f"{dtype}: {name} has shape {tuple(value.shape)}, expected {tuple(shape)}")
             got_dtype = first.output_dtypes.get(name, "?")
-            if subject.dtype_rule == "same" and got_dtype != dtype:
-                problems["dtypes"].append(f"{dtype} inputs: {name} returned as {got_dtype}")
-            elif subject.dtype_rule == "at-least" and _precision_rank(got_dtype) < _precision_rank(dtype):
+            if _precision_rank(got_dtype) < _precision_rank(dtype):
                 problems["dtypes"].append(f"{dtype} inputs: {name} returned as {got_dtype} (less precise)")
-            if not np.array_equal(value, second.outputs.get(name), equal_nan=True):
-                problems["deterministic"].append(f"{dtype}: {name} differs between two identical calls")
+            elif subject.dtype_rule == "same" and got_dtype != dtype:
+                notes["dtypes"].append(f"{dtype} inputs: {name} returned as {got_dtype} (more precise than the input; "
+                                       "verl returns the input's dtype)")
+            again = second.outputs.get(name)
+            if again is not None and not np.array_equal(value, again, equal_nan=True):
+                if again.shape != value.shape or name not in drift or not drift[name].ok:
+                    problems["deterministic"].append(f"{dtype}: {name} differs between two identical calls by more "
+                                                     "than rounding")
+                else:
+                    notes["deterministic"].append(f"{dtype}: {name} differs between two identical calls in the last "
+                                                  "bits (within rounding: a nondeterministic reduction order)")
         if not first.output_devices <= first.input_devices:
             problems["devices"].append(f"{dtype}: outputs on {sorted(first.output_devices)}, inputs on "
                                        f"{sorted(first.input_devices)}")
@@ -303,11 +503,15 @@ def _structure_checks(subject: Subject, kind: str) -> list[CheckResult]:
               "dtypes": rule[subject.dtype_rule], "devices": "outputs on the inputs' device",
               "inputs-unchanged": "inputs not modified", "deterministic": "two identical calls, identical outputs"}
     results = []
-    for name, found in problems.items():
-        result = CheckResult(f"{kind}/structure/{name}", "structure", kind, "fail" if found else "pass",
-                             "; ".join(found) if found else titles[name], case=base.describe())
+    for name in names:
+        found, noted = problems[name], notes[name]
+        status = "fail" if found else ("warn" if noted else "pass")
+        result = CheckResult(f"{kind}/structure/{name}", "structure", kind, status,
+                             "; ".join(found or noted) if (found or noted) else titles[name], case=base.describe(),
+                             ratio=math.inf if found else 0.0)
         if name == "runs" and found:
             result.snippet = snippets.get("runs", "")
+            result.call, result.traceback = details.get("runs", ("", ""))
         results.append(result)
     results[0].seconds = time.perf_counter() - start
     return results
@@ -340,17 +544,34 @@ class _Nonconformant(Exception):
     """Raised inside the Hypothesis test when a generated case fails (carries nothing: the case is recorded)."""
 
 
-def _generated_check(subject: Subject, kind: str, profile: str, max_examples: int, seed: int,
+@contextlib.contextmanager
+def _private_hypothesis_storage():
+    """Point Hypothesis's storage directory (where it caches, e.g., the constants it collects from loaded modules) at
+    a temporary directory for the duration, so that ``verify`` writes no ``.hypothesis/`` into the user's working
+    directory; the previous setting is restored afterwards."""
+    from hypothesis import configuration
+
+    previous = getattr(configuration, "__hypothesis_home_directory", None)
+    with tempfile.TemporaryDirectory(prefix="otb-spec-hypothesis-") as directory:
+        configuration.set_hypothesis_home_dir(directory)
+        try:
+            yield
+        finally:
+            configuration.set_hypothesis_home_dir(previous)
+
+
+def _generated_check(session: _Session, kind: str, profile: str, max_examples: int, seed: int,
                      shrink_budget: int) -> CheckResult:
     from hypothesis import HealthCheck, Phase, Verbosity, given, settings
     from hypothesis import seed as hypothesis_seed
     from hypothesis.errors import Flaky
 
     start = time.perf_counter()
+    subject = session.subject
     check_id = f"{kind}/generated/{profile}"
     dtypes = tuple(dtype for dtype in _VALUE_DTYPES if subject.supports_dtype(dtype))
     strategy = generated_cases(kind, profile=profile, dtypes=dtypes, equal_groups=subject.equal_groups)
-    state: dict[str, Any] = {"examples": 0, "failure": None, "after_failure": 0, "failed": set()}
+    state: dict[str, Any] = {"examples": 0, "failure": None, "after_failure": 0, "failed": set(), "worst": None}
 
     def fails(case: Case) -> bool:
         key = _fingerprint(case)
@@ -360,11 +581,16 @@ def _generated_check(subject: Subject, kind: str, profile: str, max_examples: in
             state["after_failure"] += 1
             if state["after_failure"] > shrink_budget:
                 raise _ShrinkBudgetSpent                 # stop Hypothesis; the last failure is the smallest yet
+        if session.hung:
+            raise _ShrinkBudgetSpent
         state["examples"] += 1
-        result = _value_check(subject, case, check_id, "generated", snippet=False)
+        session.tell(f"{kind} generated {profile} {state['examples']}/{max_examples}")
+        result = _value_check(session, case, check_id, "generated", snippet=False)
         if result.status == "fail":
             state["failure"] = (case, result)
             state["failed"].add(key)
+            if state["worst"] is None or result.ratio > state["worst"][1].ratio:
+                state["worst"] = (case, result)
         return result.status == "fail"
 
     def body(case: Case) -> None:
@@ -377,12 +603,13 @@ def _generated_check(subject: Subject, kind: str, profile: str, max_examples: in
                     phases=(Phase.explicit, Phase.generate, Phase.shrink))(given(strategy)(body))
     test = hypothesis_seed(seed)(test)
     flaky = ""
-    try:
-        test()
-    except (_Nonconformant, _ShrinkBudgetSpent):
-        pass
-    except Flaky as exc:
-        flaky = f" (Hypothesis reports the failure as flaky — the implementation may be nondeterministic: {exc})"
+    with _private_hypothesis_storage():
+        try:
+            test()
+        except (_Nonconformant, _ShrinkBudgetSpent):
+            pass
+        except Flaky as exc:
+            flaky = f" (Hypothesis reports the failure as flaky — the implementation may be nondeterministic: {exc})"
     description = GENERATED_PROFILES[kind][profile][0]
     if state["failure"] is None:
         result = CheckResult(check_id, "generated", kind, "pass",
@@ -390,8 +617,14 @@ def _generated_check(subject: Subject, kind: str, profile: str, max_examples: in
                              case=f"profile {profile}: {description}", examples=state["examples"])
     else:
         case, result = state["failure"]
+        worst_case, worst = state["worst"]
         how = (f"shrunk by Hypothesis within {shrink_budget} further runs" if shrink_budget else "not shrunk")
         result.message = f"failing case ({how}; seed {seed}): {result.message}{flaky}"
+        if worst is not result and worst.ratio > result.ratio:
+            shown = next((c.describe() for c in worst.comparisons if not c.ok), worst.message)
+            result.message += (f" — the largest error among the failing examples was {_ratio(worst.ratio)} the "
+                               f"allowed error, on {worst_case.describe()}: {shown}")
+        result.ratio = max(result.ratio, worst.ratio)
         result.case = f"{result.case} (profile {profile})"
         result.snippet = subject.snippet(case)
         result.examples = state["examples"]
@@ -399,24 +632,44 @@ def _generated_check(subject: Subject, kind: str, profile: str, max_examples: in
     return result
 
 
+def _robustness_check(session: _Session, case: Case, check_id: str) -> CheckResult:
+    """A value check whose failure is a warning: the inputs are ones no trainer produces."""
+    result = _value_check(session, case, check_id, "robustness", snippet=False)
+    if result.status == "fail" and not session.hung:
+        result.status = "warn"
+        result.message = ("with values no trainer produces at masked positions the result differs from the "
+                          f"reference ({result.message}) — a robustness note, not a failure")
+        result.ratio = 0.0
+    return result
+
+
 def run_checks(subject: Subject, kind: str, *, max_examples: int = 100, seed: int = 0,
                layers: Iterable[str] = LAYERS, skips: Iterable[tuple[str, str]] = (),
-               shrink_budget: int = SHRINK_BUDGET) -> list[CheckResult]:
+               shrink_budget: int = SHRINK_BUDGET, strict: bool = False, timeout: float | None = DEFAULT_TIMEOUT,
+               progress: Callable[[str], None] | None = None, fail_fast: bool = False) -> list[CheckResult]:
     """Run the layers of checks for one kind on a subject; returns every check's result, in order.
 
-    A failing signature check stops the run (nothing else can be called). ``skips`` are ``(pattern, reason)`` pairs
-    matched against check ids (:func:`read_skip_file`). ``shrink_budget``: how many more runs Hypothesis may spend
-    shrinking a failing generated case (0: report the first failure as found).
+    A failing signature check stops the run (nothing else can be called); so does a call that does not return within
+    ``timeout`` seconds (None or 0: no limit). ``skips`` are ``(pattern, reason)`` pairs matched against check ids
+    (:func:`read_skip_file`). ``shrink_budget``: how many more runs Hypothesis may spend shrinking a failing generated
+    case (0: report the first failure as found). ``strict``: a documented deviation from verl is a failure.
+    ``progress`` is called with a short label before each check. ``fail_fast``: stop after the first failing check
+    (the verdict is then known; the report lists the checks run so far).
     """
     if not isinstance(max_examples, int) or max_examples < 1:
         raise ValueError(f"max_examples: expected a positive integer, got {max_examples!r}")
     if not isinstance(shrink_budget, int) or shrink_budget < 0:
         raise ValueError(f"shrink_budget: expected a non-negative integer, got {shrink_budget!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0
+                                or not math.isfinite(timeout)):
+        raise ValueError(f"timeout: expected a non-negative number of seconds or None, got {timeout!r}")
     layers = tuple(layers)
     unknown = [layer for layer in layers if layer not in LAYERS]
     if unknown:
         raise ValueError(f"layers: unknown {', '.join(unknown)}; expected some of {', '.join(LAYERS)}")
     skips = list(skips)
+    session = _Session(subject, timeout, strict, progress)
+    deviations = deviations_for(kind)
     results: list[CheckResult] = []
 
     def skipped(check_id: str, layer: str) -> bool:
@@ -428,23 +681,31 @@ def run_checks(subject: Subject, kind: str, *, max_examples: int = 100, seed: in
     if "signature" in layers and not skipped(f"{kind}/signature", "signature"):
         problem = subject.signature_problem(kind)
         results.append(CheckResult(f"{kind}/signature", "signature", kind, "fail" if problem else "pass",
-                                   problem or "callable as the convention requires"))
+                                   problem or "callable as the convention requires", ratio=math.inf if problem else 0))
         if problem:
             return results
+    def stop() -> bool:
+        return bool(session.hung) or (fail_fast and any(result.status == "fail" for result in results))
+
     if "structure" in layers:
-        for result in _structure_checks(subject, kind):
+        for result in _structure_checks(session, kind):
             if not skipped(result.id, "structure"):
                 results.append(result)
-    for layer, cases in (("golden", lambda: golden_cases(kind, _VALUE_DTYPES)), ("generated", None),
-                         ("special", lambda: special_cases(kind, equal_groups=subject.equal_groups))):
-        if layer not in layers:
+    sources = {"golden": lambda: golden_cases(kind, _VALUE_DTYPES),
+               "special": lambda: special_cases(kind, equal_groups=subject.equal_groups),
+               "robustness": lambda: robustness_cases(kind)}
+    for layer in LAYERS[2:]:
+        if layer not in layers or stop():
             continue
         if layer == "generated":
             for profile in GENERATED_PROFILES[kind]:
-                if not skipped(f"{kind}/generated/{profile}", layer):
-                    results.append(_generated_check(subject, kind, profile, max_examples, seed, shrink_budget))
+                if not stop() and not skipped(f"{kind}/generated/{profile}", layer):
+                    results.append(_generated_check(session, kind, profile, max_examples, seed, shrink_budget))
             continue
-        for case in cases():
+        cases = sources[layer]()
+        for number, case in enumerate(cases, 1):
+            if stop():
+                break
             check_id = f"{kind}/{layer}/{_slug(case.name)}/{case.dtype}"
             if skipped(check_id, layer):
                 continue
@@ -452,5 +713,9 @@ def run_checks(subject: Subject, kind: str, *, max_examples: int = 100, seed: in
                 results.append(CheckResult(check_id, layer, kind, "skip",
                                            f"the convention cannot deliver {case.dtype} inputs here"))
                 continue
-            results.append(_value_check(subject, case, check_id, layer))
+            session.tell(f"{kind} {layer} {number}/{len(cases)}")
+            if layer == "robustness":
+                results.append(_robustness_check(session, case, check_id))
+            else:
+                results.append(_value_check(session, case, check_id, layer, deviations=deviations))
     return results

@@ -59,6 +59,8 @@ class Subject:
       dtype_rule: ``"same"`` — outputs in the input dtype; ``"at-least"`` — a floating dtype at least as precise.
       compute_dtype: the precision it accumulates in for an input dtype (decides the tolerance).
       expressible: ``case → None`` or why this subject cannot take that case (the check is skipped with the reason).
+      describe_call: ``case → text`` naming the arguments the target is called with (types, shapes, dtypes, devices
+        and options), shown when the target raises.
     """
 
     name: str
@@ -72,6 +74,7 @@ class Subject:
     dtype_rule: str = "same"
     compute_dtype: Callable[[str], str] = compute_dtype_for
     expressible: Callable[[Case], str | None] = lambda case: None
+    describe_call: Callable[[Case], str] = lambda case: ""
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,37 @@ def _import_line(target_spec: str) -> str:
     return f"from {module} import {first} as target" + (f"; target = target.{rest}" if rest else "")
 
 
+class _Shown:
+    """Stands for an argument in a call description: its type name, shape, dtype and device."""
+
+    def __init__(self, type_name: str, array: np.ndarray, dtype: str, device: str | None = None):
+        self.shape, self.dtype, self.device, self.type_name = tuple(np.shape(array)), dtype, device, type_name
+
+    def __str__(self) -> str:
+        where = f" on {self.device}" if self.device else ""
+        return f"{self.type_name}[{', '.join(str(n) for n in self.shape)}] {self.dtype}{where}"
+
+
+def _described_call(case: Case, names: dict[str, str], array: Callable[[np.ndarray, str], _Shown],
+                    ids: Callable[[np.ndarray], Any] | None, zero_tail: bool = True) -> str:
+    """The call of an OTB kind (or Σπ²) described from the case: ``names`` maps the case's fields to the target's
+    argument names, ``array`` says how an input array reaches the target, ``ids`` how the group ids do (None: no ids)."""
+    if case.kind == "sum-pi-squared":
+        return "(" + f"{names.get('logits', 'logits')}={array(case.logits, case.dtype)}" + ")"
+    parts = []
+    for field_name in ("rewards", "response_mask", "group_ids", "log_probs", "sum_pi_squared", "is_weights"):
+        if field_name == "group_ids":
+            if ids is not None:
+                parts.append(f"{names['group_ids']}={ids(case.group_ids)}")
+            continue
+        value = getattr(case, field_name)
+        parts.append(f"{names.get(field_name, field_name)}={'None' if value is None else array(value, case.dtype)}")
+    if case.kind != "loo-otb" and zero_tail:
+        parts.append(f"handle_zero_tail={case.handle_zero_tail!r}")
+    parts.append(f"epsilon={case.epsilon!r}")
+    return "(" + ", ".join(parts) + ")"
+
+
 def _pair(result: Any, names: tuple[str, str] = ("advantages", "returns")) -> tuple[Any, Any]:
     """(advantages, returns) from a tuple/list of at least two, or an object with those attributes."""
     if all(hasattr(result, name) for name in names):
@@ -288,8 +322,14 @@ def _verl(target: Callable, target_spec: str, kind: str, device: str) -> Subject
                                       host.format("got")))
         return "\n".join(lines)
 
+    def describe_call(case: Case) -> str:
+        names = {"rewards": "token_level_rewards", "group_ids": "index", "log_probs": "old_log_probs",
+                 "is_weights": "rollout_is_weights"}
+        return _described_call(case, names, lambda a, dtype: _Shown("Tensor", a, dtype, device),
+                               lambda ids: _Shown("ndarray", ids, str(np.asarray(ids).dtype)))
+
     return Subject(f"{target_spec} (verl convention, {device})", ("otb", "tir-otb", "sum-pi-squared"), device, run,
-                   snippet, _signature_check(target, 5, "rollout_is_weights"))
+                   snippet, _signature_check(target, 5, "rollout_is_weights"), describe_call=describe_call)
 
 
 def _outcome(results: tuple, input_devices: set[str]) -> Outcome:
@@ -400,9 +440,19 @@ def _numpy(target: Callable, target_spec: str, kind: str, device: str, grouped: 
 
     kinds = ("otb", "tir-otb", "loo-otb") if grouped else ("otb", "tir-otb", "loo-otb", "sum-pi-squared")
     label = "grouped" if grouped else "numpy"
+    def describe_call(case: Case) -> str:
+        if grouped and case.kind != "sum-pi-squared":
+            order = _group_order(case.group_ids)
+            size = order[1] if not isinstance(order, str) else 1
+            shape = (case.rewards.shape[0] // size, size, case.rewards.shape[1])
+            return _described_call(case, {}, lambda a, dtype: _Shown("ndarray", np.empty(shape), dtype), None)
+        return _described_call(case, {"group_ids": "group_ids"}, lambda a, dtype: _Shown("ndarray", a, dtype),
+                               lambda ids: _Shown("ndarray", ids, str(np.asarray(ids).dtype)))
+
     return Subject(f"{target_spec} ({label} convention)", kinds, "cpu", run, snippet,
                    _signature_check(target, 4 if grouped else 5, "is_weights"), equal_groups=grouped,
-                   supports_dtype=lambda dtype: _numpy_dtype(dtype) is not None, dtype_rule="at-least", expressible=expressible)
+                   supports_dtype=lambda dtype: _numpy_dtype(dtype) is not None, dtype_rule="at-least",
+                   expressible=expressible, describe_call=describe_call)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -455,8 +505,17 @@ def _jax(target: Callable, target_spec: str, kind: str, device: str) -> Subject:
         lines.append(_difference_line(case, *_ARRAY_OUTPUTS))
         return "\n".join(lines)
 
+    def describe_call(case: Case) -> str:
+        text = _described_call(case, {"group_ids": "segment_ids"}, lambda a, dtype: _Shown("Array", a, dtype,
+                                                                                          str(placement)),
+                               lambda ids: _Shown("Array", ids, "int32", str(placement)))
+        if case.kind == "sum-pi-squared":
+            return text
+        return text.replace(", log_probs=", f", num_segments={len({repr(g) for g in case.group_ids.tolist()})}, "
+                                            "log_probs=", 1)
+
     return Subject(f"{target_spec} (jax convention, {placement})", ("otb", "tir-otb", "loo-otb", "sum-pi-squared"),
-                   str(placement), run, snippet, _signature_check(target, 6, "is_weights"))
+                   str(placement), run, snippet, _signature_check(target, 6, "is_weights"), describe_call=describe_call)
 
 
 def _jax_device(value: Any) -> str:
@@ -543,8 +602,14 @@ def adapter_subject(adapter: Any) -> Subject:
         return f"adapter lacks {', '.join(missing)} (see otb_spec.adapters.Adapter)" if missing else None
 
     kinds = tuple(kind for kind, method in _ADAPTER_METHODS.items() if callable(getattr(adapter, method, None)))
+    def describe_call(case: Case) -> str:
+        method = _ADAPTER_METHODS[case.kind]
+        return f"{name}.{method}" + _described_call(
+            case, {"group_ids": "segments"}, lambda a, dtype: _Shown("array", a, dtype, str(adapter.device)),
+            lambda ids: f"adapter.segments(ndarray[{len(ids)}])")
+
     return Subject(f"adapter {name}", kinds, str(getattr(adapter, "device", "?")), run, snippet, signature_problem,
-                   dtype_rule="at-least", compute_dtype=adapter.compute_dtype)
+                   dtype_rule="at-least", compute_dtype=adapter.compute_dtype, describe_call=describe_call)
 
 
 def _device_of(value: Any, default: str) -> str:

@@ -52,13 +52,26 @@ def _compute_dtype(dtype: torch.dtype, bugs: frozenset) -> torch.dtype:
 # the shared implementation, with switches for the bugs
 
 
+def _cumsum(values, bugs):
+    """Cumulative sum over positions; with the bug, a running total kept in the input's half precision (as a scan
+    in bfloat16 does — torch's own cumsum accumulates half precision in float32)."""
+    if "accumulates_in_input_dtype" not in bugs or values.dtype not in (torch.bfloat16, torch.float16):
+        return values.cumsum(dim=-1)
+    total = torch.zeros_like(values[..., 0])
+    out = torch.empty_like(values)
+    for t in range(values.shape[-1]):
+        total = total + values[..., t]
+        out[..., t] = total
+    return out
+
+
 def _returns_and_energy(rewards, mask, log_probs, sum_pi_squared, weights, bugs):
     """G = reverse cumsum of r·m, W = cumsum of m·w with w = (1 − 2π + Σπ²)·ρ²."""
     masked_rewards = rewards if "rewards_not_masked" in bugs else rewards * mask
     if "forward_cumsum_returns" in bugs:
-        returns = masked_rewards.cumsum(dim=-1)
+        returns = _cumsum(masked_rewards, bugs)
     else:
-        returns = masked_rewards.flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+        returns = _cumsum(masked_rewards.flip(dims=[-1]), bugs).flip(dims=[-1])
     if "mutates_inputs" in bugs:
         pi = log_probs.exp_()                                  # in place, to save a [B, T] buffer
     elif "log_prob_as_probability" in bugs:
@@ -75,7 +88,7 @@ def _returns_and_energy(rewards, mask, log_probs, sum_pi_squared, weights, bugs)
     elif "cumsum_over_batch_axis" in bugs:
         energy = (proxy * mask).cumsum(dim=0)
     else:
-        energy = (proxy * mask).cumsum(dim=-1)
+        energy = _cumsum(proxy * mask, bugs)
     return returns, energy
 
 
@@ -93,10 +106,11 @@ def _group_labels(index: Any, rows: int, device: torch.device, bugs: frozenset) 
 
 
 def _lengths(mask: torch.Tensor, bugs: frozenset) -> torch.Tensor:
+    """Lengths as exact counts (in the mask's float dtype only where that dtype holds them exactly)."""
     if "length_from_last_index" in bugs:
-        positions = torch.arange(1, mask.shape[-1] + 1, device=mask.device, dtype=mask.dtype)
+        positions = torch.arange(1, mask.shape[-1] + 1, device=mask.device, dtype=torch.float32)
         return (positions * mask).amax(dim=-1)              # index of the last valid token + 1
-    return mask.sum(dim=-1)
+    return mask.sum(dim=-1, dtype=torch.float32)
 
 
 def _baseline(returns, energy, mask, labels, lengths, handle_zero_tail, epsilon, bugs):
@@ -188,7 +202,7 @@ def _multi_turn(token_level_rewards, response_mask, index, old_log_probs, sum_pi
     if "tir_zero_tail_on_absolute_lengths" in bugs:
         compact_lengths = _lengths(mask, frozenset({"length_from_last_index"}))
     else:
-        compact_lengths = lengths.to(compute)
+        compact_lengths = lengths.to(torch.float32)
     compact_baseline = _baseline(compact(returns), compact(energy), compact_mask, labels, compact_lengths,
                                  handle_zero_tail, epsilon, bugs)
     baseline = compact_baseline.gather(1, rank.clamp(max=positions - 1))
@@ -268,7 +282,8 @@ _OTB_BUGS = {
     "zero_tail_ignored": "handle_zero_tail is accepted but the zero tail is never applied",
     "advantages_not_masked": "advantages not multiplied by the mask (non-zero at padding and tool output)",
     "returns_masked": "returns multiplied by the mask (verl returns G unmasked)",
-    "accumulates_in_input_dtype": "bfloat16 inputs are accumulated in bfloat16 instead of float32",
+    "accumulates_in_input_dtype": "bfloat16 inputs: the cumulative sums (W, G) kept as running totals in bfloat16 "
+                                  "instead of float32",
     "mutates_inputs": "π computed in place (old_log_probs.exp_()), overwriting the caller's log-probs",
     "upcasts_output": "outputs returned as float32 whatever the input dtype",
 }

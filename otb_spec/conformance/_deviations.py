@@ -1,0 +1,178 @@
+"""Documented deviations: the places where verl 0.9.1 — the authors' trainer — differs from the reference.
+
+The verifier checks an implementation against the reference. Where the reference *defines* a value that verl leaves
+undefined, or where verl has a known defect, verl (and any port that follows it literally) fails that check although
+it does what verl does. Each such place is a :class:`Deviation` with a *model*: the outputs verl's documented behaviour
+gives on a case (NaN where it divides 0/0, the zero tail where its rounded lengths put it), or the exception it raises.
+A value check that fails against the reference and matches a deviation's model — within the same tolerance, NaN only
+where the model has NaN — is reported as that documented deviation, not as a failure; ``strict=True`` (``--strict``)
+makes it a failure. Anything else wrong in the same case still fails: the model is verl's behaviour, not a waiver.
+
+Two categories (docs/verl-differences.md lists both with their case ids):
+
+* **by definition** — ``epsilon-zero-nan``: ε = 0 and a zero denominator Σᵢ Wᵢmᵢ at a position: verl computes 0/0 = NaN,
+  the reference defines the baseline as 0 (as 0/ε = 0 for every ε > 0).
+* **known verl defect** — ``half-precision-lengths``: with bfloat16 (or float16) inputs verl computes the response
+  lengths as ``response_mask.sum(-1)`` in that dtype, which rounds lengths above 256 (float16: 2048). The single-turn
+  zero tail then follows the rounded lengths (wrong member, wrong start, or a tie that hides it); the multi-turn
+  compaction raises a shape error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from otb_spec._baseline import Grid, forced_zero, validated_otb_inputs
+from otb_spec.conformance._cases import Case, _round_to
+from otb_spec.groups import segment_sums
+from otb_spec.otb import optimal_token_baseline
+from otb_spec.trajectory import cumulative_energy
+
+__all__ = ["Deviation", "DEVIATIONS", "RAISES", "deviations_for"]
+
+RAISES = "raises"     # a model's answer when verl's documented behaviour is to raise on the case
+
+
+@dataclass(frozen=True)
+class Deviation:
+    """One documented difference between verl 0.9.1 and the reference.
+
+    Attributes:
+      id: short name (``epsilon-zero-nan``), used in reports and JSON.
+      category: ``"by definition"`` or ``"known verl defect"``.
+      title: one line.
+      verl: what verl 0.9.1 does.
+      reference: what the reference does.
+      why: why the reference does it differently.
+      doc: where it is documented (docs/verl-differences.md item).
+      kinds: the kinds it concerns.
+      applies: ``case → bool``: the case exercises it (the model differs from the reference there).
+      model: ``case → {output: expected array (NaN where verl gives NaN)}`` or :data:`RAISES`.
+    """
+
+    id: str
+    category: str
+    title: str
+    verl: str
+    reference: str
+    why: str
+    doc: str
+    kinds: tuple[str, ...]
+    applies: Callable[[Case], bool]
+    model: Callable[[Case], Any]
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "category": self.category, "title": self.title, "verl": self.verl,
+                "reference": self.reference, "why": self.why, "doc": self.doc, "kinds": list(self.kinds)}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# ε = 0 with an empty denominator
+
+
+def _empty_denominators(case: Case) -> np.ndarray:
+    """[B, T] True where verl's baseline is 0/0: a group's Σᵢ Wᵢmᵢ is exactly 0 at an aligned position that no rule
+    forces to 0 — at every position of the member's row (single-turn: verl's baseline tensor holds the group value at
+    masked positions too, and (G − NaN)·0 is NaN) or at its valid tokens (multi-turn: only those are scattered back)."""
+    rewards, mask, segments, energy, weights = validated_otb_inputs(case.rewards, case.response_mask, case.group_ids,
+                                                                   case.log_probs, case.sum_pi_squared,
+                                                                   case.is_weights)
+    align = "valid_token" if case.kind == "tir-otb" else "position"
+    grid = Grid(mask, align)
+    realized = grid.gather(cumulative_energy(energy, mask, weights))
+    empty = segment_sums(realized * grid.valid, segments)[segments.index] == 0.0
+    nan_grid = empty & ~forced_zero(grid, segments, False, case.handle_zero_tail)
+    if align == "position":
+        return nan_grid
+    return grid.scatter(nan_grid.astype(np.float64)) > 0      # valid tokens whose compacted position is 0/0
+
+
+def _epsilon_zero_applies(case: Case) -> bool:
+    return case.kind in ("otb", "tir-otb") and case.epsilon == 0.0 and bool(_empty_denominators(case).any())
+
+
+def _epsilon_zero_model(case: Case) -> dict[str, np.ndarray]:
+    expected = case.expected()
+    return {"advantages": np.where(_empty_denominators(case), np.nan, expected["advantages"]),
+            "returns": expected["returns"]}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# lengths rounded to half precision
+
+
+def _rounded_lengths(case: Case) -> tuple[np.ndarray, np.ndarray]:
+    lengths = np.asarray(case.response_mask, dtype=np.float64).sum(axis=-1)
+    return lengths, _round_to(case.dtype, lengths).astype(np.float64)
+
+
+def _half_lengths_applies(case: Case) -> bool:
+    if case.kind not in ("otb", "tir-otb") or case.dtype not in ("bfloat16", "float16"):
+        return False
+    exact, rounded = _rounded_lengths(case)
+    if case.kind == "tir-otb":
+        return bool(np.any((exact > 0) & (rounded != exact)))
+    return case.handle_zero_tail and not np.array_equal(_verl_tail_starts(case, rounded), _verl_tail_starts(case, exact))
+
+
+def _verl_tail_starts(case: Case, lengths: np.ndarray) -> np.ndarray:
+    """[B] verl's zero tail with these lengths: the position from which the row's baseline is 0 (T where none)."""
+    ids = [repr(value) for value in np.asarray(case.group_ids, dtype=object).tolist()]
+    starts = np.full(len(ids), case.rewards.shape[1], dtype=np.int64)
+    for group in dict.fromkeys(ids):
+        members = [row for row, value in enumerate(ids) if value == group]
+        if len(members) < 2:
+            continue
+        ordered = sorted(lengths[members])
+        longest, second = ordered[-1], ordered[-2]
+        at_longest = [row for row in members if lengths[row] == longest]
+        if len(at_longest) == 1 and longest > second:
+            starts[at_longest[0]] = int(second)
+    return starts
+
+
+def _half_lengths_model(case: Case) -> Any:
+    exact, rounded = _rounded_lengths(case)
+    if case.kind == "tir-otb":
+        return RAISES                  # its compaction assigns len(valid tokens) values into a slice of rounded length
+    untailed = optimal_token_baseline(case.rewards, case.response_mask, case.group_ids, case.log_probs,
+                                      case.sum_pi_squared, is_weights=case.is_weights, handle_zero_tail=False,
+                                      epsilon=case.epsilon)
+    positions = np.arange(case.rewards.shape[1])
+    keep = positions[None, :] < _verl_tail_starts(case, rounded)[:, None]
+    mask = np.asarray(case.response_mask, dtype=np.float64)
+    return {"advantages": (untailed.returns - untailed.baselines * keep) * mask, "returns": untailed.returns}
+
+
+DEVIATIONS: tuple[Deviation, ...] = (
+    Deviation(
+        id="epsilon-zero-nan", category="by definition",
+        title="ε = 0 and an empty denominator: verl's baseline is 0/0 = NaN",
+        verl="divides Σᵢ GᵢWᵢmᵢ by Σᵢ Wᵢmᵢ + ε; with ε = 0 and every Wᵢmᵢ = 0 at a position (a deterministic policy so "
+             "far, or a position no member reaches) the baseline is 0/0 = NaN, and so is the advantage — single-turn "
+             "also at masked positions, since (G − NaN)·0 is NaN",
+        reference="defines the baseline as 0 there, the value 0/ε gives for every ε > 0; advantages stay finite",
+        why="a defined value instead of a silent NaN; identical to verl for every ε > 0 (verl's default is 1e-8)",
+        doc="docs/verl-differences.md #3", kinds=("otb", "tir-otb"),
+        applies=_epsilon_zero_applies, model=_epsilon_zero_model),
+    Deviation(
+        id="half-precision-lengths", category="known verl defect",
+        title="bfloat16/float16 inputs: verl rounds response lengths, so the zero tail lands in the wrong place",
+        verl="computes lengths as response_mask.sum(-1) in the mask's dtype; bfloat16 holds integers exactly only up "
+             "to 256 (float16: 2048), so longer lengths are rounded — the single-turn zero tail then starts at the "
+             "rounded second-longest length, or disappears when rounding ties the longest; the multi-turn compaction "
+             "raises a shape error",
+        reference="counts lengths exactly (integers) in every precision",
+        why="lengths are integers; rounding them is a defect of verl 0.9.1, listed so that it stays visible",
+        doc="docs/verl-differences.md #11", kinds=("otb", "tir-otb"),
+        applies=_half_lengths_applies, model=_half_lengths_model),
+)
+
+
+def deviations_for(kind: str) -> tuple[Deviation, ...]:
+    """The documented deviations that concern ``kind`` (none for loo-otb and sum-pi-squared: verl has no
+    leave-one-out OTB, and its Σπ² is within the tolerance of a correct implementation)."""
+    return tuple(deviation for deviation in DEVIATIONS if kind in deviation.kinds)

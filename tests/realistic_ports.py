@@ -1,0 +1,550 @@
+"""A net of realistic third-party implementations for the verifier's own tests: correct ports written in the styles
+people really use, and ports carrying the bugs people really make.
+
+Every port here is written from the math (docs/verl-differences.md), independently of the reference and of one
+another, the way a trainer's author would: dict-of-groups loops, ``index_add_``, ``scatter_add_``,
+``index_put_(accumulate=True)``, sorted segments with ``np.add.reduceat``, one-hot matrix products, a [B, B]
+same-group matrix, returns as total minus prefix, the energy as (1 − π)² + (Σπ² − π²), and Σπ² as a shifted or
+unshifted log-sum-exp, softmax-then-square or a chunked online pass. Half-precision inputs are computed in float32,
+as a correct port must; results come back in the input's dtype.
+
+``CORRECT``: name → (kind, convention, function) — the verifier must accept every one.
+``BUGGY``: name → (kind, convention, function, what is wrong) — the verifier must reject every one.
+Each bug is a one-line change to one of the correct ports (``_variant``), so a port is rejected for its bug only.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+# ----------------------------------------------------------------------------------------------------------------------
+# NumPy ports (numpy convention: rewards, response_mask, group_ids, log_probs, sum_pi_squared, *, is_weights, …)
+
+
+def _np_in(*arrays):
+    """Compute in float64 for float64 inputs and float32 otherwise (half precision is widened, exactly)."""
+    dtype = np.float64 if any(a is not None and np.asarray(a).dtype == np.float64 for a in arrays) else np.float32
+    return dtype, [None if a is None else np.asarray(a).astype(dtype) for a in arrays]
+
+
+def _np_out(dtype_like, *arrays):
+    return tuple(np.asarray(a).astype(np.asarray(dtype_like).dtype) for a in arrays)
+
+
+def numpy_loops(rewards, response_mask, group_ids, log_probs, sum_pi_squared, *, is_weights=None,
+                handle_zero_tail=True, epsilon=1e-8, bugs=frozenset()):
+    """Single-turn OTB the way verl writes it: a dict of groups and a loop over them."""
+    dtype, (r, m, lp, spp, rho) = _np_in(rewards, response_mask, log_probs, sum_pi_squared, is_weights)
+    masked = r if "rewards_unmasked" in bugs else r * m
+    returns = np.cumsum(masked, axis=1) if "forward_returns" in bugs else np.flip(np.cumsum(np.flip(masked, 1), 1), 1)
+    pi = np.exp(np.minimum(lp, 0))
+    w = (1 - pi) ** 2 + (spp - (pi if "pi_for_pi_squared" in bugs else pi * pi))
+    if rho is not None:
+        w = w * (rho if "rho_not_squared" in bugs else rho * rho)
+    if "mask_after_cumsum" in bugs:
+        energy = np.cumsum(w, axis=1) * m
+    elif "per_step_energy" in bugs:
+        energy = w * m
+    else:
+        energy = np.cumsum(w * m, axis=1)
+    groups = defaultdict(list)
+    for row, gid in enumerate(np.asarray(group_ids, dtype=object).tolist()):
+        groups[gid].append(row)
+    baselines = np.zeros_like(returns)
+    lengths = m.sum(axis=1)
+    for rows in groups.values():
+        if len(rows) < (3 if "pairs_are_singletons" in bugs else 2):
+            continue
+        weight = energy[rows] if "padding_in_group_sums" in bugs else energy[rows] * m[rows]
+        numerator = (returns[rows] * weight).sum(axis=0) + (epsilon if "epsilon_in_numerator" in bugs else 0.0)
+        baseline = numerator / (weight.sum(axis=0) + epsilon)
+        baselines[rows] = baseline
+        if handle_zero_tail:
+            ranked = [row for row in rows if lengths[row] > 0] if "empty_rows_unranked" in bugs else rows
+            ordered = sorted(lengths[ranked])
+            if len(ordered) >= 2:
+                longest, second = ordered[-1], ordered[-2]
+                at_longest = [row for row in ranked if lengths[row] == longest]
+                if "ties_get_a_tail" in bugs and len(at_longest) > 1:
+                    second = max([length for length in ordered if length < longest], default=0)
+                    at_longest = at_longest[:1]
+                if len(at_longest) == 1 and longest > second:
+                    start = int(second) + (1 if "zero_tail_off_by_one" in bugs else 0)
+                    baselines[at_longest[0], start:] = 0.0
+    advantages = (returns - baselines) * m
+    return _np_out(rewards, advantages, returns)
+
+
+def numpy_reduceat(rewards, response_mask, group_ids, log_probs, sum_pi_squared, *, is_weights=None,
+                   handle_zero_tail=True, epsilon=1e-8):
+    """Single-turn OTB on sorted segments: rows stably sorted by group, group sums with np.add.reduceat."""
+    dtype, (r, m, lp, spp, rho) = _np_in(rewards, response_mask, log_probs, sum_pi_squared, is_weights)
+    ids = np.asarray(group_ids, dtype=object).tolist()
+    labels = np.array([{key: k for k, key in enumerate(dict.fromkeys(ids))}[key] for key in ids])
+    order = np.argsort(labels, kind="stable")
+    starts = np.flatnonzero(np.r_[True, np.diff(labels[order]) != 0])
+    counts = np.diff(np.r_[starts, len(order)])
+    returns = np.flip(np.cumsum(np.flip(r * m, 1), 1), 1)
+    pi = np.exp(np.minimum(lp, 0))
+    w = 1 - 2 * pi + spp
+    if rho is not None:
+        w = w * rho * rho
+    energy = np.cumsum(w * m, axis=1)
+    weight = (energy * m)[order]
+    numerator = np.add.reduceat(returns[order] * weight, starts, axis=0)
+    denominator = np.add.reduceat(weight, starts, axis=0) + epsilon
+    group = np.repeat(np.arange(len(starts)), counts)
+    baseline_sorted = (numerator / denominator)[group]
+    baseline_sorted[np.repeat(counts, counts) < 2] = 0.0
+    baselines = np.empty_like(baseline_sorted)
+    baselines[order] = baseline_sorted
+    if handle_zero_tail:
+        lengths = m.sum(axis=1)
+        for g, (start, count) in enumerate(zip(starts, counts)):
+            rows = order[start:start + count]
+            if count < 2:
+                continue
+            ranked = np.sort(lengths[rows])
+            winners = rows[lengths[rows] == ranked[-1]]
+            if len(winners) == 1 and ranked[-1] > ranked[-2]:
+                baselines[winners[0], int(ranked[-2]):] = 0.0
+    return _np_out(rewards, (returns - baselines) * m, returns)
+
+
+def numpy_same_group_matrix(rewards, response_mask, group_ids, log_probs, sum_pi_squared, *, is_weights=None,
+                            handle_zero_tail=True, epsilon=1e-8):
+    """Single-turn OTB with a [B, B] same-group matrix S: group sums are S @ X (BLAS), zero tail by comparisons."""
+    dtype, (r, m, lp, spp, rho) = _np_in(rewards, response_mask, log_probs, sum_pi_squared, is_weights)
+    ids = np.asarray(group_ids, dtype=object)
+    same = np.array([[a == b for b in ids.tolist()] for a in ids.tolist()], dtype=dtype)
+    returns = (r * m).sum(axis=1, keepdims=True) - np.cumsum(r * m, axis=1) + r * m        # total − prefix
+    pi = np.exp(np.minimum(lp, 0))
+    w = (1 - pi) ** 2 + (spp - pi * pi)
+    if rho is not None:
+        w = w * np.square(rho)
+    weight = np.cumsum(w * m, axis=1) * m
+    baselines = (same @ (returns * weight)) / (same @ weight + epsilon)
+    sizes = same.sum(axis=1)
+    baselines[sizes < 2] = 0.0
+    if handle_zero_tail:
+        lengths = m.sum(axis=1)
+        longer = same * (lengths[None, :] >= lengths[:, None]) - np.eye(len(ids))      # others at least as long
+        unique_longest = (longer.sum(axis=1) == 0) & (sizes >= 2)
+        second = np.where(same > 0, lengths[None, :], -1.0) - np.eye(len(ids)) * 1e9
+        second = second.max(axis=1)
+        tail = unique_longest[:, None] & (np.arange(m.shape[1])[None, :] >= second[:, None])
+        baselines = np.where(tail, 0.0, baselines)
+    return _np_out(rewards, (returns - baselines) * m, returns)
+
+
+def numpy_multi_turn_loops(rewards, response_mask, group_ids, log_probs, sum_pi_squared, *, is_weights=None,
+                           handle_zero_tail=True, epsilon=1e-8, bugs=frozenset()):
+    """Multi-turn OTB as verl writes it: compact each row's valid tokens, a dict of non-empty members, scatter back."""
+    dtype, (r, m, lp, spp, rho) = _np_in(rewards, response_mask, log_probs, sum_pi_squared, is_weights)
+    returns = np.flip(np.cumsum(np.flip(r * m, 1), 1), 1)
+    pi = np.exp(np.minimum(lp, 0))
+    w = 1 - 2 * pi + spp
+    if rho is not None:
+        w = w * rho ** 2
+    energy = np.cumsum(w * m, axis=1)
+    rows, positions = m.shape
+    if "tir_keeps_observations" in bugs:            # aligns the span from the first to the last valid token
+        spans = [np.arange(np.flatnonzero(m[i])[0], np.flatnonzero(m[i])[-1] + 1) if m[i].any() else np.arange(0)
+                 for i in range(rows)]
+    else:
+        spans = [np.flatnonzero(m[i] > 0) for i in range(rows)]
+    lengths = np.array([len(span) for span in spans])
+    width = max(int(lengths.max()), 1)
+    compact_w, compact_g = np.zeros((rows, width), dtype), np.zeros((rows, width), dtype)
+    for i, span in enumerate(spans):
+        compact_w[i, :len(span)] = energy[i, span] * m[i, span]
+        compact_g[i, :len(span)] = returns[i, span]
+    groups = defaultdict(list)
+    for i, gid in enumerate(np.asarray(group_ids, dtype=object).tolist()):
+        if lengths[i] > 0:
+            groups[gid].append(i)
+    baselines = np.zeros((rows, width), dtype)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        baselines[members] = (compact_g[members] * compact_w[members]).sum(0) / (compact_w[members].sum(0) + epsilon)
+        if handle_zero_tail:
+            ordered = sorted(lengths[members])
+            at_longest = [i for i in members if lengths[i] == ordered[-1]]
+            if len(at_longest) == 1 and ordered[-1] > ordered[-2]:
+                baselines[at_longest[0], ordered[-2]:] = 0.0
+    advantages = np.zeros((rows, positions), dtype)
+    for i, span in enumerate(spans):
+        advantages[i, span] = compact_g[i, :len(span)] - baselines[i, :len(span)]
+    return _np_out(rewards, advantages * m, returns)
+
+
+def numpy_leave_one_out(rewards, response_mask, group_ids, log_probs, sum_pi_squared, *, is_weights=None,
+                        epsilon=1e-8, bugs=frozenset()):
+    """Leave-one-out OTB: group totals minus the member's own term, 0 where no other member is valid."""
+    dtype, (r, m, lp, spp, rho) = _np_in(rewards, response_mask, log_probs, sum_pi_squared, is_weights)
+    returns = np.flip(np.cumsum(np.flip(r * m, 1), 1), 1)
+    pi = np.exp(np.minimum(lp, 0))
+    w = (1 - pi) ** 2 + (spp - pi * pi)
+    if rho is not None:
+        w = w * rho * rho
+    weight = np.cumsum(w * m, axis=1) * m
+    ids = np.asarray(group_ids, dtype=object).tolist()
+    baselines = np.zeros_like(returns)
+    for gid in dict.fromkeys(ids):
+        rows = [i for i, value in enumerate(ids) if value == gid]
+        numerator = (returns[rows] * weight[rows]).sum(0)
+        denominator = weight[rows].sum(0)
+        valid = m[rows].sum(0)
+        for i in rows:
+            others = valid - m[i]
+            own_weight = 0.0 if "loo_denominator_keeps_self" in bugs else weight[i]
+            ratio_denominator = np.maximum(denominator - own_weight, 0) + epsilon
+            value = np.divide(numerator - returns[i] * weight[i], ratio_denominator,
+                              out=np.zeros_like(numerator), where=ratio_denominator != 0)
+            baselines[i] = np.where(others > 0, value, 0.0)
+    return _np_out(rewards, (returns - baselines) * m, returns)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# torch ports (verl convention: token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, …)
+
+
+def _t_in(*tensors):
+    dtype = torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+    return dtype, [None if t is None else t.to(dtype) for t in tensors]
+
+
+def _labels(index, device) -> tuple[torch.Tensor, int]:
+    first: dict = {}
+    labels = [first.setdefault(key, len(first)) for key in np.asarray(index, dtype=object).tolist()]
+    return torch.tensor(labels, device=device), len(first)
+
+
+def _torch_energy(lp, spp, mask, rho, bugs=frozenset()):
+    pi = torch.exp(lp.clamp(max=0))
+    w = 1 - 2 * pi + spp
+    if rho is not None:
+        w = w * (rho if "rho_not_squared" in bugs else rho ** 2)
+    return torch.cumsum(w * mask, dim=-1)
+
+
+def _torch_zero_tail(baselines, mask, labels, groups, sizes):
+    lengths = mask.sum(-1)
+    for g in range(groups):
+        rows = torch.nonzero(labels == g).flatten()
+        if len(rows) < 2:
+            continue
+        ordered, _ = torch.sort(lengths[rows])
+        winners = rows[lengths[rows] == ordered[-1]]
+        if len(winners) == 1 and ordered[-1] > ordered[-2]:
+            baselines[winners[0], int(ordered[-2]):] = 0.0
+    return baselines
+
+
+@torch.no_grad()
+def torch_index_add(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                    rollout_is_weights=None, handle_zero_tail=True, epsilon=1e-8, bugs=frozenset(), **kwargs):
+    """Single-turn OTB with index_add_ group sums."""
+    out = token_level_rewards.dtype
+    dtype, (r, m, lp, spp, rho) = _t_in(token_level_rewards, response_mask, old_log_probs, sum_pi_squared,
+                                        rollout_is_weights)
+    returns = torch.flip(torch.cumsum(torch.flip(r * m, [-1]), -1), [-1])
+    energy = _torch_energy(lp, spp, m, rho, bugs)
+    labels, groups = _labels(index, r.device)
+    weight = energy * m
+    numerator = torch.zeros(groups, r.shape[1], dtype=dtype).index_add_(0, labels, returns * weight)
+    denominator = torch.zeros(groups, r.shape[1], dtype=dtype).index_add_(0, labels, weight)
+    sizes = torch.bincount(labels, minlength=groups)
+    baselines = (numerator / (denominator + epsilon))[labels]
+    baselines[sizes[labels] < 2] = 0.0
+    if handle_zero_tail:
+        baselines = _torch_zero_tail(baselines, m, labels, groups, sizes)
+    advantages = (returns - baselines) * m
+    return advantages.to(out), returns.to(out)
+
+
+@torch.no_grad()
+def torch_scatter_add(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                      rollout_is_weights=None, handle_zero_tail=True, epsilon=1e-8, bugs=frozenset(), **kwargs):
+    """Single-turn OTB with scatter_add_ group sums and returns as total minus prefix."""
+    out = token_level_rewards.dtype
+    dtype, (r, m, lp, spp, rho) = _t_in(token_level_rewards, response_mask, old_log_probs, sum_pi_squared,
+                                        rollout_is_weights)
+    masked = r * m
+    returns = masked.sum(-1, keepdim=True) - torch.cumsum(masked, -1) + masked
+    pi = torch.exp(lp.clamp(max=0))
+    w = (1 - pi) ** 2 + (spp - pi ** 2)
+    if rho is not None:
+        w = w * rho * rho
+    energy = torch.cumsum(w * m, -1)
+    labels, groups = _labels(index, r.device)
+    spread = labels[:, None].expand_as(r)
+    weight = energy * m
+    numerator = torch.zeros(groups, r.shape[1], dtype=dtype).scatter_add_(0, spread, returns * weight)
+    denominator = torch.zeros(groups, r.shape[1], dtype=dtype).scatter_add_(0, spread, weight)
+    baselines = numerator.gather(0, spread) / (denominator.gather(0, spread) + epsilon)
+    sizes = torch.bincount(labels, minlength=groups)
+    baselines = torch.where((sizes[labels] > 1)[:, None], baselines, torch.zeros_like(baselines))
+    if handle_zero_tail:
+        baselines = _torch_zero_tail(baselines, m, labels, groups, sizes)
+    return ((returns - baselines) * m).to(out), returns.to(out)
+
+
+@torch.no_grad()
+def torch_index_put_accumulate(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                               rollout_is_weights=None, handle_zero_tail=True, epsilon=1e-8, bugs=frozenset(),
+                               **kwargs):
+    """Single-turn OTB with index_put_(accumulate=True) group sums."""
+    out = token_level_rewards.dtype
+    dtype, (r, m, lp, spp, rho) = _t_in(token_level_rewards, response_mask, old_log_probs, sum_pi_squared,
+                                        rollout_is_weights)
+    returns = torch.flip(torch.cumsum(torch.flip(r * m, [-1]), -1), [-1])
+    energy = _torch_energy(lp, spp, m, rho)
+    labels, groups = _labels(index, r.device)
+    weight = energy * m
+    numerator = torch.zeros(groups, r.shape[1], dtype=dtype)
+    denominator = torch.zeros(groups, r.shape[1], dtype=dtype)
+    numerator.index_put_((labels,), returns * weight, accumulate=True)
+    denominator.index_put_((labels,), weight, accumulate=True)
+    baselines = numerator[labels] / (denominator[labels] + epsilon)
+    sizes = torch.bincount(labels, minlength=groups)
+    baselines = baselines * (sizes[labels] > 1)[:, None]
+    if handle_zero_tail:
+        baselines = _torch_zero_tail(baselines, m, labels, groups, sizes)
+    return ((returns - baselines) * m).to(out), returns.to(out)
+
+
+@torch.no_grad()
+def torch_one_hot_matmul(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                         rollout_is_weights=None, handle_zero_tail=True, epsilon=1e-8, bugs=frozenset(), **kwargs):
+    """Single-turn OTB with a one-hot [G, B] membership matrix: group sums are matrix products; the zero tail from
+    vectorised group maxima."""
+    out = token_level_rewards.dtype
+    dtype, (r, m, lp, spp, rho) = _t_in(token_level_rewards, response_mask, old_log_probs, sum_pi_squared,
+                                        rollout_is_weights)
+    returns = torch.flip(torch.cumsum(torch.flip(r * m, [-1]), -1), [-1])
+    energy = _torch_energy(lp, spp, m, rho)
+    if "contiguous_groups" in bugs:
+        groups = len(dict.fromkeys(np.asarray(index, dtype=object).tolist()))
+        labels = torch.arange(r.shape[0]) * groups // r.shape[0]
+    else:
+        labels, groups = _labels(index, r.device)
+    member = torch.nn.functional.one_hot(labels, groups).T.to(dtype)
+    weight = energy * m
+    baselines = (member @ (returns * weight) / (member @ weight + epsilon))[labels]
+    sizes = member.sum(1)
+    baselines = torch.where((sizes[labels] > 1)[:, None], baselines, 0.0)
+    if handle_zero_tail:
+        lengths = m.sum(-1)
+        per_group = torch.where(member > 0, lengths[None, :], -1.0)
+        longest = per_group.amax(1)
+        at_longest = (member > 0) & (lengths[None, :] == longest[:, None])
+        second = torch.where((member > 0) & ~at_longest, per_group, -1.0).amax(1)
+        unique = (at_longest.sum(1) == 1) & (sizes > 1)
+        row_is_winner = (at_longest & unique[:, None]).any(0)
+        start = second.clamp(min=0)[labels]
+        tail = row_is_winner[:, None] & (torch.arange(r.shape[1])[None, :] >= start[:, None])
+        baselines = torch.where(tail, 0.0, baselines)
+    return ((returns - baselines) * m).to(out), returns.to(out)
+
+
+@torch.no_grad()
+def torch_multi_turn_scatter(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                             rollout_is_weights=None, handle_zero_tail=True, epsilon=1e-8, bugs=frozenset(),
+                             **kwargs):
+    """Multi-turn OTB vectorised: compaction by scatter into [B, T], index_add_ over non-empty members, gather back."""
+    out = token_level_rewards.dtype
+    dtype, (r, m, lp, spp, rho) = _t_in(token_level_rewards, response_mask, old_log_probs, sum_pi_squared,
+                                        rollout_is_weights)
+    returns = torch.flip(torch.cumsum(torch.flip(r * m, [-1]), -1), [-1])
+    energy = _torch_energy(lp, spp, m, rho)
+    rows, positions = m.shape
+    valid = m > 0
+    rank = torch.where(valid, torch.cumsum(valid.long(), -1) - 1, positions)
+    lengths = valid.sum(-1)
+
+    def compact(values):
+        return torch.zeros(rows, positions + 1, dtype=dtype).scatter_(1, rank, values)[:, :positions]
+
+    present = (torch.arange(positions)[None, :] < lengths[:, None]).to(dtype)
+    labels, groups = _labels(index, r.device)
+    nonempty = lengths > 0
+    if "tir_keeps_empty_members" not in bugs:
+        labels = torch.where(nonempty, labels, groups)               # empty rows to a discarded extra group
+    weight = compact(energy * m) * present
+    grid_returns = compact(returns)
+    numerator = torch.zeros(groups + 1, positions, dtype=dtype).index_add_(0, labels, grid_returns * weight)
+    denominator = torch.zeros(groups + 1, positions, dtype=dtype).index_add_(0, labels, weight)
+    sizes = torch.bincount(labels, minlength=groups + 1)
+    baselines = numerator[labels] / (denominator[labels] + epsilon)
+    baselines = torch.where(((sizes[labels] > 1) & (labels < groups))[:, None], baselines, 0.0)
+    if handle_zero_tail:
+        for g in range(groups):
+            members = torch.nonzero(labels == g).flatten()
+            if len(members) < 2:
+                continue
+            ordered, _ = torch.sort(lengths[members])
+            winners = members[lengths[members] == ordered[-1]]
+            if len(winners) == 1 and ordered[-1] > ordered[-2]:
+                baselines[winners[0], int(ordered[-2]):] = 0.0
+    grid_advantages = grid_returns - baselines
+    advantages = torch.where(valid, grid_advantages.gather(1, rank.clamp(max=positions - 1)), 0.0)
+    return advantages.to(out), returns.to(out)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Σπ² ports (one argument: logits [..., V])
+
+
+def _spp_in(logits):
+    return logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+
+
+@torch.no_grad()
+def spp_shifted_log_sum_exp(logits, **kwargs):
+    """Σπ² = exp(lse(2(z − m)) − 2·lse(z − m)), the row maximum m subtracted first."""
+    z = _spp_in(logits)
+    shifted = z - z.amax(-1, keepdim=True)
+    return torch.exp(torch.logsumexp(2 * shifted, -1) - 2 * torch.logsumexp(shifted, -1)).to(logits.dtype)
+
+
+@torch.no_grad()
+def spp_unshifted_log_sum_exp(logits, **kwargs):
+    """Σπ² = exp(lse(2z) − 2·lse(z)), written independently of verl but with its formula (computed in float32)."""
+    z = _spp_in(logits)
+    return torch.exp(torch.logsumexp(2 * z, dim=-1) - 2 * torch.logsumexp(z, dim=-1)).to(logits.dtype)
+
+
+@torch.no_grad()
+def spp_softmax_then_square(logits, **kwargs):
+    """Σπ² = Σ softmax(z)²."""
+    p = torch.softmax(_spp_in(logits), dim=-1)
+    return (p * p).sum(-1).to(logits.dtype)
+
+
+@torch.no_grad()
+def spp_chunked_online(logits, chunk: int = 1000, bugs=frozenset(), **kwargs):
+    """One online pass over vocabulary chunks keeping (max, Σe, Σe²), rescaled as the maximum grows."""
+    z = _spp_in(logits)
+    running = torch.full(z.shape[:-1], -torch.inf, dtype=z.dtype)
+    first, second = torch.zeros_like(running), torch.zeros_like(running)
+    for part in z.split(chunk, dim=-1):
+        new = torch.maximum(running, part.amax(-1))
+        safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+        scale = torch.exp(running - safe)
+        e = torch.exp(part - safe[..., None])
+        if "chunk_local_softmax" in bugs:                       # each chunk normalised on its own, never rescaled
+            first, second = first + 1.0, second + ((e / e.sum(-1, keepdim=True)) ** 2).sum(-1)
+        else:
+            first = first * scale + e.sum(-1)
+            second = second * scale * scale + (e * e).sum(-1)
+        running = new
+    if "chunk_local_softmax" in bugs:
+        return (second / first).to(logits.dtype)
+    return (second / (first * first)).to(logits.dtype)
+
+
+def spp_numpy_ratio(logits, **kwargs):
+    """NumPy: S₂/S₁² with shifted exponentials, float64 for float64 logits and float32 otherwise."""
+    z = np.asarray(logits)
+    z = z.astype(np.float64 if z.dtype == np.float64 else np.float32)
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    return (np.square(e).sum(-1) / np.square(e.sum(-1))).astype(np.asarray(logits).dtype)
+
+
+@torch.no_grad()
+def spp_in_float16(logits, **kwargs):
+    """BUG: Σπ² evaluated in float16 whatever the input precision."""
+    z = logits.to(torch.float16)
+    e = torch.exp(z - z.amax(-1, keepdim=True))
+    return ((e * e).sum(-1, dtype=torch.float32) / e.sum(-1, dtype=torch.float32) ** 2).to(logits.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the net
+
+def _variant(function: Callable, *bugs: str) -> Callable:
+    def port(*args, **kwargs):
+        return function(*args, bugs=frozenset(bugs), **kwargs)
+    port.__name__ = port.__qualname__ = f"{function.__name__}__{'_'.join(bugs)}"
+    return port
+
+
+def _torch_output_float32(function: Callable) -> Callable:
+    def port(*args, **kwargs):
+        return tuple(value.float() for value in function(*args, **kwargs))
+    port.__name__ = port.__qualname__ = f"{function.__name__}__outputs_float32"
+    return port
+
+
+def _is_weights_on_returns(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                           rollout_is_weights=None, **options):
+    """BUG: the importance weights scale the rewards instead of the energy."""
+    rewards = token_level_rewards if rollout_is_weights is None else token_level_rewards * rollout_is_weights
+    return torch_index_add(rewards, response_mask, index, old_log_probs, sum_pi_squared, None, **options)
+
+
+CORRECT: dict[str, tuple[str, str, Callable[..., Any]]] = {
+    "numpy_loops": ("otb", "numpy", numpy_loops),
+    "numpy_reduceat": ("otb", "numpy", numpy_reduceat),
+    "numpy_same_group_matrix": ("otb", "numpy", numpy_same_group_matrix),
+    "numpy_multi_turn_loops": ("tir-otb", "numpy", numpy_multi_turn_loops),
+    "numpy_leave_one_out": ("loo-otb", "numpy", numpy_leave_one_out),
+    "torch_index_add": ("otb", "verl", torch_index_add),
+    "torch_scatter_add": ("otb", "verl", torch_scatter_add),
+    "torch_index_put_accumulate": ("otb", "verl", torch_index_put_accumulate),
+    "torch_one_hot_matmul": ("otb", "verl", torch_one_hot_matmul),
+    "torch_multi_turn_scatter": ("tir-otb", "verl", torch_multi_turn_scatter),
+    "spp_shifted_log_sum_exp": ("sum-pi-squared", "verl", spp_shifted_log_sum_exp),
+    "spp_unshifted_log_sum_exp": ("sum-pi-squared", "verl", spp_unshifted_log_sum_exp),
+    "spp_softmax_then_square": ("sum-pi-squared", "verl", spp_softmax_then_square),
+    "spp_chunked_online": ("sum-pi-squared", "verl", spp_chunked_online),
+    "spp_numpy_ratio": ("sum-pi-squared", "numpy", spp_numpy_ratio),
+}
+
+BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
+    "forward_returns": ("otb", "numpy", _variant(numpy_loops, "forward_returns"),
+                        "returns by a forward cumsum (reward so far)"),
+    "epsilon_in_numerator": ("otb", "numpy", _variant(numpy_loops, "epsilon_in_numerator"),
+                             "ε added to the numerator as well: (ΣGWm + ε)/(ΣWm + ε)"),
+    "pi_for_pi_squared": ("otb", "numpy", _variant(numpy_loops, "pi_for_pi_squared"),
+                          "π in place of π²: w = (1 − π)² + (Σπ² − π)"),
+    "mask_after_cumsum": ("otb", "numpy", _variant(numpy_loops, "mask_after_cumsum"),
+                          "the mask applied after the cumsum: W = cumsum(w)·m"),
+    "rho_not_squared": ("otb", "numpy", _variant(numpy_loops, "rho_not_squared"), "ρ instead of ρ² in the energy"),
+    "rho_not_squared_torch": ("otb", "verl", _variant(torch_index_add, "rho_not_squared"),
+                              "ρ instead of ρ² (torch port)"),
+    "padding_in_group_sums": ("otb", "numpy", _variant(numpy_loops, "padding_in_group_sums"),
+                              "padding counted in the group sums (W not masked there)"),
+    "per_step_energy": ("otb", "numpy", _variant(numpy_loops, "per_step_energy"), "per-step energy m·w, not W"),
+    "rewards_unmasked": ("otb", "numpy", _variant(numpy_loops, "rewards_unmasked"),
+                         "returns from unmasked rewards"),
+    "zero_tail_off_by_one": ("otb", "numpy", _variant(numpy_loops, "zero_tail_off_by_one"),
+                             "the zero tail starts one position late"),
+    "ties_get_a_tail": ("otb", "numpy", _variant(numpy_loops, "ties_get_a_tail"),
+                        "rare input: all-tied (or tied) longest lengths still get a zero tail"),
+    "empty_rows_unranked": ("otb", "numpy", _variant(numpy_loops, "empty_rows_unranked"),
+                            "rare input: empty rows left out of the zero-tail ranking (a lone non-empty member "
+                            "keeps its baseline)"),
+    "pairs_are_singletons": ("otb", "numpy", _variant(numpy_loops, "pairs_are_singletons"),
+                             "rare input: groups of two treated as singletons (N < 3 instead of N < 2)"),
+    "contiguous_groups": ("otb", "verl", _variant(torch_one_hot_matmul, "contiguous_groups"),
+                          "groups assumed contiguous blocks (balance_batch reorders rows)"),
+    "is_weights_on_returns": ("otb", "verl", _is_weights_on_returns, "ρ scales the rewards instead of the energy"),
+    "outputs_float32": ("otb", "verl", _torch_output_float32(torch_index_add),
+                        "outputs always float32 (float64 inputs lose precision)"),
+    "tir_keeps_observations": ("tir-otb", "numpy", _variant(numpy_multi_turn_loops, "tir_keeps_observations"),
+                               "TIR compaction keeps the observation (tool-output) tokens inside a response"),
+    "tir_keeps_empty_members": ("tir-otb", "verl", _variant(torch_multi_turn_scatter, "tir_keeps_empty_members"),
+                                "TIR keeps members with no valid token in their group"),
+    "loo_denominator_keeps_self": ("loo-otb", "numpy", _variant(numpy_leave_one_out, "loo_denominator_keeps_self"),
+                                   "leave-one-out: own term removed from the numerator only"),
+    "spp_in_float16": ("sum-pi-squared", "verl", spp_in_float16, "Σπ² evaluated in float16"),
+    "spp_chunk_local_softmax": ("sum-pi-squared", "verl", _variant(spp_chunked_online, "chunk_local_softmax"),
+                                "Σπ² from a chunk-local softmax (chunks never rescaled to the row maximum)"),
+}

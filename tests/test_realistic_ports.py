@@ -1,0 +1,37 @@
+"""The verifier's verdicts hold on realistic code: every correct port in the net is accepted (float32 and float64
+inputs, bfloat16 in the special cases), every realistic porting bug is rejected (tests/realistic_ports.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from otb_spec.conformance import verify
+
+torch = pytest.importorskip("torch")
+
+import realistic_ports  # noqa: E402  (tests/ is on sys.path; needs torch)
+
+FAST = dict(max_examples=15, shrink_budget=0)
+
+
+@pytest.mark.parametrize("name", sorted(realistic_ports.CORRECT))
+def test_every_correct_port_is_accepted(name):
+    kind, convention, function = realistic_ports.CORRECT[name]
+    report = verify(function, kind, convention=convention, **FAST)
+    assert report.conformant, report.to_text()
+    # ports that divide as verl does (ε = 0: 0/0 = NaN) show exactly that documented deviation, nothing else
+    assert set(report.observed_deviations) <= {"epsilon-zero-nan"}, report.to_text()
+    dtypes = {r.id.rsplit("/", 1)[-1] for r in report.results if r.layer in ("golden", "special") and r.status == "pass"}
+    assert {"float32", "float64"} <= dtypes
+
+
+@pytest.mark.parametrize("name", sorted(realistic_ports.BUGGY))
+def test_every_realistic_bug_is_rejected(name):
+    kind, convention, function, bug = realistic_ports.BUGGY[name]
+    report = verify(function, kind, convention=convention, fail_fast=True, **FAST)
+    assert not report.conformant, f"{name} ({bug}) was accepted:\n{report.to_text()}"
+
+
+def test_the_net_is_as_wide_as_promised():
+    assert len(realistic_ports.CORRECT) >= 10 and len(realistic_ports.BUGGY) >= 20
+    assert {kind for kind, _, _ in realistic_ports.CORRECT.values()} == {"otb", "tir-otb", "loo-otb", "sum-pi-squared"}

@@ -1,0 +1,156 @@
+"""The Σπ² bound holds for every correct evaluation in every precision, against a high-precision oracle.
+
+``sum_pi_squared_tolerance`` claims: a correct implementation given logits of dtype D (working precision ε_w) and
+accumulating its vocabulary sums in A (ε_a) returns Σπ²·(1 + θ) with |θ| ≤ expm1(ε_w·(8M + 4·ln V + 4)) + 2(V + 2)·ε_a,
+M the row's largest |z|. Here four evaluations in use — the shifted ratio S₂/S₁², verl's unshifted
+exp(lse(2z) − 2·lse(z)), softmax-then-square, and a chunked online pass — run in float16, bfloat16, float32 and
+float64 on Hypothesis-generated rows (|z| up to 1e4, V up to 2¹⁷, −inf entries), and each result is compared with the
+exact Σπ² of the same (rounded) logits from an oracle: mpmath at 40 digits for V ≤ 2048, x87 extended precision
+(64-bit significand, checked against mpmath below) beyond. The bound must also stay tight: the bugs the verifier must
+catch (a chunk-local softmax, Σπ² evaluated in float16 for float32 logits) exceed it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from otb_spec import _portable as portable
+from otb_spec.conformance._cases import _round_to
+from otb_spec.tolerances import output_rounding, sum_pi_squared_tolerance
+
+torch = pytest.importorskip("torch")
+mpmath = pytest.importorskip("mpmath")
+
+_EXTENDED = np.finfo(np.longdouble).eps < 1e-18          # x87 80-bit long double (x86-64 Linux)
+_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                 "float64": torch.float64}
+
+
+def _oracle(row: np.ndarray) -> float:
+    """Exact Σπ² of a row of float64 logits (−inf allowed) to well below the float64 bound."""
+    finite = row[np.isfinite(row)]
+    shifted = finite - finite.max()                        # exact in float64: logits come from ≤ float32 formats
+    if finite.size <= 2048 or not _EXTENDED:
+        with mpmath.workdps(40):
+            first = mpmath.fsum(mpmath.exp(mpmath.mpf(float(d))) for d in shifted)
+            second = mpmath.fsum(mpmath.exp(2 * mpmath.mpf(float(d))) for d in shifted)
+            return float(second / first**2)
+    extended = shifted.astype(np.longdouble)
+    first, second = np.sum(np.exp(extended)), np.sum(np.exp(2 * extended))
+    return float(second / (first * first))
+
+
+# Each evaluation does its per-token work in the dtype it is given and accumulates its vocabulary sums in
+# ``accumulate`` (float32 for half precision, as a correct program must: float16 cannot even hold S₁² for V > 256).
+
+
+def _shifted_ratio(z, accumulate):
+    a = torch.exp(z - z.amax(-1, keepdim=True))
+    first = a.sum(-1, dtype=accumulate)
+    return (a * a).sum(-1, dtype=accumulate) / (first * first)
+
+
+def _unshifted_log_sum_exp(z, accumulate):                # verl 0.9.1's calculate_sum_pi_squared_from_logits
+    return torch.exp(torch.logsumexp(2.0 * z, dim=-1) - 2.0 * torch.logsumexp(z, dim=-1))
+
+
+def _softmax_then_square(z, accumulate):
+    p = torch.softmax(z, dim=-1)
+    return (p * p).sum(-1, dtype=accumulate)
+
+
+def _chunked_online(z, accumulate, chunk=16):
+    running = torch.full(z.shape[:-1], -math.inf, dtype=accumulate)
+    first, second = torch.zeros_like(running), torch.zeros_like(running)
+    for part in z.split(chunk, dim=-1):
+        new = torch.maximum(running, part.amax(-1).to(accumulate))
+        scale = torch.exp(running - new)
+        shifted = torch.exp(part - new[..., None].to(part.dtype))
+        first = first * scale + shifted.sum(-1, dtype=accumulate)
+        second = second * scale * scale + (shifted * shifted).sum(-1, dtype=accumulate)
+        running = new
+    return second / (first * first)
+
+
+_ALGORITHMS = {"shifted ratio": _shifted_ratio, "verl's unshifted lse": _unshifted_log_sum_exp,
+               "softmax then square": _softmax_then_square, "chunked online": _chunked_online}
+
+
+@st.composite
+def _rows(draw):
+    """[2, V] float64 logits: V small or up to 2¹⁷; ordinary, shifted near ±1e4, spread over ±1e4, or nearly flat;
+    some −inf entries (never a whole row)."""
+    vocab = draw(st.one_of(st.integers(1, 64), st.sampled_from([2**10, 2**13, 2**17])), label="V")
+    seed = draw(st.integers(0, 2**32 - 1), label="seed")
+    style = draw(st.sampled_from(["ordinary", "shifted", "spread", "flat"]), label="style")
+    rng = portable.PortableRandom(seed)
+    scale = {"ordinary": 4.0, "shifted": 5.0, "spread": 1.0, "flat": 0.3}[style]
+    logits = rng.normal((2, vocab), scale=scale)
+    if style == "shifted":
+        logits = logits + np.array([[1e4], [-1e4]])
+    elif style == "spread":
+        logits = rng.uniform(-1e4, 1e4, (2, vocab))
+    if vocab > 1 and draw(st.booleans(), label="excluded tokens"):
+        excluded = rng.random((2, vocab)) < 0.3
+        excluded[:, 0] = False
+        logits = np.where(excluded, -np.inf, logits)
+    return logits
+
+
+@settings(max_examples=60, deadline=None)
+@given(logits=_rows(), dtype=st.sampled_from(list(_TORCH_DTYPES)), algorithm=st.sampled_from(list(_ALGORITHMS)))
+def test_every_correct_evaluation_is_within_the_bound(logits, dtype, algorithm):
+    given_values = _round_to(dtype, logits)                 # the logits the implementation receives, exactly
+    z = torch.as_tensor(given_values).to(_TORCH_DTYPES[dtype])
+    accumulate = torch.float64 if dtype == "float64" else torch.float32
+    got = _ALGORITHMS[algorithm](z, accumulate).to(z.dtype).double().numpy()     # returned in the input dtype
+    exact = np.array([_oracle(row) for row in np.asarray(given_values, dtype=np.float64)])
+    tolerance = sum_pi_squared_tolerance(given_values, dtype=dtype) + output_rounding(dtype)
+    tolerance.assert_close(got, exact, f"Σπ² by {algorithm} in {dtype}")
+
+
+def test_the_oracle_agrees_with_mpmath_beyond_2048_tokens():
+    if not _EXTENDED:
+        pytest.skip("no extended-precision long double on this platform: large rows use mpmath only")
+    row = portable.PortableRandom(3).normal((4096,), scale=6.0)
+    with mpmath.workdps(40):
+        shifted = row - row.max()
+        first = mpmath.fsum(mpmath.exp(mpmath.mpf(float(d))) for d in shifted)
+        second = mpmath.fsum(mpmath.exp(2 * mpmath.mpf(float(d))) for d in shifted)
+        exact = float(second / first**2)
+    assert abs(_oracle(row) - exact) <= 1e-16 * exact
+
+
+@pytest.mark.parametrize("vocab, scale", [(64, 4.0), (4096, 4.0), (4096, 0.5)])
+def test_the_bound_still_catches_float16_evaluation_of_float32_logits(vocab, scale):
+    """Σπ² evaluated in float16 for float32 logits (a realistic porting bug) is outside the float32 bound."""
+    logits = np.asarray(portable.PortableRandom(vocab).normal((8, vocab), scale=scale), dtype=np.float32)
+    wrong = _shifted_ratio(torch.as_tensor(logits).half(), torch.float16).double().numpy()
+    exact = np.array([_oracle(row) for row in logits.astype(np.float64)])
+    tolerance = sum_pi_squared_tolerance(logits, dtype="float32") + output_rounding("float32")
+    assert not tolerance.holds(wrong, exact)
+
+
+def test_the_bound_still_catches_a_chunk_local_softmax():
+    """Normalising each vocabulary chunk on its own (forgetting to rescale across chunks) is far outside the bound."""
+    logits = np.asarray(portable.PortableRandom(7).normal((8, 256), scale=3.0), dtype=np.float32)
+    z = torch.as_tensor(logits)
+    wrong = sum((torch.softmax(part, dim=-1) ** 2).sum(-1) for part in z.split(64, dim=-1)) / 4
+    exact = np.array([_oracle(row) for row in logits.astype(np.float64)])
+    assert not (sum_pi_squared_tolerance(logits, dtype="float32") + output_rounding("float32")).holds(
+        wrong.double().numpy(), exact)
+
+
+def test_the_bound_grows_with_the_largest_logit_not_only_the_spread():
+    """z = (256, 256): verl's float64 formula is off by ~5.9e-14 (the log-sum-exps are known to ±u·512), which a
+    spread-only bound (8ε·(V + Δz) = 3.6e-15 here) wrongly rejected; the bound admits it, and does so from max |z|."""
+    z = torch.tensor([[256.0, 256.0]], dtype=torch.float64)
+    got = float(_unshifted_log_sum_exp(z, torch.float64)[0])
+    rtol = float(np.asarray(sum_pi_squared_tolerance(z.numpy(), dtype="float64").rtol).max())
+    assert abs(got - 0.5) <= rtol * 0.5
+    assert rtol > 8 * 2.0**-52 * 256 and abs(got - 0.5) > 8 * 2.0**-52 * 2 * 0.5
