@@ -381,7 +381,7 @@ def test_install_rejects_bad_options_and_foreign_patches(verl, monkeypatch):
 
 def test_install_from_environment(verl, monkeypatch):
     monkeypatch.setenv("OTB_VERL_VARIANT", "leave_one_out")
-    monkeypatch.setenv("OTB_VERL_SUM_PI_SQUARED", "1")
+    monkeypatch.setenv("OTB_VERL_SUM_PI_SQUARED", "yes")
     installation = otb_verl.install_from_environment()
     assert installation.options() == {"variant": "leave_one_out", "compile": False, "check_values": True,
                                       "sum_pi_squared": True}
@@ -506,3 +506,35 @@ def test_a_ray_worker_setup_hook_installs_in_every_worker(verl):
             assert routed == "compute_multi_turn_leave_one_out_token_baseline_advantage"
     finally:
         ray.shutdown()
+
+
+def test_the_documented_command_line_gives_ray_a_valid_runtime_env(verl):
+    """The overrides of docs/verl.md's command line compose with verl 0.9.1's ``ppo_trainer`` config (Hydra), and the
+    runtime_env verl passes to ``ray.init`` (its defaults merged with ours, trainer/main_ppo.py:71) is one Ray accepts,
+    carrying the setup hook and string env_vars that ``install_from_environment`` reads."""
+    hydra = pytest.importorskip("hydra", reason="hydra-core (verl's config system) is not installed")
+    ray_runtime_env = pytest.importorskip("ray.runtime_env")
+    from omegaconf import OmegaConf
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    text = open(os.path.join(os.path.dirname(ADAPTERS_DIR), "docs", "verl.md"), encoding="utf-8").read()
+    command = text.split("python -m verl.trainer.main_ppo", 1)[1].split("...", 1)[0]
+    overrides = [word for word in command.replace("\\\n", " ").split() if "=" in word]
+    with hydra.initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        config = hydra.compose(config_name="ppo_trainer", overrides=overrides)
+    assert config.algorithm.adv_estimator == "optimal_token_baseline" and config.trainer.use_v1 is False
+    assert config.actor_rollout_ref.actor.calculate_sum_pi_squared is True
+    runtime_env = OmegaConf.to_container(OmegaConf.merge(get_ppo_ray_runtime_env(config),
+                                                         config.ray_kwargs.ray_init.runtime_env))
+    ray_runtime_env.RuntimeEnv(**runtime_env)                       # Ray's own validation (env_vars: Dict[str, str])
+    assert runtime_env["worker_process_setup_hook"] == "otb_torch.verl.install_from_environment"
+    for name, value in runtime_env["env_vars"].items():
+        if name.startswith("OTB_VERL_"):
+            os.environ[name] = value
+    try:
+        assert otb_verl.install_from_environment().options() == {
+            "variant": "leave_one_out", "compile": False, "check_values": True, "sum_pi_squared": True}
+    finally:
+        for name in runtime_env["env_vars"]:
+            if name.startswith("OTB_VERL_"):
+                del os.environ[name]

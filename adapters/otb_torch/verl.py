@@ -367,10 +367,13 @@ def install_from_environment() -> Installation:
     variable                     meaning                         default
     ===========================  ==============================  =========
     ``OTB_VERL_VARIANT``         ``verl`` or ``leave_one_out``   ``verl``
-    ``OTB_VERL_SUM_PI_SQUARED``  replace the actor's Σπ² (0/1)   ``0``
-    ``OTB_VERL_COMPILE``         ``torch.compile`` (0/1)         ``0``
-    ``OTB_VERL_CHECK_VALUES``    validate inputs (0/1)           ``1``
+    ``OTB_VERL_SUM_PI_SQUARED``  replace the actor's Σπ²         ``no``
+    ``OTB_VERL_COMPILE``         ``torch.compile``               ``no``
+    ``OTB_VERL_CHECK_VALUES``    validate inputs                 ``yes``
     ===========================  ==============================  =========
+
+    Flags take yes/no, true/false, on/off or 1/0 (write yes/no on Hydra's command line: it would pass 1 as an
+    integer, and Ray accepts only strings in ``env_vars``).
     """
     options: dict[str, Any] = {"variant": os.environ.get(_ENVIRONMENT["variant"], "verl").strip()}
     defaults = {"compile": False, "check_values": True, "sum_pi_squared": False}
