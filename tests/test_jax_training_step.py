@@ -14,7 +14,12 @@ jax = pytest.importorskip("jax")
 otb_jax = pytest.importorskip("otb_jax")
 
 import otb_spec as otb  # noqa: E402
-from otb_spec.tolerances import logit_spread, logsumexp_tolerance, otb_comparison_tolerance, proxy_tolerance  # noqa: E402
+from otb_spec.tolerances import (  # noqa: E402
+    logit_spread,
+    logsumexp_tolerance,
+    otb_comparison_tolerance,
+    proxy_tolerance,
+)
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
                        "jax_otb_training_step.py")

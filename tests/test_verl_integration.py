@@ -301,8 +301,9 @@ def test_sum_pi_squared_swap_on_bf16_logits(verl):
 
     spread = logit_spread(logits.double().numpy())
     ours = logsumexp_tolerance(logits.shape[-1], spread, np.float32) + output_rounding(torch.bfloat16)
-    verl_bf16_bound = Tolerance(_lse_form_relative_bound(logits.double().numpy(), torch.bfloat16), 0.0, "lse form, bf16")
-    verl_float32_bound = Tolerance(_lse_form_relative_bound(logits.double().numpy(), np.float32), 0.0, "lse form, fp32")
+    host = logits.double().numpy()
+    verl_bf16_bound = Tolerance(_lse_form_relative_bound(host, torch.bfloat16), 0.0, "lse form in bf16")
+    verl_float32_bound = Tolerance(_lse_form_relative_bound(host, np.float32), 0.0, "lse form in float32")
     verl_bf16_bound.assert_close(verl_bf16, exact, "verl's Σπ² on bf16 logits vs exact")
     ours.assert_close(swapped, exact, "swapped Σπ² on bf16 logits vs exact")
     (ours + verl_float32_bound).assert_close(swapped, verl_float32, "swapped Σπ² vs verl's formula in float32")
@@ -508,7 +509,7 @@ def test_a_ray_worker_setup_hook_installs_in_every_worker(verl):
         ray.shutdown()
 
 
-def test_the_documented_command_line_gives_ray_a_valid_runtime_env(verl):
+def test_the_documented_command_line_gives_ray_a_valid_runtime_env(verl, monkeypatch):
     """The overrides of docs/verl.md's command line compose with verl 0.9.1's ``ppo_trainer`` config (Hydra), and the
     runtime_env verl passes to ``ray.init`` (its defaults merged with ours, trainer/main_ppo.py:71) is one Ray accepts,
     carrying the setup hook and string env_vars that ``install_from_environment`` reads."""
@@ -530,11 +531,6 @@ def test_the_documented_command_line_gives_ray_a_valid_runtime_env(verl):
     assert runtime_env["worker_process_setup_hook"] == "otb_torch.verl.install_from_environment"
     for name, value in runtime_env["env_vars"].items():
         if name.startswith("OTB_VERL_"):
-            os.environ[name] = value
-    try:
-        assert otb_verl.install_from_environment().options() == {
-            "variant": "leave_one_out", "compile": False, "check_values": True, "sum_pi_squared": True}
-    finally:
-        for name in runtime_env["env_vars"]:
-            if name.startswith("OTB_VERL_"):
-                del os.environ[name]
+            monkeypatch.setenv(name, value)
+    assert otb_verl.install_from_environment().options() == {
+        "variant": "leave_one_out", "compile": False, "check_values": True, "sum_pi_squared": True}
