@@ -243,6 +243,30 @@ def test_installed_options_reach_the_call(verl):
             run_compute_advantage(verl, batch, "optimal_token_baseline")
 
 
+@pytest.mark.parametrize("variant", otb_verl.VARIANTS)
+def test_compute_advantage_passes_verls_inputs_and_our_options(verl, monkeypatch, variant):
+    """The routed function receives exactly the keywords of ray_trainer.py:252–275 (config and uid included), with
+    install()'s compile and check_values added."""
+    seen = []
+    real = otb_verl._ESTIMATORS[variant]["tir_optimal_token_baseline"]
+
+    def spy(**kwargs):
+        seen.append(kwargs)
+        return real(**{**kwargs, "compile": False})         # compiling is slow; that compile=True arrives is the point
+
+    monkeypatch.setitem(otb_verl._ESTIMATORS[variant], "tir_optimal_token_baseline", spy)
+    batch = trainer_batch(verl, seed=6, multi_turn=True, is_weights=True)
+    with otb_verl.install(variant, compile=True, check_values=False):
+        run_compute_advantage(verl, batch, "tir_optimal_token_baseline")
+    (kwargs,) = seen
+    assert set(kwargs) == {"token_level_rewards", "response_mask", "config", "index", "sum_pi_squared",
+                           "old_log_probs", "rollout_is_weights", "compile", "check_values"}
+    assert kwargs["compile"] is True and kwargs["check_values"] is False
+    assert kwargs["index"].dtype == object and isinstance(kwargs["index"][0], str)
+    assert kwargs["config"].adv_estimator == "tir_optimal_token_baseline"
+    assert torch.equal(kwargs["rollout_is_weights"], batch.batch["rollout_is_weights"])
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Σπ² swap on bf16 logits
 
