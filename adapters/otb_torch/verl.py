@@ -251,7 +251,8 @@ def install(variant: str = "verl", *, compile: bool = False, check_values: bool 
         two names, so a verl config needs no other change.
       compile: fuse the computation with ``torch.compile`` (the first call compiles).
       check_values: validate the inputs (one host synchronisation per call; bad input raises the reference's error
-        naming verl's argument instead of producing NaN).
+        naming the argument — verl's names under ``"verl"``, the reference's under ``"leave_one_out"`` — instead of
+        producing NaN).
       sum_pi_squared: also replace ``verl.utils.torch_functional.calculate_sum_pi_squared_from_logits`` (the actor's
         Σπ², FSDP engine) with the port's memory-bounded ratio form S₂/S₁² accumulated in float32 — call it this way
         in the actor workers. The port's Σπ² is not differentiable (verl only uses Σπ² under no_grad, for
