@@ -11,6 +11,10 @@ rewards' dtype. Group ids are mapped to integer segments once on the host; pass 
 synchronisation of the value checks — the computation itself never synchronises and has static shapes, so it runs
 under ``torch.compile`` and CUDA graphs. Results equal the NumPy reference ``otb_spec`` within the derived tolerances
 (``otb_spec.tolerances``); tests/test_adapters.py proves it.
+
+To make verl 0.9.1 itself call the port, ``import otb_torch.verl`` and ``otb_torch.verl.install()`` (or
+``install(variant="leave_one_out")`` for the unbiased estimator under verl's OTB names; ``uninstall()`` undoes it) —
+imported on demand, so ``otb_torch`` never imports verl (docs/verl.md).
 """
 
 from otb_torch._core import Segments, segments_from_index

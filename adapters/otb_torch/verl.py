@@ -1,0 +1,395 @@
+"""Route verl 0.9.1's OTB estimators (and, on request, the actor's Σπ²) to otb_torch — one call.
+
+    import otb_torch.verl
+    otb_torch.verl.install()                              # verl's semantics, vectorized
+    otb_torch.verl.install(variant="leave_one_out")       # the unbiased leave-one-out OTB, same config names
+    otb_torch.verl.install(sum_pi_squared=True)           # in the actor workers: the memory-bounded Σπ² too
+    otb_torch.verl.uninstall()                            # every patched place holds verl's own object again
+
+How verl 0.9.1 reaches these functions (line numbers of the installed 0.9.1 files):
+
+* ``verl/trainer/ppo/ray_trainer.py:250`` — ``compute_advantage`` looks the estimator up with
+  ``core_algos.get_adv_estimator_fn(adv_estimator)``, which reads ``core_algos.ADV_ESTIMATOR_REGISTRY``
+  (``core_algos.py:113, 137–150``). Only for the names ``optimal_token_baseline`` and ``tir_optimal_token_baseline``
+  does it pass ``old_log_probs``, ``sum_pi_squared`` and ``rollout_is_weights`` (``ray_trainer.py:265–275``), so an
+  estimator under any other name never receives them. :func:`install` therefore replaces the registry entries of
+  these two names — for ``variant="leave_one_out"`` too, which then needs no change to the user's config.
+* ``register_adv_est(name)(fn)`` refuses a second function for a registered name (``core_algos.py:127–130``); the
+  entries are replaced in the dict directly, and restored by :func:`uninstall`.
+* Σπ² is computed in the actor when ``actor.calculate_sum_pi_squared=True``, by
+  ``verl.utils.torch_functional.calculate_sum_pi_squared_from_logits`` (``torch_functional.py:690``), which the FSDP
+  engine calls as a module attribute (``workers/engine/fsdp/transformer_impl.py:1395, 1496``). The Megatron engine
+  uses its own vocab-parallel ``vocab_parallel_sum_pi_squared`` (``utils/megatron/tensor_parallel.py:173``); that one
+  is not replaced (its logits are sharded over the vocabulary, which the port's function does not all-reduce).
+
+Besides the registry and the defining modules, every loaded ``verl.*`` module attribute that *is* one of verl's
+originals (imported by name, under any alias) is replaced too, and modules imported later pick up the replacement
+from the defining module. :func:`uninstall` restores every place to verl's own object (``is`` identity), including
+by-name imports made while installed.
+
+Where to call it: in the process that runs ``compute_advantage`` — in verl 0.9.1 the ``TaskRunner`` Ray actor, not
+the shell's ``python`` process — and, for Σπ², in the actor workers. A Ray worker setup hook reaches both:
+:func:`install_from_environment` (docs/verl.md has the command line). This module imports without verl; :func:`install`
+names the missing package when verl (or one of its imports) is not installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+import otb_torch
+from otb_spec import _validation as reference_checks
+
+__all__ = [
+    "VARIANTS",
+    "ESTIMATOR_NAMES",
+    "TESTED_VERL_VERSION",
+    "Installation",
+    "install",
+    "uninstall",
+    "installed",
+    "install_from_environment",
+    "compute_leave_one_out_token_baseline_advantage",
+    "compute_multi_turn_leave_one_out_token_baseline_advantage",
+]
+
+VARIANTS = ("verl", "leave_one_out")
+"""``"verl"``: verl's self-inclusive OTB (the drop-ins, same results within float tolerance).
+``"leave_one_out"``: member i's baseline from the other members only — unbiased (proofs/T3)."""
+
+ESTIMATOR_NAMES = ("optimal_token_baseline", "tir_optimal_token_baseline")
+"""verl's ``algorithm.adv_estimator`` values that :func:`install` routes: single-turn and multi-turn (TIR) OTB."""
+
+TESTED_VERL_VERSION = "0.9.1"
+
+_CORE_ALGOS = "verl.trainer.ppo.core_algos"
+_TORCH_FUNCTIONAL = "verl.utils.torch_functional"
+_REGISTRY = "ADV_ESTIMATOR_REGISTRY"
+# registry name → the name of verl's function in core_algos (core_algos.py:871–872, 990–991)
+_VERL_FUNCTIONS = {
+    "optimal_token_baseline": "compute_optimal_token_baseline_advantage",
+    "tir_optimal_token_baseline": "compute_multi_turn_optimal_token_baseline_advantage",
+}
+_SUM_PI_SQUARED = "calculate_sum_pi_squared_from_logits"
+_INSTALL_HINT = ('install verl 0.9.1 and what its advantage code imports: pip install "otb-spec[verl]" && '
+                 "pip install --no-deps verl==0.9.1 torchdata==0.11.0 torchtitan==0.3.0")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# leave-one-out OTB with verl's signature
+
+
+def _leave_one_out(align: str, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any,
+                   old_log_probs: torch.Tensor, sum_pi_squared: torch.Tensor, rollout_is_weights: torch.Tensor | None,
+                   handle_zero_tail: bool, epsilon: float, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    reference_checks.flag("handle_zero_tail", handle_zero_tail)     # accepted for verl's signature; implied (below)
+    check_values = reference_checks.flag("check_values", kwargs.pop("check_values", True))
+    compile = reference_checks.flag("compile", kwargs.pop("compile", False))
+    result = otb_torch.leave_one_out_token_baseline(
+        token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, is_weights=rollout_is_weights,
+        align=align, epsilon=epsilon, check_values=check_values, compile=compile)
+    return result.advantages, result.returns
+
+
+def compute_leave_one_out_token_baseline_advantage(
+        token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any, old_log_probs: torch.Tensor,
+        sum_pi_squared: torch.Tensor, rollout_is_weights: torch.Tensor | None = None, handle_zero_tail: bool = True,
+        epsilon: float = 1e-8, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Leave-one-out OTB with verl's signature (single-turn, position-aligned): returns (advantages, returns).
+
+    For member i of a prompt group, at position t:
+
+        Bₜ⁽ⁱ⁾ = Σ_{j≠i} Gₜʲ Wₜʲ mₜʲ / (Σ_{j≠i} Wₜʲ mₜʲ + ε),    Aₜ⁽ⁱ⁾ = (Gₜ⁽ⁱ⁾ − Bₜ⁽ⁱ⁾)·mₜ⁽ⁱ⁾
+
+    with Gₜ = Σ_{k≥t} mₖrₖ, Wₜ = Σ_{j≤t} mⱼρⱼ²(1 − 2πⱼ + Σπ²ⱼ) (ρ: ``rollout_is_weights``, 1 when None). Bₜ⁽ⁱ⁾ does
+    not depend on trajectory i, so E[∇log π⁽ⁱ⁾·Bₜ⁽ⁱ⁾] = 0: the gradient is unbiased (proofs/T3), unlike verl's
+    self-inclusive OTB. Where no other member is valid at t, Bₜ⁽ⁱ⁾ = 0 — which is what verl's zero tail does on right
+    padding, so ``handle_zero_tail`` (accepted for verl's signature, must be a bool) has nothing left to do.
+    ``index``: verl's NumPy array of uids (any hashable ids) or :class:`otb_torch.Segments`. Extra keywords that verl
+    passes (``config``, ``reward_baselines``) are ignored; ``check_values`` and ``compile`` are otb_torch's options.
+    """
+    return _leave_one_out("position", token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                          rollout_is_weights, handle_zero_tail, epsilon, kwargs)
+
+
+def compute_multi_turn_leave_one_out_token_baseline_advantage(
+        token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Any, old_log_probs: torch.Tensor,
+        sum_pi_squared: torch.Tensor, rollout_is_weights: torch.Tensor | None = None, handle_zero_tail: bool = True,
+        epsilon: float = 1e-8, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Leave-one-out OTB with verl's signature, aligned on valid tokens (multi-turn masks with holes where tool output
+    was): the k-th valid token of member i is compared with the k-th valid tokens of the others, as verl's
+    ``compute_multi_turn_optimal_token_baseline_advantage`` does. Otherwise as
+    :func:`compute_leave_one_out_token_baseline_advantage`.
+    """
+    return _leave_one_out("valid_token", token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                          rollout_is_weights, handle_zero_tail, epsilon, kwargs)
+
+
+_ESTIMATORS = {
+    "verl": {"optimal_token_baseline": otb_torch.compute_optimal_token_baseline_advantage,
+             "tir_optimal_token_baseline": otb_torch.compute_multi_turn_optimal_token_baseline_advantage},
+    "leave_one_out": {"optimal_token_baseline": compute_leave_one_out_token_baseline_advantage,
+                      "tir_optimal_token_baseline": compute_multi_turn_leave_one_out_token_baseline_advantage},
+}
+
+
+def _with_options(function: Callable, options: dict, label: str) -> Callable:
+    """``function`` with otb_torch's options bound as keyword defaults (an explicit keyword of the caller wins)."""
+
+    @functools.wraps(function)
+    def bound(*args: Any, **kwargs: Any) -> Any:
+        return function(*args, **{**options, **kwargs})
+
+    bound.__qualname__ = f"{function.__qualname__}[{label}]"
+    return bound
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# installation
+
+
+@dataclass(frozen=True)
+class _Replacement:
+    """verl's ``original`` object and the ``replacement`` that stands for it while installed."""
+
+    original: Any
+    replacement: Any
+    name: str
+
+
+@dataclass
+class Installation:
+    """The active routing of verl's OTB estimators to otb_torch; a context manager that uninstalls on exit.
+
+    Attributes:
+      variant, compile, check_values, sum_pi_squared: the options of :func:`install`.
+      estimators: registry name → the function verl now gets from ``get_adv_estimator_fn``.
+      places: every patched place, as text (``module.attribute`` or ``module.ADV_ESTIMATOR_REGISTRY['name']``).
+    """
+
+    variant: str
+    compile: bool
+    check_values: bool
+    sum_pi_squared: bool
+    estimators: dict[str, Callable]
+    places: list[str] = field(default_factory=list)
+    _replacements: list[_Replacement] = field(default_factory=list, repr=False)
+    _active: bool = field(default=True, repr=False)
+
+    @property
+    def active(self) -> bool:
+        """True until :meth:`uninstall` (or :func:`uninstall`) has run."""
+        return self._active
+
+    def options(self) -> dict[str, Any]:
+        """The :func:`install` options of this installation, as keyword arguments."""
+        return {"variant": self.variant, "compile": self.compile, "check_values": self.check_values,
+                "sum_pi_squared": self.sum_pi_squared}
+
+    def uninstall(self) -> None:
+        """Restore verl's own objects everywhere this installation put otb_torch's (no-op once undone)."""
+        with _LOCK:
+            _uninstall_locked(self)
+
+    def __enter__(self) -> "Installation":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.uninstall()
+
+
+_LOCK = threading.RLock()
+_ACTIVE: Installation | None = None
+
+
+def _import_verl(module_name: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as exc:
+        missing = (getattr(exc, "name", None) or module_name).split(".")[0]
+        raise ModuleNotFoundError(f"otb_torch.verl.install: cannot import {module_name}: the package {missing!r} is "
+                                  f"missing or broken ({exc}); {_INSTALL_HINT}") from exc
+
+
+def _verl_modules() -> list[tuple[str, Any]]:
+    return [(name, module) for name, module in list(sys.modules.items())
+            if module is not None and (name == "verl" or name.startswith("verl."))]
+
+
+def _swap_module_attributes(swaps: dict[int, tuple[Any, Any, str]], record: list[str] | None) -> None:
+    """In every loaded verl module, replace each attribute that *is* a key object (by id) with its counterpart."""
+    for module_name, module in _verl_modules():
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for attribute, value in list(namespace.items()):
+            swap = swaps.get(id(value))
+            if swap is not None and value is swap[0]:
+                setattr(module, attribute, swap[1])
+                if record is not None:
+                    record.append(f"{module_name}.{attribute}")
+
+
+def install(variant: str = "verl", *, compile: bool = False, check_values: bool = True,
+            sum_pi_squared: bool = False) -> Installation:
+    """Route verl's ``optimal_token_baseline`` and ``tir_optimal_token_baseline`` estimators to otb_torch.
+
+    Args:
+      variant: ``"verl"`` — verl's self-inclusive OTB, Bₜ = Σᵢ GₜⁱWₜⁱmₜⁱ / (Σᵢ Wₜⁱmₜⁱ + ε) with verl's zero tail
+        (the drop-ins ``otb_torch.compute_*optimal_token_baseline_advantage``: the same advantages and returns within
+        float32 rounding, vectorized); ``"leave_one_out"`` — the sums run over the *other* members j ≠ i (unbiased,
+        proofs/T3): :func:`compute_leave_one_out_token_baseline_advantage` and its multi-turn twin, under the same
+        two names, so a verl config needs no other change.
+      compile: fuse the computation with ``torch.compile`` (the first call compiles).
+      check_values: validate the inputs (one host synchronisation per call; bad input raises the reference's error
+        naming the argument — verl's names under ``"verl"``, the reference's under ``"leave_one_out"`` — instead of
+        producing NaN).
+      sum_pi_squared: also replace ``verl.utils.torch_functional.calculate_sum_pi_squared_from_logits`` (the actor's
+        Σπ², FSDP engine) with the port's memory-bounded ratio form S₂/S₁² accumulated in float32 — call it this way
+        in the actor workers. The port's Σπ² is not differentiable (verl only uses Σπ² under no_grad, for
+        advantages and metrics).
+
+    Returns:
+      The :class:`Installation` (a context manager: ``with otb_torch.verl.install(): ...`` uninstalls on exit).
+      Installing again with the same options returns the active installation unchanged; with different options it
+      raises ``RuntimeError`` (call :func:`uninstall` first).
+
+    Raises:
+      ValueError: unknown ``variant``; TypeError: a flag that is not a bool; ModuleNotFoundError: verl (or a package
+      its advantage code imports) is not installed; RuntimeError: another patch already replaced verl's registry
+      entry.
+    """
+    if not isinstance(variant, str) or variant not in VARIANTS:
+        raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
+    options = {"variant": variant, "compile": reference_checks.flag("compile", compile),
+               "check_values": reference_checks.flag("check_values", check_values),
+               "sum_pi_squared": reference_checks.flag("sum_pi_squared", sum_pi_squared)}
+    global _ACTIVE
+    with _LOCK:
+        if _ACTIVE is not None:
+            if _ACTIVE.options() == options:
+                return _ACTIVE
+            raise RuntimeError(f"otb_torch.verl is already installed with {_ACTIVE.options()}; call "
+                               f"otb_torch.verl.uninstall() before installing with {options}")
+        core_algos = _import_verl(_CORE_ALGOS)
+        torch_functional = _import_verl(_TORCH_FUNCTIONAL) if options["sum_pi_squared"] else None
+        _warn_if_untested_version()
+        registry = getattr(core_algos, _REGISTRY)
+        bound_options = {"check_values": options["check_values"], "compile": options["compile"]}
+        replacements: list[_Replacement] = []
+        estimators: dict[str, Callable] = {}
+        for name, function_name in _VERL_FUNCTIONS.items():
+            original = getattr(core_algos, function_name)
+            if registry.get(name) is not original:
+                raise RuntimeError(f"{_CORE_ALGOS}.{_REGISTRY}[{name!r}] holds {registry.get(name)!r}, not verl's "
+                                   f"{function_name}: something else has replaced it; undo that first")
+            estimators[name] = _with_options(_ESTIMATORS[variant][name], bound_options, f"otb_torch.verl:{variant}")
+            replacements.append(_Replacement(original, estimators[name], name))
+        if torch_functional is not None:
+            original = getattr(torch_functional, _SUM_PI_SQUARED)
+            replacements.append(_Replacement(
+                original, _with_options(otb_torch.calculate_sum_pi_squared_from_logits,
+                                        {"check_values": options["check_values"]}, "otb_torch.verl"), _SUM_PI_SQUARED))
+        installation = Installation(estimators=estimators, _replacements=replacements, **options)
+        for name, estimator in estimators.items():
+            registry[name] = estimator
+            installation.places.append(f"{_CORE_ALGOS}.{_REGISTRY}[{name!r}]")
+        _swap_module_attributes({id(r.original): (r.original, r.replacement, r.name) for r in replacements},
+                                installation.places)
+        _ACTIVE = installation
+        return installation
+
+
+def _uninstall_locked(installation: Installation) -> None:
+    global _ACTIVE
+    if not installation._active:
+        return
+    core_algos = sys.modules.get(_CORE_ALGOS)
+    if core_algos is not None:
+        registry = getattr(core_algos, _REGISTRY)
+        for replacement in installation._replacements:
+            if replacement.name not in _VERL_FUNCTIONS:
+                continue
+            if registry.get(replacement.name) is replacement.replacement:
+                registry[replacement.name] = replacement.original
+            else:
+                warnings.warn(f"{_CORE_ALGOS}.{_REGISTRY}[{replacement.name!r}] was changed after "
+                              "otb_torch.verl.install(); left as found", stacklevel=3)
+    _swap_module_attributes({id(r.replacement): (r.replacement, r.original, r.name)
+                             for r in installation._replacements}, None)
+    installation._active = False
+    if _ACTIVE is installation:
+        _ACTIVE = None
+
+
+def uninstall() -> bool:
+    """Undo :func:`install`: verl's registry entries and every module attribute are verl's own objects again
+    (``is`` identity), including by-name imports made while installed. Returns whether anything was installed."""
+    with _LOCK:
+        if _ACTIVE is None:
+            return False
+        _uninstall_locked(_ACTIVE)
+        return True
+
+
+def installed() -> Installation | None:
+    """The active :class:`Installation` in this process, or None."""
+    return _ACTIVE
+
+
+def _warn_if_untested_version() -> None:
+    version = getattr(sys.modules.get("verl"), "__version__", None)
+    if version != TESTED_VERL_VERSION:
+        warnings.warn(f"otb_torch.verl was written against verl {TESTED_VERL_VERSION} and found verl {version}: "
+                      "check that compute_advantage still passes old_log_probs, sum_pi_squared and "
+                      "rollout_is_weights to the OTB estimator names", stacklevel=3)
+
+
+_ENVIRONMENT = {"variant": "OTB_VERL_VARIANT", "compile": "OTB_VERL_COMPILE", "check_values": "OTB_VERL_CHECK_VALUES",
+                "sum_pi_squared": "OTB_VERL_SUM_PI_SQUARED"}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def install_from_environment() -> Installation:
+    """:func:`install` with its options read from environment variables — for a Ray worker setup hook
+    (``runtime_env={"worker_process_setup_hook": "otb_torch.verl.install_from_environment"}``), which runs in every
+    Ray worker process: the TaskRunner that computes advantages and the actor workers that compute Σπ².
+
+    ===========================  ==============================  =========
+    variable                     meaning                         default
+    ===========================  ==============================  =========
+    ``OTB_VERL_VARIANT``         ``verl`` or ``leave_one_out``   ``verl``
+    ``OTB_VERL_SUM_PI_SQUARED``  replace the actor's Σπ²         ``no``
+    ``OTB_VERL_COMPILE``         ``torch.compile``               ``no``
+    ``OTB_VERL_CHECK_VALUES``    validate inputs                 ``yes``
+    ===========================  ==============================  =========
+
+    Flags take yes/no, true/false, on/off or 1/0 (write yes/no on Hydra's command line: it would pass 1 as an
+    integer, and Ray accepts only strings in ``env_vars``).
+    """
+    options: dict[str, Any] = {"variant": os.environ.get(_ENVIRONMENT["variant"], "verl").strip()}
+    defaults = {"compile": False, "check_values": True, "sum_pi_squared": False}
+    for name, default in defaults.items():
+        variable = _ENVIRONMENT[name]
+        text = os.environ.get(variable)
+        if text is None or not text.strip():
+            options[name] = default
+        elif text.strip().lower() in _TRUE:
+            options[name] = True
+        elif text.strip().lower() in _FALSE:
+            options[name] = False
+        else:
+            raise ValueError(f"{variable}: expected one of {_TRUE + _FALSE}, got {text!r}")
+    if options["variant"] not in VARIANTS:
+        raise ValueError(f"{_ENVIRONMENT['variant']}: expected one of {VARIANTS}, got {options['variant']!r}")
+    variant = options.pop("variant")
+    return install(variant, **options)
