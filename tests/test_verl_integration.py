@@ -36,10 +36,10 @@ from otb_spec.tolerances import (  # noqa: E402
     Tolerance,
     logit_spread,
     logsumexp_tolerance,
-    machine_epsilon,
     otb_comparison_tolerance,
     otb_tolerance,
     output_rounding,
+    sum_pi_squared_tolerance,
 )
 
 ESTIMATORS = {"optimal_token_baseline": "position", "tir_optimal_token_baseline": "valid_token"}
@@ -271,40 +271,13 @@ def test_compute_advantage_passes_verls_inputs_and_our_options(verl, monkeypatch
 # Σπ² swap on bf16 logits
 
 
-def _lse_form_relative_bound(logits: np.ndarray, output_dtype) -> np.ndarray:
-    """Per-row bound on the relative error of verl's Σπ² = exp(lse(2z) − 2·lse(z)) evaluated with ``output_dtype``
-    tensors, for logits exactly representable there (derived here from first principles; otb_spec.tolerances has no
-    bound for the log-sum-exp form yet).
-
-    torch's ``logsumexp`` on CPU accumulates in float32 (ε₃₂) and rounds its result to the input dtype (u = ε/2 of
-    ``output_dtype``; the result for bf16 logits is float32's rounded to bf16). With V logits of spread Δz, the float32
-    exp-sum S has relative error r ≤ 8ε₃₂(V + Δz) (:func:`logsumexp_tolerance`), so ``lse = m + log S`` has absolute
-    error e ≤ −log(1 − r) + ε₃₂|lse| before rounding and e + u(|lse| + e) after; 2z is exact (a power of two);
-    for 2z the spread is 2Δz. The exponent d = lse(2z) − 2·lse(z) is then off by Δd ≤ Δ₂ + 2Δ₁ + u(|d| + Δ₂ + 2Δ₁)
-    (the subtraction is rounded too), and exp, rounded to ``output_dtype``, gives a relative error
-    ≤ e^{Δd}(1 + u + ε₃₂) − 1.
-    """
-    from scipy.special import logsumexp
-
-    eps32 = machine_epsilon(np.float32)
-    unit = machine_epsilon(output_dtype) / 2
-    vocab = logits.shape[-1]
-    spread = logit_spread(logits)
-    lse1, lse2 = logsumexp(logits, axis=-1), logsumexp(2 * logits, axis=-1)
-    error1 = -np.log1p(-8 * eps32 * (vocab + spread)) + eps32 * np.abs(lse1)
-    error2 = -np.log1p(-8 * eps32 * (vocab + 2 * spread)) + eps32 * np.abs(lse2)
-    delta1 = error1 + unit * (np.abs(lse1) + error1)
-    delta2 = error2 + unit * (np.abs(lse2) + error2)
-    exponent = delta2 + 2 * delta1 + unit * (np.abs(lse2 - 2 * lse1) + delta2 + 2 * delta1)
-    return np.exp(exponent) * (1 + unit + eps32) - 1
-
-
 def test_sum_pi_squared_swap_on_bf16_logits(verl):
     """What "matches" means for the actor's Σπ² on bf16 logits (N(0, 4²), V = 32768, as a 7B model's):
 
     * verl's function on bf16 logits computes log-sum-exps rounded to bf16 and is accurate only to ~10 % — it stays
-      within its own derived bf16 bound (:func:`_lse_form_relative_bound`) of the exact Σπ² of those logits, and
-      nothing closer can be required of it;
+      within the bound of a correct implementation given bf16 logits (``otb_spec.tolerances.sum_pi_squared_tolerance``:
+      its log-sum-exps in bf16 are known only to ±u·max|z|) of the exact Σπ² of those logits, and nothing closer can
+      be required of it;
     * the swap (ratio S₂/S₁², float32 accumulation, bf16 output) is within its derived bound of the exact value —
       the float32 exp-sum bound plus the bf16 rounding of the output —, its worst error below verl's median error;
     * the swap equals verl's own formula applied to the same logits upcast to float32 within the sum of the two
@@ -326,8 +299,8 @@ def test_sum_pi_squared_swap_on_bf16_logits(verl):
     spread = logit_spread(logits.double().numpy())
     ours = logsumexp_tolerance(logits.shape[-1], spread, np.float32) + output_rounding(torch.bfloat16)
     host = logits.double().numpy()
-    verl_bf16_bound = Tolerance(_lse_form_relative_bound(host, torch.bfloat16), 0.0, "lse form in bf16")
-    verl_float32_bound = Tolerance(_lse_form_relative_bound(host, np.float32), 0.0, "lse form in float32")
+    verl_bf16_bound = sum_pi_squared_tolerance(host, dtype="bfloat16") + output_rounding("bfloat16")
+    verl_float32_bound = sum_pi_squared_tolerance(host, dtype="float32") + output_rounding("float32")
     verl_bf16_bound.assert_close(verl_bf16, exact, "verl's Σπ² on bf16 logits vs exact")
     ours.assert_close(swapped, exact, "swapped Σπ² on bf16 logits vs exact")
     (ours + verl_float32_bound).assert_close(swapped, verl_float32, "swapped Σπ² vs verl's formula in float32")
