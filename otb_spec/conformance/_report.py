@@ -168,8 +168,9 @@ class Report:
             else:
                 verdict = "PASS" if counts["pass"] else "SKIP"
             total = sum(counts[status] for status in ("pass", "fail", "deviation", "warn"))
-            extra = "".join(f", {counts[status]} {label}" for status, label in (
-                ("deviation", "documented deviations"), ("warn", "warnings"), ("skip", "skipped")) if counts[status])
+            extra = "".join(f", {counts[status]} {label}{'s' if counts[status] != 1 and status != 'skip' else ''}"
+                            for status, label in (("deviation", "documented deviation"), ("warn", "warning"),
+                                                  ("skip", "skipped")) if counts[status])
             lines.append(f"  {key:<26} {verdict:<8} {counts['pass']}/{total} passed{extra}")
         lines.append("")
         failures = sorted(self.failures, key=lambda r: -(r.ratio if not math.isnan(r.ratio) else math.inf))
@@ -196,8 +197,8 @@ class Report:
         checks = sum(r.status != "skip" for r in self.results)
         if self.conformant:
             count = len(self.deviations)
-            extra = f", {count} documented deviations" if count else ""
-            extra += f", {len(self.warnings)} warnings" if self.warnings else ""
+            extra = f", {count} documented deviation{'s' if count != 1 else ''}" if count else ""
+            extra += f", {len(self.warnings)} warning{'s' if len(self.warnings) != 1 else ''}" if self.warnings else ""
             lines.append(f"RESULT: {self.verdict} — {checks - count - len(self.warnings)} checks passed{extra} "
                          f"in {self.seconds:.1f} s")
         elif self.failures:
