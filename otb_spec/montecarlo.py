@@ -553,8 +553,9 @@ def run_monte_carlo_grid(
         for label, estimator in estimators.items():
             advantages = estimator_advantages(estimator, view, **options.get(label, {}))
             if len(aggregations) == 1:
-                weighted = advantages * factors[aggregations[0]][:, None]
-                accumulators[aggregations[0], label].add(
+                only = aggregations[0]
+                weighted = advantages if only == "sequence_sum" else advantages * factors[only][:, None]
+                accumulators[only, label].add(
                     batch, group_gradients(rollouts, weighted, group_index, count, task.n_params), tokens)
                 continue
             # the aggregations differ by a factor per trajectory: score sums per trajectory once, then group sums
