@@ -23,6 +23,7 @@ from otb_spec.diagnostics import (
 )
 from otb_spec.estimators import ESTIMATORS, Estimator, RolloutBatch, estimate
 from otb_spec.groups import Segments, group_segments, segment_sums
+from otb_spec.identities import leave_one_out_from_self_inclusive
 from otb_spec.otb import (
     AdvantageResult,
     exact_norm_token_baseline,
@@ -88,6 +89,7 @@ __all__ = [
     "leave_one_out_token_baseline",
     "exact_norm_token_baseline",
     "token_baseline",
+    "leave_one_out_from_self_inclusive",
     # peers
     "reinforce_advantage",
     "group_mean_advantage",

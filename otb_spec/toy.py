@@ -9,8 +9,9 @@ Every toy is log-linear: at a prefix y<ₜ the logits are zₜ = Θ·φ(y<ₜ) w
   sequence have different prefixes, so their scores live in disjoint parameter blocks: sₜ·sᵤ = 0 for t ≠ u and the
   Logit-Gradient Proxy is exact, Wₜ = Σ_{j≤t} wⱼ = ‖Sₜ‖².
 * **Shared parameters** (``EnumerablePolicy.log_linear``): φ = (1, one-hot previous token, t/T, fraction of token 1 so
-  far) is shared across prefixes, so cross terms appear and the proxy is an approximation (exact only in expectation,
-  proofs/T2_score_orthogonality.md).
+  far) is shared across prefixes. Two things then separate the proxy from the exact norm: ‖sₜ‖² = wₜ·‖φₜ‖² with
+  ‖φₜ‖² ∈ [2, 4), a factor the proxy misses even in expectation (E[mₜ‖Sₜ‖²]/E[mₜWₜ] runs from 2.0 to 3.5 along the
+  lab's policy), and cross terms sₜ·sᵤ ≠ 0, which vanish only in expectation (proofs/T2_score_orthogonality.md).
 * **Long horizon** (``MarkovPolicy``): a policy on (position bucket, previous token) with horizon T in the hundreds and
   EOS probabilities that vary with position, so lengths are heterogeneous. Not enumerable; J and ∇J are exact by
   dynamic programming over (position, previous token) for rewards of the form rₜ = c[t, yₜ] plus f(L) at the end.
@@ -400,6 +401,10 @@ class EnumerableTask:
         """[S, T] Gₜ of every sequence."""
         return np.flip(np.cumsum(np.flip(self.rewards, axis=1), axis=1), axis=1)
 
+    def expected_length(self) -> float:
+        """E[L] = Σ_τ π(τ)·L(τ), exactly."""
+        return float(self.table.probabilities @ self.table.lengths)
+
     def objective(self) -> float:
         """J = E[Σₜ rₜ] = Σ_τ π(τ)·R(τ)."""
         return float(self.table.probabilities @ self.rewards.sum(axis=1))
@@ -535,6 +540,10 @@ class MarkovTask:
 
     def objective(self) -> float:
         return float(self._values()[0][0, 0])
+
+    def expected_length(self) -> float:
+        """E[L] = Σₜ P(alive at step t) = Σₜ Σₐ α[t, a], exactly (dynamic programming)."""
+        return float(self._occupancy().sum())
 
     def gradient(self) -> np.ndarray:
         """∇J = Σₜ Σₐ α[t,a] Σ_y π(y|t,a)(e_y − π(·|t,a)) Q[t,y], in the [V(next), d] layout with feature

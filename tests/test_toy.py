@@ -92,11 +92,13 @@ def test_markov_gradient_matches_finite_differences(markov_task):
 
 
 def test_markov_objective_and_gradient_match_monte_carlo(markov_task):
-    """J and every coordinate of ∇J = E[Σₜ sₜGₜ] within 5 standard errors of 200 000 sampled trajectories."""
+    """J, E[L] and every coordinate of ∇J = E[Σₜ sₜGₜ] within 5 standard errors of 200 000 sampled trajectories."""
     n = 200_000
     rollouts = markov_task.sample(n, np.random.default_rng(3))
     returns_total = rollouts.rewards.sum(axis=1)
     assert abs(returns_total.mean() - markov_task.objective()) < 5 * returns_total.std(ddof=1) / np.sqrt(n)
+    lengths = rollouts.response_mask.sum(axis=1)
+    assert abs(lengths.mean() - markov_task.expected_length()) < 5 * lengths.std(ddof=1) / np.sqrt(n)
     returns = np.flip(np.cumsum(np.flip(rollouts.rewards, axis=1), axis=1), axis=1) * rollouts.response_mask
     # per-trajectory REINFORCE gradients in blocks of 1000 (groups of one)
     per_block = group_gradients(rollouts, returns, np.arange(n) // 1000, n // 1000, markov_task.n_params) * 1000
