@@ -3,9 +3,9 @@
 The logits are processed in row chunks of about ``_CHUNK_ELEMENTS`` values (1 MiB of float32: 8 rows of a 32768-word
 vocabulary, at least one row) through preallocated float32 buffers (float64 for float64 logits), so the extra memory
 is a fixed buffer per chunk plus the result, whatever the batch — the plain ``exp(logsumexp(2z) − 2·logsumexp(z))``
-allocates about twice the logits' size. A chunk that fits in cache is also the fastest (benchmarks/bench_torch.py). Per chunk: m = max z, a = e^{z − m},
-S₁ = Σa, S₂ = Σa² (a batched dot product, no temporary), Σπ² = S₂/S₁² — the reference's ratio form, accurate for |z|
-up to 1e4 even in float32.
+allocates about twice the logits' size; a chunk that fits in cache is also the fastest. Per chunk: m = max z,
+a = e^{z − m}, S₁ = Σa, S₂ = Σa² (a batched dot product, no temporary), Σπ² = S₂/S₁² — the reference's ratio form,
+accurate for |z| up to 1e4 even in float32. The value checks read the per-row maxima m (no extra pass).
 """
 
 from __future__ import annotations
