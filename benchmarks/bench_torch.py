@@ -23,8 +23,8 @@ a scan of the mask, two scatters, one gather), on top of the memory floor.
 
 Σπ² at [1, 4096, 32768] float32 (and [1, 1024, 32768], to show the extra memory does not grow with the batch): verl's
 ``calculate_sum_pi_squared_from_logits`` (or the plain formula) against the otb_torch drop-in, each in a fresh
-subprocess: time, and extra peak memory beyond the logits (CPU: peak resident set, ``ru_maxrss``; CUDA:
-``torch.cuda.max_memory_allocated``).
+subprocess: time, and extra peak memory beyond the logits (CPU: the peak resident set VmHWM, reset just before the
+call through /proc/self/clear_refs; CUDA: ``torch.cuda.max_memory_allocated``).
 
 CPU allocator regimes (``--allocator``): ``as-is`` is glibc's default (every large temporary a fresh mmap whose pages
 fault in on first touch) — the regime of the targets; ``warm`` tells glibc to keep freed memory (as a long-running
@@ -200,7 +200,7 @@ def bench_advantages(args, multi_turn: bool) -> list[dict]:
 
 
 _MEMORY_CHILD = r"""
-import json, resource, sys, time, torch
+import json, sys, time, torch
 sys.path.insert(0, sys.argv[4])
 import otb_torch
 method, device, positions = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -213,13 +213,16 @@ logits = torch.empty(1, positions, 32768, dtype=torch.float32, device=device).no
 function = verl_formula if method == "verl" else otb_torch.calculate_sum_pi_squared_from_logits
 function(torch.zeros(1, 2, 64, device=device))  # one-time library set-up (thread pools, BLAS) is not the method's
 def peak():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM"))
 if device == "cuda":
     torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
     function(logits); torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
 else:
-    base = peak()                     # the high-water mark is the logits' creation: nothing large freed since
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")              # the high-water mark restarts at the current resident set (Linux ≥ 4.0)
+    base = peak()
     function(logits)
     extra = peak() - base
 times = []
