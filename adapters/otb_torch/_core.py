@@ -3,11 +3,14 @@
 Mirrors ``otb_spec.otb`` (the math lives in the reference; this is its port), tuned for memory bandwidth:
 
 * masking is a multiplication by the 0/1 mask (as in verl; the value checks guarantee finite inputs);
-* group reductions are per-group, per-position numerator and denominator sums — ``index_add_`` in general, and a
-  reshape [G, N, T] with broadcasting when the batch holds equal-size groups contiguously (verl's layout), which
-  avoids materialising per-member copies of the group totals; a distributed version only all-reduces these sums;
+* group reductions are per-group, per-position numerator and denominator sums over a reshape [g, N, T] of whole
+  groups of one size N, with the baseline broadcast back, which avoids materialising per-member copies of the group
+  totals; any row order and any group sizes get there through the plan :func:`segments_from_index` makes (blocks of
+  equal-size groups, gathered when their rows are not a slice), and segments without a plan through ``index_add_``;
+  a distributed version only all-reduces these sums;
 * the rules that force the baseline to 0 (singleton groups, the zero tail) are reduced to one per-row position from
-  which the baseline is zero, applied with a single comparison.
+  which the baseline is zero: a comparison over the batch (:func:`token_baseline`), or a fix-up of at most one row per
+  group (:func:`zero_rule_fix`).
 """
 
 from __future__ import annotations
