@@ -206,3 +206,98 @@ def test_leave_one_out_with_two_members_is_the_other_return(adapter, batch):
     expected = _reference("leave_one_out", seen, mask, batch.group_ids, epsilon=0.0)
     tolerance, _ = _tolerances(adapter, "leave_one_out", seen, mask, batch.group_ids, "float64", epsilon=0.0)
     tolerance.assert_close(advantages, expected.advantages, f"{adapter.name} leave-one-out N = 2")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the layouts trainers produce (verl: groups scattered by balance_batch, unequal sizes from dynamic sampling)
+
+
+def realistic_batch(seed: int, sizes: list[int], positions: int, *, scattered: bool = True, holes: bool = False,
+                    empty_rows: int = 0, is_weights: bool = False, tied_longest: bool = True) -> otb.RolloutBatch:
+    """A verl-like batch: string uids in an object array, rows in a random permutation (``scattered``, as after
+    ``balance_batch``) or group by group, right-padded masks of random lengths (with tool-output ``holes`` for
+    multi-turn), ``empty_rows`` rows with no valid token (first all members but one of the largest group, which
+    multi-turn OTB then treats as a singleton), consistent token statistics (π² ≤ Σπ² = π² + (1 − π)²u ≤ 1,
+    log π ≤ 0), a terminal 0/1 reward plus small dense rewards, arbitrary finite junk at masked positions, and (with
+    ``tied_longest``) some groups whose two longest members tie, so both branches of the zero-tail rule occur."""
+    rng = np.random.default_rng(seed)
+    rows = sum(sizes)
+    group_ids = np.array([f"{seed:04d}-{group:05d}-uid" for group, size in enumerate(sizes) for _ in range(size)],
+                         dtype=object)
+    lengths = rng.integers(1, positions + 1, size=rows)
+    first = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    if tied_longest:
+        for start, size in zip(first[::3], np.asarray(sizes)[::3]):
+            if size >= 2:
+                lengths[start + 1] = lengths[start] = lengths[start:start + size].max()
+    if empty_rows:                  # first, all members but one of the largest group: a group with a single member
+        largest = int(np.argmax(sizes))
+        emptied = np.arange(first[largest] + 1, first[largest] + sizes[largest])[:empty_rows]
+        others = np.setdiff1d(np.arange(rows), np.arange(first[largest], first[largest] + sizes[largest]))
+        lengths[np.concatenate((emptied, rng.choice(others, size=empty_rows - emptied.size, replace=False)))] = 0
+    mask = (np.arange(positions)[None, :] < lengths[:, None]).astype(np.float64)
+    if holes:
+        for row in np.flatnonzero(lengths > 4):
+            begin = rng.integers(1, lengths[row] - 2)
+            mask[row, begin:begin + rng.integers(1, lengths[row] - begin)] = 0.0      # keeps the last valid token
+    pi = rng.beta(5.0, 1.0, size=(rows, positions))
+    spp = pi**2 + (1.0 - pi) ** 2 * rng.uniform(0.0, 1.0, size=(rows, positions))
+    rewards = 0.1 * rng.normal(size=(rows, positions)) * mask
+    last = np.where(lengths > 0, positions - 1 - np.argmax(mask[:, ::-1], axis=1), 0)
+    rewards[np.arange(rows), last] += rng.integers(0, 2, size=rows) * (lengths > 0)
+    junk = rng.uniform(-3.0, 3.0, size=(4, rows, positions))
+    valid = mask > 0
+    arrays = {"rewards": np.where(valid, rewards, junk[0]), "log_probs": np.where(valid, np.log(pi), junk[1]),
+              "sum_pi_squared": np.where(valid, spp, junk[2]),
+              "is_weights": np.where(valid, rng.uniform(0.0, 2.5, size=(rows, positions)), np.abs(junk[3]))}
+    order = rng.permutation(rows) if scattered else np.arange(rows)
+    return otb.RolloutBatch(rewards=arrays["rewards"][order], response_mask=mask[order], group_ids=group_ids[order],
+                            log_probs=arrays["log_probs"][order], sum_pi_squared=arrays["sum_pi_squared"][order],
+                            is_weights=arrays["is_weights"][order] if is_weights else None)
+
+
+def unequal_sizes(seed: int, groups: int, largest: int = 8) -> list[int]:
+    """Group sizes as dynamic sampling leaves them: 1 … largest, singletons included, at least one of each end."""
+    sizes = np.random.default_rng(seed).integers(1, largest + 1, size=groups)
+    sizes[:2] = (1, largest)
+    return [int(size) for size in sizes]
+
+
+LAYOUTS = {
+    "scattered-equal": dict(sizes=[8] * 12),                                   # balance_batch over fixed-N groups
+    "scattered-unequal": dict(sizes=unequal_sizes(1, 14), empty_rows=9, is_weights=True),  # … and dynamic sampling
+    "grouped-unequal": dict(sizes=unequal_sizes(2, 14), scattered=False),     # dynamic sampling, no balancing
+    "scattered-holes": dict(sizes=unequal_sizes(3, 12), holes=True, empty_rows=3),  # multi-turn tool outputs
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_realistic_layouts_match_the_reference(adapter, layout, variant):
+    """Every variant on verl-like float32 batches — scattered rows, unequal and singleton groups, empty rows, IS
+    weights, multi-turn masks with holes — equals the reference within the derived tolerances, with and without the
+    zero tail (float64 is covered by test_otb_matches_the_reference)."""
+    dtype = "float32"
+    batch = realistic_batch(sorted(LAYOUTS).index(layout), positions=48, **LAYOUTS[layout])
+    for options in ([{}] if variant == "leave_one_out" else [{"handle_zero_tail": True}, {"handle_zero_tail": False}]):
+        advantages, returns, seen, mask = _run(adapter, variant, batch, dtype, **options)
+        expected = _reference(variant, seen, mask, batch.group_ids, **options)
+        advantages_tolerance, returns_tolerance = _tolerances(adapter, variant, seen, mask, batch.group_ids, dtype,
+                                                              **options)
+        returns_tolerance.assert_close(returns, expected.returns, f"{adapter.name} {variant} {layout} returns")
+        advantages_tolerance.assert_close(advantages, expected.advantages,
+                                          f"{adapter.name} {variant} {layout} {options} advantages")
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_realistic_layouts_in_bfloat16(adapter, variant):
+    """bf16 inputs in the scattered, unequal layout: the reference on the rounded values, within the float32 bound
+    plus the output's rounding to bf16."""
+    if adapter.name == "numpy-reference":
+        pytest.skip("the reference reads half precision through NumPy (tested in test_proxy / test_otb_properties)")
+    batch = realistic_batch(7, unequal_sizes(7, 12), 48, holes=variant == "multi_turn", is_weights=True)
+    advantages, _, seen, mask = _run(adapter, variant, batch, "bfloat16")
+    assert np.all(seen["sum_pi_squared"][mask > 0] <= 1.0 + 3e-2), "rounded Σπ² outside the accepted range"
+    expected = _reference(variant, seen, mask, batch.group_ids)
+    tolerance, _ = _tolerances(adapter, variant, seen, mask, batch.group_ids, "bfloat16")
+    tolerance.assert_close(advantages, expected.advantages, f"{adapter.name} {variant} bfloat16 advantages")

@@ -276,6 +276,123 @@ def test_row_blocks_give_the_one_block_result(monkeypatch, function, dtype, with
         assert torch.equal(got, expected)
 
 
+_FUNCTIONS = ["optimal_token_baseline", "multi_turn_optimal_token_baseline", "leave_one_out_token_baseline",
+              "compute_optimal_token_baseline_advantage", "compute_multi_turn_optimal_token_baseline_advantage"]
+
+
+def _realistic_inputs(function: str, layout: str, dtype: torch.dtype):
+    """(positional inputs, keyword options) of a verl-like batch (tests/test_adapters.py) for ``function``."""
+    from test_adapters import realistic_batch, unequal_sizes
+    sizes = [3] * 7 if layout == "grouped-equal" else unequal_sizes(11, 12)
+    batch = realistic_batch(11, sizes, 12, scattered=layout != "grouped-equal", holes="multi_turn" in function,
+                            empty_rows=0 if layout == "grouped-equal" else 4, is_weights=True)
+    tensor = lambda array: torch.as_tensor(array).to(dtype)  # noqa: E731
+    inputs = (tensor(batch.rewards), tensor(batch.response_mask), batch.group_ids, tensor(batch.log_probs),
+              tensor(batch.sum_pi_squared))
+    weights = "rollout_is_weights" if function.startswith("compute") else "is_weights"
+    return inputs, {weights: tensor(batch.is_weights)}
+
+
+@pytest.mark.parametrize("function", _FUNCTIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", ["grouped-equal", "scattered-unequal"])
+def test_blocks_of_any_layout_give_the_one_block_result(monkeypatch, function, dtype, layout):
+    """On CPU the plan's runs are cut into blocks of whole groups (slices of the batch, or gathered rows written back
+    with index_copy_). With blocks forced to 1–2 groups — so runs span several blocks, the last one shorter, and
+    singleton groups fill blocks of their own — every output is bitwise the result with the default blocks, which
+    tests/test_adapters.py compares with the reference. Value checks on and off, with and without the zero tail."""
+    inputs, options = _realistic_inputs(function, layout, dtype)
+    segments = otb_torch.segments_from_index(inputs[2])
+    assert len(otb_torch._otb._blocks(segments, inputs[0].shape[0], 12, torch.device("cpu"))) == len(segments.runs)
+    call = getattr(otb_torch, function)
+    for extra in ({"check_values": False}, {"check_values": True, **(
+            {} if function.startswith("leave") else {"handle_zero_tail": False})}):
+        default = call(*inputs, **options, **extra)
+        with monkeypatch.context() as patch:
+            patch.setattr(otb_torch._otb, "_BLOCK_ELEMENTS", 2 * 3 * 12)
+            blocks = otb_torch._otb._blocks(segments, inputs[0].shape[0], 12, torch.device("cpu"))
+            assert len(blocks) > len(segments.runs) + 2
+            assert any(isinstance(block.rows, slice) for block in blocks) == (layout == "grouped-equal")
+            blocked = call(*inputs, **options, **extra)
+        for got, expected in zip(blocked, default):
+            assert got.dtype == expected.dtype == dtype
+            assert torch.equal(got, expected), (function, extra)
+
+
+def test_segments_plan_any_layout():
+    """The plan lists rows group by group (groups by size, then first appearance; members in batch order) and marks
+    the runs whose rows are a contiguous slice of the batch."""
+    ids = np.array(["b", "a", "c", "b", "a", "b", "d", "d"], dtype=object)
+    segments = otb_torch.segments_from_index(ids)
+    assert segments.num_groups == 4 and segments.group_size is None
+    assert segments.index.tolist() == [0, 1, 2, 0, 1, 0, 3, 3]
+    assert segments.order.tolist() == [2, 1, 4, 6, 7, 0, 3, 5]         # c | a a d d | b b b
+    assert [tuple(run) for run in segments.runs] == [(1, 1, 0, 2), (2, 2, 1, -1), (3, 1, 5, -1)]
+    grouped = otb_torch.segments_from_index(np.repeat(["x", "y", "z"], [2, 2, 3]))
+    assert [tuple(run) for run in grouped.runs] == [(2, 2, 0, 0), (3, 1, 4, 4)]
+    equal = otb_torch.segments_from_index(np.repeat([5, 3, 9], 4))
+    assert equal.group_size == 4 and [tuple(run) for run in equal.runs] == [(4, 3, 0, 0)]
+
+
+@pytest.mark.parametrize("function", _FUNCTIONS[:3])
+def test_segments_without_a_plan_use_segment_sums(function):
+    """Segments built by hand (no plan, no group size) take the general path, with the same results."""
+    inputs, options = _realistic_inputs(function, "scattered-unequal", torch.float64)
+    planned = otb_torch.segments_from_index(inputs[2])
+    by_hand = otb_torch.Segments(planned.index, planned.num_groups)
+    call = getattr(otb_torch, function)
+    for got, expected in zip(call(*inputs[:2], by_hand, *inputs[3:], **options),
+                             call(*inputs[:2], planned, *inputs[3:], **options)):
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-12, atol=1e-12)
+
+
+_CORRUPTIONS = [("token_level_rewards", 0, float("nan")), ("token_level_rewards", 0, float("inf")),
+                ("old_log_probs", 3, float("nan")), ("old_log_probs", 3, -float("inf")), ("old_log_probs", 3, 0.5),
+                ("sum_pi_squared", 2, float("inf")), ("sum_pi_squared", 2, 1.5), ("sum_pi_squared", 2, -0.5),
+                ("sum_pi_squared", 2, 1e-6), ("rollout_is_weights", 4, -0.5), ("rollout_is_weights", 4, float("nan")),
+                ("response_mask", 1, 0.5), ("response_mask", 1, 2.0), ("response_mask", 1, float("nan"))]
+
+
+@pytest.mark.parametrize("name, index, value", _CORRUPTIONS, ids=lambda x: str(x))
+@pytest.mark.parametrize("where", ["valid", "masked"])
+def test_fused_value_checks_raise_exactly_what_the_reference_rejects(name, index, value, where):
+    """The value checks evaluated inside the blocks (grouped_otb's reductions) reject a corrupted value exactly when
+    the reference does — at a valid or a masked position of a scattered batch whose other values there are benign
+    (r = 0, log π = 0, Σπ² = 1, ρ = 1), so no other rule can fire in its place — naming the argument."""
+    from otb_spec import _validation as reference_checks
+    inputs, options = _realistic_inputs("compute_optimal_token_baseline_advantage", "scattered-unequal",
+                                        torch.float32)
+    named = dict(zip(("token_level_rewards", "response_mask", "index", "old_log_probs", "sum_pi_squared"), inputs))
+    named.update(options)
+    mask = named["response_mask"].numpy()
+    rows, cols = np.nonzero(mask > 0) if where == "valid" else np.nonzero(mask == 0)
+    row, col = rows[index], cols[index]
+    for key, benign in (("token_level_rewards", 0.0), ("old_log_probs", 0.0), ("sum_pi_squared", 1.0),
+                        ("rollout_is_weights", 1.0)):                     # only the corrupted rule can fire
+        named[key] = named[key].clone()
+        named[key][row, col] = benign
+    named[name] = named[name].clone()
+    named[name][row, col] = value
+    host = {key: value.numpy() for key, value in named.items() if key != "index"}
+    try:
+        reference_checks.raise_value_error(lambda array: array, rewards=("token_level_rewards", host[
+            "token_level_rewards"]), mask=("response_mask", host["response_mask"]), log_probs=(
+            "old_log_probs", host["old_log_probs"]), sum_pi_squared=("sum_pi_squared", host["sum_pi_squared"]),
+            is_weights=("rollout_is_weights", host["rollout_is_weights"]))
+    except ValueError as error:
+        expected = str(error)
+    before = {key: value.clone() for key, value in named.items() if key != "index"}
+    if "please report" in expected:                                 # the reference accepts this input
+        otb_torch.compute_optimal_token_baseline_advantage(**named)
+    else:
+        with pytest.raises(ValueError) as raised:
+            otb_torch.compute_optimal_token_baseline_advantage(**named)
+        assert str(raised.value) == expected
+        assert str(raised.value).startswith(name)
+    for key, value in before.items():
+        assert torch.allclose(value, named[key], rtol=0.0, atol=0.0, equal_nan=True), key      # inputs untouched
+
+
 def test_segments_from_any_kind_of_index():
     ids = np.array(["b", "a", "b"], dtype=object)
     from_numpy = otb_torch.segments_from_index(ids)

@@ -66,8 +66,12 @@ def output_dtype(reference: torch.Tensor) -> torch.dtype:
     return reference.dtype if reference.is_floating_point() else torch.float32
 
 
-def _slack(value: torch.Tensor) -> float:
+def slack(value: torch.Tensor) -> float:
+    """The reference's input-range slack for this tensor's dtype (:func:`otb_spec.tolerances.input_range_slack`)."""
     return input_range_slack(value.dtype)
+
+
+_slack = slack
 
 
 def _not_finite(value: torch.Tensor) -> torch.Tensor:

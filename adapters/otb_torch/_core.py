@@ -3,17 +3,20 @@
 Mirrors ``otb_spec.otb`` (the math lives in the reference; this is its port), tuned for memory bandwidth:
 
 * masking is a multiplication by the 0/1 mask (as in verl; the value checks guarantee finite inputs);
-* group reductions are per-group, per-position numerator and denominator sums — ``index_add_`` in general, and a
-  reshape [G, N, T] with broadcasting when the batch holds equal-size groups contiguously (verl's layout), which
-  avoids materialising per-member copies of the group totals; a distributed version only all-reduces these sums;
+* group reductions are per-group, per-position numerator and denominator sums over a reshape [g, N, T] of whole
+  groups of one size N, with the baseline broadcast back, which avoids materialising per-member copies of the group
+  totals; any row order and any group sizes get there through the plan :func:`segments_from_index` makes (blocks of
+  equal-size groups, gathered when their rows are not a slice), and segments without a plan through ``index_add_``;
+  a distributed version only all-reduces these sums;
 * the rules that force the baseline to 0 (singleton groups, the zero tail) are reduced to one per-row position from
-  which the baseline is zero, applied with a single comparison.
+  which the baseline is zero: a comparison over the batch (:func:`token_baseline`), or a fix-up of at most one row per
+  group (:func:`zero_rule_fix`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -23,21 +26,40 @@ from otb_spec.groups import group_segments
 __all__: list[str] = []
 
 
+class Run(NamedTuple):
+    """``count`` consecutive groups of ``size`` members in :attr:`Segments.order`, from position ``start``; their rows
+    are ``first_row, first_row + 1, …`` of the batch when ``first_row ≥ 0`` (no gather needed), anywhere otherwise."""
+
+    size: int
+    count: int
+    start: int
+    first_row: int
+
+
 @dataclass(frozen=True)
 class Segments:
     """Integer group segments on a device: ``index`` [B] int64 in [0, num_groups), every segment non-empty.
 
     ``group_size`` is set when the rows hold ``num_groups`` groups of that size contiguously, in order (then
     ``index`` = [0,…,0, 1,…,1, …]); the computation then uses reshapes instead of scatters.
-    Build once per batch with :func:`segments_from_index` (the only step that touches the host).
+
+    ``order`` and ``runs`` are the plan for any other layout (rows in any order, groups of any sizes): ``order`` [B]
+    lists the rows group by group — groups sorted by size, then by first appearance; members in batch order — and
+    ``runs`` says where the groups of each size lie in it. On CPU the batch is then processed as blocks of whole
+    groups of one size: gather a block's rows, run the reshape kernel on [groups, size, T], write its rows back.
+    Build once per batch with :func:`segments_from_index` (the only step that touches the host); segments built
+    by hand without a plan use segment sums (``index_add_``) instead.
     """
 
     index: torch.Tensor
     num_groups: int
     group_size: int | None = None
+    order: torch.Tensor | None = None
+    runs: tuple[Run, ...] | None = None
 
     def to(self, device: torch.device | str) -> "Segments":
-        return Segments(self.index.to(device), self.num_groups, self.group_size)
+        return Segments(self.index.to(device), self.num_groups, self.group_size,
+                        None if self.order is None else self.order.to(device), self.runs)
 
 
 def _contiguous_size(index: np.ndarray, num_groups: int) -> int | None:
@@ -48,30 +70,54 @@ def _contiguous_size(index: np.ndarray, num_groups: int) -> int | None:
     return size if np.array_equal(index, np.repeat(np.arange(num_groups), size)) else None
 
 
+def _plan(index: np.ndarray, num_groups: int) -> tuple[np.ndarray, tuple[Run, ...]]:
+    """(order, runs) for groups numbered in order of first appearance (see :class:`Segments`)."""
+    sizes = np.bincount(index, minlength=num_groups)
+    by_size = np.argsort(sizes, kind="stable")                     # ties keep first-appearance order
+    rank = np.empty(num_groups, dtype=np.int64)
+    rank[by_size] = np.arange(num_groups)
+    order = np.argsort(rank[index], kind="stable").astype(np.int64)
+    sorted_sizes = sizes[by_size]
+    edges = np.flatnonzero(np.diff(sorted_sizes)) + 1
+    runs = []
+    start = 0
+    for first_group, stop_group in zip(np.concatenate(([0], edges)), np.concatenate((edges, [num_groups]))):
+        size, count = int(sorted_sizes[first_group]), int(stop_group - first_group)
+        rows = order[start:start + size * count]
+        contiguous = bool(np.all(np.diff(rows) == 1))
+        runs.append(Run(size, count, start, int(rows[0]) if contiguous else -1))
+        start += size * count
+    return order, tuple(runs)
+
+
 def segments_from_index(index: Any, device: torch.device | str | None = None) -> Segments:
     """Map arbitrary group ids (a NumPy array of any hashable ids, a list, or an integer tensor) to segments.
 
     Uses the reference's :func:`otb_spec.group_segments` on the host (the partition verl's dict of ids builds), numbers
-    the groups in order of first appearance, and copies the result to ``device`` once. An integer tensor is mapped with
-    ``torch.unique`` on its own device (one synchronisation, for the number of groups).
+    the groups in order of first appearance, plans the blocks (:class:`Segments`), and copies the result to ``device``
+    once. An integer tensor is mapped with ``torch.unique`` on its own device and planned on the host (one
+    synchronisation).
     """
     if isinstance(index, Segments):
         return index if device is None else index.to(device)
     if isinstance(index, torch.Tensor):
         if index.dim() != 1:
             raise ValueError(f"index: expected a 1-D array of B ids, got shape {tuple(index.shape)}")
+        if device is None:
+            device = index.device
         if not (index.is_floating_point() or index.is_complex()):
-            unique, inverse = torch.unique(index, return_inverse=True)
-            inverse = inverse if device is None else inverse.to(device)
-            return Segments(inverse.to(torch.int64), int(unique.numel()))
-        index = index.detach().cpu().numpy()
+            _, inverse = torch.unique(index, return_inverse=True)
+            index = inverse.cpu().numpy()
+        else:
+            index = index.detach().cpu().numpy()
     segments = group_segments(index if isinstance(index, np.ndarray) else np.asarray(index), name="index")
     _, first_rows = np.unique(segments.index, return_index=True)
     rank = np.empty(segments.n_groups, dtype=np.int64)
     rank[np.argsort(first_rows, kind="stable")] = np.arange(segments.n_groups)
     relabelled = rank[segments.index]
+    order, runs = _plan(relabelled, segments.n_groups)
     return Segments(torch.as_tensor(relabelled, device=device), segments.n_groups,
-                    _contiguous_size(relabelled, segments.n_groups))
+                    _contiguous_size(relabelled, segments.n_groups), torch.as_tensor(order, device=device), runs)
 
 
 def segment_sum(values: torch.Tensor, segments: Segments) -> torch.Tensor:
@@ -232,3 +278,142 @@ def token_baseline(returns: torch.Tensor, energy: torch.Tensor, mask: torch.Tens
         baselines = grid.scatter(layout.unview(group_baselines * keep))
     grid_advantages = layout.unview(torch.addcmul(grid_returns, group_baselines, keep, value=-1.0))
     return grid.scatter(grid_advantages, out=out), baselines
+
+
+def grouped_otb(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor, sum_pi_squared: torch.Tensor,
+                is_weights: torch.Tensor | None, num_groups: int, group_size: int, *, align: str, epsilon: float,
+                check: bool, need_baselines: bool, workspace: tuple[torch.Tensor, ...] = (),
+                outputs: tuple[torch.Tensor, ...] = (), lengths: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...]]:
+    """Self-inclusive OTB on whole groups of one size N, before the rules that zero the baseline (see
+    :func:`zero_rule_fix`): the rows are [g·N, T], group k in rows kN … kN+N−1, inputs in the compute dtype.
+
+    Gₜ = Σ_{k≥t} mₖrₖ,  Wₜ = Σ_{j≤t} mⱼρⱼ²(1 − 2πⱼ + Σπ²ⱼ),  Bₜ = Σᵢ GᵢₜWᵢₜ / (Σᵢ Wᵢₜ + ε)  over the members' aligned
+    token t (``align="position"``: the position; ``"valid_token"``: the t-th valid token, found as column
+    Σ_{j≤t} mⱼ − 1 of a grid [rows, T + 1] whose last column takes the masked positions), and Aₜ = mₜ(Gₜ − Bₜ),
+    with B = 0 for N = 1. The same math as :func:`token_baseline`, in fewer passes: group sums are sums over N of a
+    [g, N, T] view, and the baseline is broadcast from [g, T]. In eager mode every full-size temporary lives in
+    ``workspace`` (:func:`grouped_workspace`) and the results go into ``outputs`` = (advantages, returns[,
+    baselines]), so no block allocates (fresh memory costs a page fault per 4 KiB on CPU); without them (as compiled,
+    where allocation is the compiler's business) everything is allocated.
+
+    Returns (advantages, returns, baselines or None, reductions), and writes each row's number of valid tokens into
+    ``lengths`` [g·N] when given. With ``check``, ``reductions`` are what :func:`value_problems` turns into the
+    reference's value rules, computed on the way while the block is in cache; otherwise ().
+    """
+    g, n = num_groups, group_size
+    width = rewards.shape[1]
+    first, second, third, column_buffer, grid_buffer = tuple(workspace) + (None,) * (5 - len(workspace))
+    advantages, returns, baselines = tuple(outputs) + (None,) * (3 - len(outputs))
+    masked_rewards = torch.mul(rewards, mask, out=first)
+    prefix = torch.cumsum(masked_rewards, -1, out=second)
+    G = torch.sub(prefix.narrow(1, width - 1, 1), prefix, out=returns).add_(masked_rewards)   # total − exclusive prefix
+    if lengths is not None:
+        torch.sum(mask, -1, out=lengths)
+    reductions: tuple[torch.Tensor, ...] = ()
+    need_energy = n > 1 or need_baselines
+    if check:
+        # log π·m: NaN or ±inf anywhere leave NaN or ±inf in its min/max, and masked positions become 0 (and so do
+        # those of Σπ²·m); the reward row totals are NaN or ±inf if any reward is
+        reward_totals = prefix.narrow(1, width - 1, 1).sum()
+        pi = torch.mul(log_probs, mask, out=first)
+        lp_low, lp_high = torch.aminmax(pi)
+        pi.clamp_(max=0.0).exp_()                                                        # π (1 at masked positions)
+        spp = torch.mul(sum_pi_squared, mask, out=second)
+        spp_low, spp_high = torch.aminmax(spp)
+        squares = torch.mul(pi, pi, out=third)
+        own = torch.addcmul(spp, squares, mask, value=-1.0, out=squares).amin()            # min m(Σπ² − π²)
+        flips = torch.addcmul(mask, mask, mask, value=-1.0, out=squares)                   # m − m² = 0 iff m ∈ {0, 1}
+        flip_low, flip_high = torch.aminmax(flips)
+        reductions = (reward_totals, lp_low, lp_high, spp_low, spp_high, own, flip_low, flip_high)
+        if is_weights is not None:
+            reductions += tuple(torch.aminmax(is_weights))
+        if need_energy:
+            energy = spp.add_(mask).addcmul_(pi, mask, value=-2.0)                        # m(1 − 2π + Σπ²)
+    elif need_energy:
+        pi = torch.clamp(log_probs, max=0.0, out=first).exp_()       # the clamp keeps junk at masked positions finite
+        energy = torch.sub(sum_pi_squared, pi, alpha=2.0, out=second)
+        energy = torch.addcmul(mask, energy, mask, out=energy)                          # m(1 − 2π + Σπ²)
+    if n == 1:                                                                           # singletons: B = 0
+        advantages = torch.mul(G, mask, out=advantages)
+        if need_baselines:
+            baselines = torch.zeros_like(G) if baselines is None else baselines.zero_()
+        return advantages, G, baselines, reductions
+    if is_weights is not None:
+        energy.mul_(is_weights).mul_(is_weights)
+    weights = energy.cumsum_(-1).mul_(mask)                                              # mₜWₜ
+    weighted = torch.mul(G, weights, out=pi)
+    if align == "position":
+        numerator = weighted.view(g, n, width).sum(1)
+        denominator = weights.view(g, n, width).sum(1)
+    else:
+        column = torch.cumsum(mask, -1, out=third).sub_(1.0 + width).mul_(mask).add_(width)
+        column = column.to(torch.int64) if column_buffer is None else column_buffer.copy_(column)
+        grid = (torch.zeros((g * n, width + 1), dtype=G.dtype, device=G.device) if grid_buffer is None
+                else grid_buffer.zero_())                                                # [g·N, T + 1]
+        numerator = grid.scatter_(1, column, weighted).view(g, n, width + 1).sum(1)
+        # the second scatter overwrites every entry the first one wrote
+        denominator = grid.scatter_(1, column, weights).view(g, n, width + 1).sum(1)
+    group_baselines = safe_ratio(numerator, denominator.add_(epsilon)).unsqueeze(1)      # [g, 1, T(+1)]
+    if align != "position":
+        group_baselines = torch.gather(group_baselines.expand(g, n, width + 1), 2, column.view(g, n, width),
+                                       out=None if third is None else third.view(g, n, width))
+    shaped = (g, n, width)
+    advantages = torch.sub(G.view(shaped), group_baselines, out=None if advantages is None else advantages.view(shaped)
+                           ).mul_(mask.view(shaped)).view(g * n, width)
+    if need_baselines:
+        baselines = torch.mul(group_baselines, mask.view(shaped), out=None if baselines is None else baselines.view(
+            shaped)).view(g * n, width)
+    return advantages, G, baselines, reductions
+
+
+def grouped_workspace(rows: int, width: int, align: str, dtype: torch.dtype, device: torch.device
+                      ) -> tuple[torch.Tensor, ...]:
+    """Temporaries for :func:`grouped_otb` on blocks of up to ``rows`` rows (use the first rows of each)."""
+    buffers = [torch.empty((rows, width), dtype=dtype, device=device) for _ in range(3)]
+    if align != "position":
+        buffers += [torch.empty((rows, width), dtype=torch.int64, device=device),
+                    torch.empty((rows, width + 1), dtype=dtype, device=device)]
+    return tuple(buffers)
+
+
+def value_problems(reductions: list[tuple[torch.Tensor, ...]], slacks: tuple[float, float]) -> torch.Tensor:
+    """True (0-dim, on the device) if the reductions of :func:`grouped_otb` show a possible value problem: a non-finite
+    input, a mask value outside {0, 1}, log π > slack, Σπ² outside [−slack, 1 + slack] or Σπ² < π² − slack at a
+    valid position, or ρ < 0. Every input the reference rejects is flagged; a few it accepts may be too (finite
+    rewards or energies whose row sums overflow), so a flag calls for the exact check before any error.
+    """
+    slack_lp, slack_spp = slacks
+    stacked = [torch.stack(column) for column in zip(*reductions)]
+    reward_totals, lp_low, lp_high, spp_low, spp_high, own, flip_low, flip_high = stacked[:8]
+    largest = torch.finfo(reward_totals.dtype).max
+    excess = [reward_totals.abs() - largest, lp_low.abs() - largest, lp_high - slack_lp, -slack_spp - spp_low,
+              spp_high - (1.0 + slack_spp), -(slack_spp + 2.0 * slack_lp) - own, flip_low.abs(), flip_high.abs()]
+    if len(stacked) > 8:                                                                 # ρ: finite and ≥ 0
+        excess += [-stacked[8], stacked[9].abs() - largest]
+    return ~(torch.cat(excess) <= 0).all()                              # NaN compares false: flagged
+
+
+def zero_rule_fix(lengths: torch.Tensor, size: int, count: int, *, align: str, handle_zero_tail: bool, width: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the rules zero the self-inclusive baseline, for ``count`` groups of ``size`` members whose valid-token
+    counts are ``lengths`` [count·size]: per group (member, start) — the baseline of that member is 0 from aligned
+    token ``start`` on (``start`` = ``width``: nowhere).
+
+    The rules (``otb_spec.otb``): a group with fewer than two members (``align="valid_token"``: rows with no valid
+    token are not members) has no baseline — its only member, the longest, from 0; with ``handle_zero_tail``, the
+    unique longest member has none from the second-longest length on. At most one member per group is affected.
+    """
+    lengths = lengths.view(count, size)
+    longest, member = lengths.max(1)
+    at_longest = lengths == longest[:, None]
+    unique = at_longest.sum(1) == 1
+    never = torch.full_like(longest, float(width))
+    if handle_zero_tail:
+        second = torch.where(at_longest, torch.full_like(lengths, -1.0), lengths).amax(1)
+        start = torch.where(unique, second, never)
+    else:
+        start = never
+    if align != "position":
+        start = torch.where((lengths > 0).sum(1) < 2, torch.zeros_like(start), start)
+    return member, start

@@ -1,10 +1,11 @@
 """Σπ², log π(y) and entropy from logits in PyTorch, with bounded temporaries; vocab-shard partials.
 
-The logits are processed in row chunks (8 by default) through preallocated float32 buffers (float64 for float64
-logits), so the extra memory is about an eighth of the logits' size per buffer, whatever their dtype — the plain
-``exp(logsumexp(2z) − 2·logsumexp(z))`` allocates about twice the logits' size. Per chunk: m = max z, a = e^{z − m},
-S₁ = Σa, S₂ = Σa² (a batched dot product, no temporary), Σπ² = S₂/S₁² — the reference's ratio form, accurate for |z|
-up to 1e4 even in float32.
+The logits are processed in row chunks of about ``_CHUNK_ELEMENTS`` values (4 MiB of float32: 32 rows of a 32768-word
+vocabulary, at least one row) through preallocated float32 buffers (float64 for float64 logits), so the extra memory
+is a fixed buffer per chunk plus the result, whatever the batch — the plain ``exp(logsumexp(2z) − 2·logsumexp(z))``
+allocates about twice the logits' size; a chunk that fits in cache is also the fastest. Per chunk: m = max z,
+a = e^{z − m}, S₁ = Σa, S₂ = Σa² (a batched dot product, no temporary), Σπ² = S₂/S₁² — the reference's ratio form,
+accurate for |z| up to 1e4 even in float32. The value checks read the per-row maxima m (no extra pass).
 """
 
 from __future__ import annotations
@@ -27,32 +28,39 @@ __all__ = [
     "combine_vocab_shards",
 ]
 
-_DEFAULT_CHUNKS = 8
+_CHUNK_ELEMENTS = 2**20       # per buffer (4 MiB of float32): of 1–512 rows of 32768 logits, 8–64 were about as fast
 
 
-def _logits(name: str, logits: Any, check_values: bool, allow_excluded_rows: bool = False) -> torch.Tensor:
+def _logits(name: str, logits: Any) -> torch.Tensor:
+    """The logits as a tensor with a non-empty vocabulary axis (metadata only; values: :func:`_check_maxima`)."""
     z = check.tensor(name, logits)
     if z.dim() < 1:
         raise ValueError(f"{name}: expected shape [..., V] with a vocabulary axis, got a scalar")
     if z.shape[-1] == 0:
         raise ValueError(f"{name}: the vocabulary axis is empty (V = 0)")
-    if check_values:
-        bad = torch.isnan(z).any() | (z == math.inf).any()
-        if not allow_excluded_rows and z.numel():
-            bad = bad | (z == -math.inf).all(-1).any()
-        if bool(bad):
-            host = check._host(z)
-            array = reference_checks.float_array(name, host, allow_neg_inf=True)
-            excluded = (array == -math.inf).all(-1)
-            if excluded.any():
-                first = tuple(int(i) for i in torch.nonzero(torch.as_tensor(excluded))[0])
-                raise ValueError(f"{name}: every logit is -inf at position {first}; the softmax is undefined there")
     return z
 
 
-def _chunk_rows(rows: int, chunk_size: int | None, chunks: int) -> int:
+def _check_maxima(name: str, z: torch.Tensor, maxima: torch.Tensor, allow_excluded_rows: bool = False) -> None:
+    """Reject NaN, +inf and (unless allowed) rows of −inf only, from each row's maximum, which the computation needs
+    anyway: it is NaN if the row holds a NaN, +inf if it holds +inf, −inf if every logit is −inf. One
+    synchronisation; the offending logits are then read on the host for the reference's message."""
+    bad = torch.isnan(maxima) | (maxima == math.inf)
+    if not allow_excluded_rows:
+        bad = bad | (maxima == -math.inf)
+    if maxima.numel() == 0 or not bool(bad.any()):
+        return
+    host = check._host(z)
+    array = reference_checks.float_array(name, host, allow_neg_inf=True)
+    excluded = (array == -math.inf).all(-1)
+    if excluded.any() and not allow_excluded_rows:
+        first = tuple(int(i) for i in torch.nonzero(torch.as_tensor(excluded))[0])
+        raise ValueError(f"{name}: every logit is -inf at position {first}; the softmax is undefined there")
+
+
+def _chunk_rows(vocab: int, chunk_size: int | None) -> int:
     if chunk_size is None:
-        return max(1, -(-rows // chunks))
+        return max(1, _CHUNK_ELEMENTS // vocab)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive integer number of rows or None, got {chunk_size!r}")
     return chunk_size
@@ -77,25 +85,30 @@ def sum_pi_squared(logits: Any, *, chunk_size: int | None = None, check_values: 
 
     Args:
       logits: [..., V] tensor (any float dtype; −inf allowed for excluded tokens).
-      chunk_size: rows (flattened leading positions) per chunk; default an eighth of them.
+      chunk_size: rows (flattened leading positions) per chunk; default ``_CHUNK_ELEMENTS // V`` (at least 1).
       check_values: reject NaN, +inf and all −inf rows (one host synchronisation).
     """
-    z = _logits("logits", logits, check_values)
+    z = _logits("logits", logits)
     lead, vocab = z.shape[:-1], z.shape[-1]
     rows = z.reshape(-1, vocab)
     n = rows.shape[0]
     dtype = _compute_dtype(z)
     out = torch.empty(n, dtype=dtype, device=z.device)
-    step = _chunk_rows(n, chunk_size, _DEFAULT_CHUNKS)
+    maxima = torch.empty((n, 1), dtype=dtype, device=z.device)
+    step = _chunk_rows(vocab, chunk_size)
     buffer = torch.empty((min(step, n), vocab), dtype=dtype, device=z.device)
     for start in range(0, n, step):
         block = rows[start:start + step]
-        a = buffer[:block.shape[0]]
-        peak = block.amax(-1, keepdim=True).to(dtype)
+        count = block.shape[0]
+        a = buffer[:count]
+        peak = maxima[start:start + count]
+        peak.copy_(block.amax(-1, keepdim=True))
         torch.sub(block, peak, out=a)
         a.exp_()
         total = a.sum(-1)
-        out[start:start + block.shape[0]] = _row_dot(a, a) / torch.square(total)
+        torch.div(_row_dot(a, a), total.square_(), out=out[start:start + count])
+    if check_values:
+        _check_maxima("logits", z, maxima)
     return out.reshape(lead).to(_out_dtype(z))
 
 
@@ -118,9 +131,9 @@ def token_statistics_from_logits(logits: Any, token_ids: Any = None, *, chunk_si
     """log π(y), entropy and Σπ² in one pass (they share m and S₁ = Σ e^{z − m}); the port of
     :func:`otb_spec.token_statistics_from_logits`.
 
-    H = log S₁ − Σ_v (a_v/S₁)(z_v − m), a sum of non-negative terms. Two buffers of a sixteenth of the rows each.
+    H = log S₁ − Σ_v (a_v/S₁)(z_v − m), a sum of non-negative terms. Two chunk buffers.
     """
-    z = _logits("logits", logits, check_values)
+    z = _logits("logits", logits)
     lead, vocab = z.shape[:-1], z.shape[-1]
     ids = None
     if token_ids is not None:
@@ -141,17 +154,19 @@ def token_statistics_from_logits(logits: Any, token_ids: Any = None, *, chunk_si
     rows = z.reshape(-1, vocab)
     n = rows.shape[0]
     dtype = _compute_dtype(z)
-    step = _chunk_rows(n, chunk_size, 2 * _DEFAULT_CHUNKS)
+    step = _chunk_rows(vocab, chunk_size)
     shifted = torch.empty((min(step, n), vocab), dtype=dtype, device=z.device)
     exps = torch.empty_like(shifted)
     entropy = torch.empty(n, dtype=dtype, device=z.device)
     spp = torch.empty(n, dtype=dtype, device=z.device)
     log_probs = None if ids is None else torch.empty(n, dtype=dtype, device=z.device)
+    maxima = torch.empty((n, 1), dtype=dtype, device=z.device)
     for start in range(0, n, step):
         block = rows[start:start + step]
         count = block.shape[0]
         d, a = shifted[:count], exps[:count]
-        peak = block.amax(-1, keepdim=True).to(dtype)
+        peak = maxima[start:start + count]
+        peak.copy_(block.amax(-1, keepdim=True))
         torch.sub(block, peak, out=d)
         torch.exp(d, out=a)
         total = a.sum(-1)
@@ -162,6 +177,8 @@ def token_statistics_from_logits(logits: Any, token_ids: Any = None, *, chunk_si
         if log_probs is not None:
             chosen = block.gather(1, ids[start:start + count, None]).to(dtype)
             log_probs[start:start + count] = (chosen - peak)[:, 0] - log_total
+    if check_values:
+        _check_maxima("logits", z, maxima)
     out = _out_dtype(z)
     return TokenStatistics(None if log_probs is None else log_probs.reshape(lead).to(out),
                            entropy.reshape(lead).to(out), spp.reshape(lead).to(out))
@@ -187,9 +204,11 @@ class ShardPartials(NamedTuple):
 def vocab_shard_partials(logits_shard: Any, *, check_values: bool = True) -> ShardPartials:
     """Partials of one shard (identity (−inf, 0, 0) where the shard is all −inf); the port of
     :func:`otb_spec.vocab_shard_partials`."""
-    z = _logits("logits_shard", logits_shard, check_values, allow_excluded_rows=True)
+    z = _logits("logits_shard", logits_shard)
     dtype = _compute_dtype(z)
     peak = z.amax(-1).to(dtype)
+    if check_values:
+        _check_maxima("logits_shard", z, peak, allow_excluded_rows=True)
     shift = torch.where(torch.isinf(peak), torch.zeros_like(peak), peak)
     a = torch.exp(z.to(dtype) - shift[..., None])
     return ShardPartials(peak, a.sum(-1), torch.square(a).sum(-1))

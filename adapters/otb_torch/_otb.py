@@ -12,12 +12,17 @@ import torch
 
 from otb_torch import _checks as check
 from otb_torch._core import (
+    Run,
     Segments,
+    grouped_otb,
+    grouped_workspace,
     realized_energy,
     reward_to_go,
     segments_from_index,
     token_baseline,
     token_energy,
+    value_problems,
+    zero_rule_fix,
 )
 
 __all__ = [
@@ -53,54 +58,148 @@ def _segments(group_ids: Any, rows: int, device: torch.device, name: str) -> Seg
     return segments
 
 
-_BLOCK_ELEMENTS = 2**19       # 2 MiB per float32 array: a block's temporaries stay in cache (fastest of 2**18–2**21 here)
+_BLOCK_ELEMENTS = 2**18       # elements per array in a CPU block: of 2**16 … 2**19, 2**18 and 2**19 were fastest
 
 
-def _blocks(segments: Segments, rows: int, positions: int, device: torch.device) -> list[tuple[slice, Segments]]:
-    """Row blocks of whole groups (CPU, contiguous equal-size groups); a single block otherwise.
+class _Block(NamedTuple):
+    """Rows of whole groups of one size: a slice of the batch or row indices to gather, positions ``begin:end`` of
+    the plan's order; ``segments`` numbers their groups."""
 
-    Groups are independent, so blocking is exact; it keeps the ~20 elementwise passes in cache instead of streaming
-    the whole batch through memory for each.
+    rows: slice | torch.Tensor
+    begin: int
+    end: int
+    segments: Segments
+
+
+_LOCAL: dict[tuple[int, int | None, str], Segments] = {}
+
+
+def _local(num_groups: int, group_size: int, device: torch.device) -> Segments:
+    key = (num_groups, group_size, str(device))
+    if key not in _LOCAL:
+        if len(_LOCAL) > 256:
+            _LOCAL.clear()
+        _LOCAL[key] = Segments(torch.arange(num_groups, device=device).repeat_interleave(group_size), num_groups,
+                               group_size)
+    return _LOCAL[key]
+
+
+def _runs(segments: Segments) -> tuple[Run, ...] | None:
+    if segments.runs is None and segments.group_size is not None:
+        return (Run(segments.group_size, segments.num_groups, 0, 0),)
+    return segments.runs
+
+
+def _blocks(segments: Segments, rows: int, positions: int, device: torch.device) -> list[_Block]:
+    """The batch as blocks of whole groups of one size, following the segments' plan (:class:`Segments`).
+
+    Groups are independent, so blocking is exact. On CPU a run of equal-size groups is cut into blocks of about
+    ``_BLOCK_ELEMENTS`` per array, so a block's ~20 elementwise passes run in cache instead of streaming the whole
+    batch through memory for each; elsewhere each run is one block. Rows that are not a contiguous slice are gathered
+    (one ``index_select`` per input, one ``index_copy_`` per output). Segments without a plan or group size (built by
+    hand) give one block over the whole batch, computed with segment sums.
     """
-    size = segments.group_size
-    if device.type != "cpu" or size is None or rows * positions <= 2 * _BLOCK_ELEMENTS:
-        return [(slice(0, rows), segments)]
-    groups_per_block = max(1, _BLOCK_ELEMENTS // (positions * size))
-    block_rows = groups_per_block * size
+    runs = _runs(segments)
+    if runs is None:
+        return [_Block(slice(0, rows), 0, rows, segments)]
     blocks = []
-    for first in range(0, rows, block_rows):
-        count = min(block_rows, rows - first) // size
-        local = Segments(torch.arange(count, device=device).repeat_interleave(size), count, size)
-        blocks.append((slice(first, first + count * size), local))
+    for run in runs:
+        per_block = run.count
+        if device.type == "cpu":
+            per_block = max(1, min(run.count, _BLOCK_ELEMENTS // (positions * run.size)))
+        for first in range(0, run.count, per_block):
+            count = min(per_block, run.count - first)
+            begin, end = run.start + first * run.size, run.start + (first + count) * run.size
+            if run.first_row >= 0:
+                taken: slice | torch.Tensor = slice(run.first_row + begin - run.start, run.first_row + end - run.start)
+            else:
+                taken = segments.order[begin:end]
+            blocks.append(_Block(taken, begin, end, _local(count, run.size, device)))
     return blocks
 
 
 def _block(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor, sum_pi_squared: torch.Tensor,
            is_weights: torch.Tensor | None, local_index: torch.Tensor, num_groups: int, group_size: int | None, *,
-           align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float, need_baselines: bool,
-           out: tuple[torch.Tensor, torch.Tensor] | None = None
+           align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float, need_baselines: bool
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One block in the compute dtype: (advantages, returns, baselines); advantages and returns are written into
-    ``out`` = (advantages, returns) when given (eager only: saves a copy of each)."""
-    returns = reward_to_go(rewards, mask, out=None if out is None else out[1])
+    """The general block (leave-one-out, or segments without a plan) in the compute dtype: (advantages, returns,
+    baselines)."""
+    returns = reward_to_go(rewards, mask)
     energy = realized_energy(token_energy(log_probs, sum_pi_squared, mask), None, is_weights)
     advantages, baselines = token_baseline(returns, energy, mask, Segments(local_index, num_groups, group_size),
                                            align=align, leave_one_out=leave_one_out,
                                            handle_zero_tail=handle_zero_tail, epsilon=epsilon,
-                                           need_baselines=need_baselines, out=None if out is None else out[0])
+                                           need_baselines=need_baselines)
     return advantages, returns, baselines
 
 
 _COMPILED: dict[str, Any] = {}
 
 
-def _kernel(compiled: bool):
-    """The block function, eager or compiled once per process with ``torch.compile`` (opt-in: ``compile=True``)."""
+def _kernel(name: str, compiled: bool):
+    """A block function (``"general"``: :func:`_block`, ``"grouped"``: :func:`grouped_otb`), eager or compiled
+    once per process with ``torch.compile`` (opt-in: ``compile=True``)."""
+    function = _block if name == "general" else grouped_otb
     if not compiled:
-        return _block
-    if "block" not in _COMPILED:
-        _COMPILED["block"] = torch.compile(_block, dynamic=None)
-    return _COMPILED["block"]
+        return function
+    if name not in _COMPILED:
+        _COMPILED[name] = torch.compile(function, dynamic=None if name == "general" else True)
+    return _COMPILED[name]
+
+
+def _take(value: torch.Tensor, rows: slice | torch.Tensor, dtype: torch.dtype, buffer: torch.Tensor | None
+          ) -> torch.Tensor:
+    """A block's rows in the compute dtype: a view when they are a slice in that dtype, else copied into ``buffer``
+    (preallocated: a fresh block would cost page faults on CPU) or a new tensor."""
+    if isinstance(rows, slice):
+        taken = value.narrow(0, rows.start, rows.stop - rows.start)
+        if taken.dtype == dtype or buffer is None:
+            return taken.to(dtype)
+        return buffer.narrow(0, 0, taken.shape[0]).copy_(taken)
+    if buffer is None:
+        return value.index_select(0, rows).to(dtype)
+    target = buffer.narrow(0, 0, rows.shape[0])
+    if value.dtype == dtype:
+        return torch.index_select(value, 0, rows, out=target)
+    return target.copy_(value.index_select(0, rows))
+
+
+def _put(output: torch.Tensor, rows: slice | torch.Tensor, value: torch.Tensor) -> None:
+    if isinstance(rows, slice):
+        output.narrow(0, rows.start, rows.stop - rows.start).copy_(value)
+    else:
+        output.index_copy_(0, rows, value.to(output.dtype))
+
+
+def _apply_zero_rules(segments: Segments, lengths: torch.Tensor, outputs: list[torch.Tensor], mask: torch.Tensor,
+                      *, align: str, handle_zero_tail: bool, dtype: torch.dtype) -> None:
+    """Zero the self-inclusive baseline where the rules say (:func:`zero_rule_fix`): on at most one row per group,
+    from its start on, the advantage becomes the masked return and the baseline 0. ``lengths`` [B] holds the valid
+    counts in the plan's order."""
+    width = mask.shape[1]
+    members, starts = [], []
+    for run in _runs(segments):
+        if run.size < 2:
+            continue                                        # singleton runs were computed with B = 0
+        member, start = zero_rule_fix(lengths[run.start:run.start + run.size * run.count], run.size, run.count,
+                                      align=align, handle_zero_tail=handle_zero_tail, width=width)
+        members.append(member + torch.arange(run.start, run.start + run.size * run.count, run.size,
+                                             device=member.device))
+        starts.append(start)
+    if not members:
+        return
+    positions = torch.cat(members)
+    rows = positions if segments.order is None else segments.order[positions]
+    start = torch.cat(starts)[:, None]
+    m = mask.index_select(0, rows).to(dtype)
+    aligned = torch.arange(width, device=m.device, dtype=dtype) if align == "position" else torch.cumsum(m, -1) - 1.0
+    zero = aligned >= start
+    advantages, returns = outputs[0], outputs[1]
+    fixed = torch.where(zero, returns.index_select(0, rows).to(dtype) * m, advantages.index_select(0, rows).to(dtype))
+    advantages.index_copy_(0, rows, fixed.to(advantages.dtype))
+    if len(outputs) > 2:
+        baselines = outputs[2].index_select(0, rows)
+        outputs[2].index_copy_(0, rows, baselines.masked_fill_(zero, 0.0))
 
 
 def _run(names: tuple[str, str, str, str, str, str], rewards: Any, response_mask: Any, group_ids: Any,
@@ -110,7 +209,12 @@ def _run(names: tuple[str, str, str, str, str, str], rewards: Any, response_mask
     """Validate and compute (advantages, returns, baselines) in the rewards' dtype, block by block.
 
     ``baselines`` is None when not needed (the verl drop-ins), which saves a pass over the batch; ``compile=True``
-    runs each block through a ``torch.compile``d kernel (fused passes; the first call compiles).
+    runs each block through a ``torch.compile``d kernel (the first call compiles). The self-inclusive variants run
+    :func:`grouped_otb` on every block, which also reduces what the value checks need while the block is in cache,
+    then the zero rules on one row per group; leave-one-out, and segments without a plan, run the general
+    :func:`token_baseline` with the value checks of :func:`otb_torch._checks.problems`. Either way the value checks
+    cost one synchronisation, at the end; only if they flag something are the inputs checked exactly, and the
+    reference's error raised.
     """
     r_name, m_name, g_name, lp_name, spp_name, w_name = names
     rewards_t = check.batch(r_name, rewards)
@@ -119,41 +223,106 @@ def _run(names: tuple[str, str, str, str, str, str], rewards: Any, response_mask
     spp_t = check.tensor(spp_name, sum_pi_squared, like=rewards_t, like_name=r_name)
     weights_t = None if is_weights is None else check.tensor(w_name, is_weights, like=rewards_t, like_name=r_name)
     segments = _segments(group_ids, rewards_t.shape[0], rewards_t.device, g_name)
-    epsilon = check.epsilon(epsilon)
-    kernel = _kernel(check.flag("compile", compile))
-    dtype = check.accumulation_dtype(rewards_t, lp_t, spp_t, weights_t)
-    out_dtype = check.output_dtype(rewards_t)
-    rows, positions = rewards_t.shape
-    device = rewards_t.device
-    blocks = _blocks(segments, rows, positions, device)
-    if len(blocks) == 1 and out_dtype == dtype:          # one block: no output buffers to copy into
-        blocks_outputs = None
+    options = dict(align=align, epsilon=check.epsilon(epsilon), need_baselines=need_baselines,
+                   compiled=check.flag("compile", compile), check_values=check_values,
+                   dtype=check.accumulation_dtype(rewards_t, lp_t, spp_t, weights_t),
+                   out_dtype=check.output_dtype(rewards_t))
+    inputs = [rewards_t, mask_t, lp_t, spp_t] + ([] if weights_t is None else [weights_t])
+    blocks = _blocks(segments, rewards_t.shape[0], rewards_t.shape[1], rewards_t.device)
+    lengths = None
+    if leave_one_out or blocks[0].segments.group_size is None:
+        outputs, bad = _general(blocks, inputs, leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail,
+                                **options)
     else:
-        blocks_outputs = [torch.empty((rows, positions), dtype=out_dtype, device=device)
-                          for _ in range(3 if need_baselines else 2)]
-    # eager blocks write advantages and returns straight into the outputs; compiled ones return them to copy
-    direct = blocks_outputs is not None and kernel is _block and out_dtype == dtype
-    bad = torch.zeros((), dtype=torch.bool, device=device)
-    result: tuple = ()
-    for block, local in blocks:
-        r, m, lp, spp = rewards_t[block], mask_t[block], lp_t[block], spp_t[block]
-        w = None if weights_t is None else weights_t[block]
-        if check_values:
-            bad = bad | check.problems(rewards=r, mask=m, log_probs=lp, sum_pi_squared=spp, is_weights=w)
-        result = kernel(r.to(dtype), m.to(dtype), lp.to(dtype), spp.to(dtype), None if w is None else w.to(dtype),
-                        local.index, local.num_groups, local.group_size, align=align, leave_one_out=leave_one_out,
-                        handle_zero_tail=handle_zero_tail, epsilon=epsilon, need_baselines=need_baselines,
-                        **({"out": (blocks_outputs[0][block], blocks_outputs[1][block])} if direct else {}))
-        if blocks_outputs is not None:
-            for output, value in list(zip(blocks_outputs, result))[2 if direct else 0:]:
-                output[block] = value
+        outputs, bad, lengths = _grouped(blocks, inputs, handle_zero_tail=handle_zero_tail,
+                                         slacks=(check.slack(lp_t), check.slack(spp_t)) if check_values else None,
+                                         **options)
     if check_values and bool(bad):                                      # the one synchronisation
         check.check_values(True, rewards=(r_name, rewards_t), mask=(m_name, mask_t), log_probs=(lp_name, lp_t),
                            sum_pi_squared=(spp_name, spp_t),
                            is_weights=None if weights_t is None else (w_name, weights_t))
-    if blocks_outputs is None:
-        return AdvantageResult(*result)
-    return AdvantageResult(blocks_outputs[0], blocks_outputs[1], blocks_outputs[2] if need_baselines else None)
+    if lengths is not None:
+        _apply_zero_rules(segments, lengths, outputs, mask_t, align=align, handle_zero_tail=handle_zero_tail,
+                          dtype=options["dtype"])
+    return AdvantageResult(outputs[0], outputs[1], outputs[2] if need_baselines else None)
+
+
+def _grouped(blocks: list[_Block], inputs: list[torch.Tensor], *, align: str, handle_zero_tail: bool, epsilon: float,
+             need_baselines: bool, compiled: bool, check_values: bool, slacks: tuple[float, float] | None,
+             dtype: torch.dtype, out_dtype: torch.dtype
+             ) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
+    """The self-inclusive variants: :func:`grouped_otb` block by block. Returns the outputs, the value-check flag
+    (None without checks) and the rows' valid-token counts in the plan's order (None when no zero rule applies)."""
+    rows, positions = inputs[0].shape
+    device = inputs[0].device
+    kernel = _kernel("grouped", compiled)
+    compiled = compiled or torch.compiler.is_compiling()         # traced by the caller's torch.compile: no buffers
+    outputs = [torch.empty((rows, positions), dtype=out_dtype, device=device)
+               for _ in range(3 if need_baselines else 2)]
+    lengths = None
+    if handle_zero_tail or align != "position":
+        lengths = torch.empty(rows, dtype=dtype, device=device)
+    largest = max(block.end - block.begin for block in blocks)
+    sliced = all(isinstance(block.rows, slice) for block in blocks)
+
+    def preallocated(count: int, when: bool = True) -> list[torch.Tensor | None]:
+        return [torch.empty((largest, positions), dtype=dtype, device=device) if when and not compiled else None
+                for _ in range(count)]
+
+    # eager blocks reuse these (fresh memory costs a page fault per 4 KiB on CPU): the kernel's temporaries, each
+    # input's rows when they are gathered or converted, and the block results when they cannot go straight into
+    # the outputs (gathered rows, or another output dtype)
+    workspace = () if compiled else grouped_workspace(largest, positions, align, dtype, device)
+    staging = [buffer for value in inputs for buffer in preallocated(1, not sliced or value.dtype != dtype)]
+    results = preallocated(len(outputs), not sliced or out_dtype != dtype)
+    reductions = []
+    for block in blocks:
+        r, m, lp, spp, *rest = (_take(value, block.rows, dtype, buffer) for value, buffer in zip(inputs, staging))
+        count = block.end - block.begin
+        direct = isinstance(block.rows, slice) and out_dtype == dtype and not compiled
+        if direct:                                                    # write straight into the outputs
+            result = [output.narrow(0, block.rows.start, count) for output in outputs]
+        else:
+            result = [] if compiled else [buffer.narrow(0, 0, count) for buffer in results]
+        *result, reduced = kernel(
+            r, m, lp, spp, rest[0] if rest else None, block.segments.num_groups, block.segments.group_size,
+            align=align, epsilon=epsilon, check=check_values, need_baselines=need_baselines,
+            workspace=tuple(buffer.narrow(0, 0, count) for buffer in workspace), outputs=tuple(result),
+            lengths=None if lengths is None else lengths[block.begin:block.end])
+        reductions.append(reduced)
+        if not direct:
+            for output, value in zip(outputs, result):
+                _put(output, block.rows, value)
+    bad = value_problems(reductions, slacks) if check_values else None
+    return outputs, bad, lengths
+
+
+def _general(blocks: list[_Block], inputs: list[torch.Tensor], *, align: str, leave_one_out: bool,
+             handle_zero_tail: bool, epsilon: float, need_baselines: bool, compiled: bool, check_values: bool,
+             dtype: torch.dtype, out_dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Leave-one-out, or segments without a plan: :func:`token_baseline` block by block (one block over the whole
+    batch without a plan). Returns the outputs and the value-check flag (None without checks)."""
+    rows, positions = inputs[0].shape
+    kernel = _kernel("general", compiled)
+    flags, outputs = [], []
+    for block in blocks:
+        r, m, lp, spp, *rest = (_take(value, block.rows, dtype, None) for value in inputs)
+        w = rest[0] if rest else None
+        if check_values:
+            flags.append(check.problems(rewards=r, mask=m, log_probs=lp, sum_pi_squared=spp, is_weights=w))
+        local = block.segments
+        result = kernel(r, m, lp, spp, w, local.index, local.num_groups, local.group_size, align=align,
+                        leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail, epsilon=epsilon,
+                        need_baselines=need_baselines)
+        if len(blocks) == 1 and isinstance(block.rows, slice):        # the whole batch: its results are the outputs
+            outputs = [None if value is None else value.to(out_dtype) for value in result]
+            break
+        if not outputs:
+            outputs = [torch.empty((rows, positions), dtype=out_dtype, device=r.device)
+                       for _ in range(3 if need_baselines else 2)]
+        for output, value in zip(outputs, result):
+            _put(output, block.rows, value)
+    return outputs, torch.stack(flags).any() if check_values else None
 
 
 _NAMES = ("rewards", "response_mask", "group_ids", "log_probs", "sum_pi_squared", "is_weights")
