@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import torch
 
 from otb_torch import _checks as check
+from otb_torch import _native
 from otb_torch._core import (
     Run,
     Segments,
@@ -228,13 +229,22 @@ def _run(names: tuple[str, str, str, str, str, str], rewards: Any, response_mask
                    dtype=check.accumulation_dtype(rewards_t, lp_t, spp_t, weights_t),
                    out_dtype=check.output_dtype(rewards_t))
     inputs = [rewards_t, mask_t, lp_t, spp_t] + ([] if weights_t is None else [weights_t])
-    blocks = _blocks(segments, rewards_t.shape[0], rewards_t.shape[1], rewards_t.device)
     lengths = None
-    if leave_one_out or blocks[0].segments.group_size is None:
-        outputs, bad = _general(blocks, inputs, leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail,
-                                **options)
+    if leave_one_out or _runs(segments) is None:
+        outputs, bad = _general(_blocks(segments, *rewards_t.shape, rewards_t.device), inputs,
+                                leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail, **options)
+    elif (not options["compiled"] and not torch.compiler.is_compiling()
+          and _native.usable(rewards_t.device, options["dtype"])):                # one sweep per group, in C
+        outputs, bad = _native.self_inclusive(
+            *inputs[:4], weights_t, segments.order, _native.group_offsets(_runs(segments), rewards_t.shape[0]),
+            align=align, handle_zero_tail=handle_zero_tail, epsilon=options["epsilon"], dtype=options["dtype"],
+            need_baselines=need_baselines, check=check_values,
+            slacks=(check.slack(lp_t), check.slack(spp_t)) if check_values else None)
+        if options["out_dtype"] != options["dtype"]:
+            outputs = [value.to(options["out_dtype"]) for value in outputs]
     else:
-        outputs, bad, lengths = _grouped(blocks, inputs, handle_zero_tail=handle_zero_tail,
+        outputs, bad, lengths = _grouped(_blocks(segments, *rewards_t.shape, rewards_t.device), inputs,
+                                         handle_zero_tail=handle_zero_tail,
                                          slacks=(check.slack(lp_t), check.slack(spp_t)) if check_values else None,
                                          **options)
     if check_values and bool(bad):                                      # the one synchronisation
