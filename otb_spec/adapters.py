@@ -207,6 +207,8 @@ def register_adapter(spec: AdapterSpec) -> None:
 for _spec in (
     AdapterSpec("numpy-reference", ReferenceAdapter),
     AdapterSpec("torch-cpu", "otb_torch._adapter:make_adapter", ("torch", "otb_torch"), {"device": "cpu"}),
+    AdapterSpec("torch-cpu-eager", "otb_torch._adapter:make_adapter", ("torch", "otb_torch"),
+                {"device": "cpu", "eager": True}),
     AdapterSpec("torch-cpu-compiled", "otb_torch._adapter:make_adapter", ("torch", "otb_torch"),
                 {"device": "cpu", "compiled": True}),
     AdapterSpec("torch-cuda", "otb_torch._adapter:make_adapter", ("torch", "otb_torch"), {"device": "cuda"},

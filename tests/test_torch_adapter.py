@@ -266,6 +266,7 @@ def test_row_blocks_give_the_one_block_result(monkeypatch, function, dtype, with
         weights = tensor(rng.uniform(0.5, 2.0, size=(rows, positions)))
         options["rollout_is_weights" if function.startswith("compute") else "is_weights"] = weights
     call = getattr(otb_torch, function)
+    monkeypatch.setattr(otb_torch._native, "usable", lambda *_: False)       # the eager kernel's blocks
     one_block = call(*inputs, **options)
     monkeypatch.setattr(otb_torch._otb, "_BLOCK_ELEMENTS", 2 * size * positions)
     assert len(otb_torch._otb._blocks(otb_torch.segments_from_index(inputs[2]), rows, positions,
@@ -302,6 +303,7 @@ def test_blocks_of_any_layout_give_the_one_block_result(monkeypatch, function, d
     singleton groups fill blocks of their own — every output is bitwise the result with the default blocks, which
     tests/test_adapters.py compares with the reference. Value checks on and off, with and without the zero tail."""
     inputs, options = _realistic_inputs(function, layout, dtype)
+    monkeypatch.setattr(otb_torch._native, "usable", lambda *_: False)       # the eager kernel's blocks
     segments = otb_torch.segments_from_index(inputs[2])
     assert len(otb_torch._otb._blocks(segments, inputs[0].shape[0], 12, torch.device("cpu"))) == len(segments.runs)
     call = getattr(otb_torch, function)
@@ -355,11 +357,17 @@ _CORRUPTIONS = [("token_level_rewards", 0, float("nan")), ("token_level_rewards"
 
 @pytest.mark.parametrize("name, index, value", _CORRUPTIONS, ids=lambda x: str(x))
 @pytest.mark.parametrize("where", ["valid", "masked"])
-def test_fused_value_checks_raise_exactly_what_the_reference_rejects(name, index, value, where):
-    """The value checks evaluated inside the blocks (grouped_otb's reductions) reject a corrupted value exactly when
-    the reference does — at a valid or a masked position of a scattered batch whose other values there are benign
-    (r = 0, log π = 0, Σπ² = 1, ρ = 1), so no other rule can fire in its place — naming the argument."""
+@pytest.mark.parametrize("kernel", ["native", "eager"])
+def test_fused_value_checks_raise_exactly_what_the_reference_rejects(monkeypatch, name, index, value, where, kernel):
+    """The value checks evaluated inside the kernels (the native kernel's flags; grouped_otb's reductions) reject a
+    corrupted value exactly when the reference does — at a valid or a masked position of a scattered batch whose
+    other values there are benign (r = 0, log π = 0, Σπ² = 1, ρ = 1), so no other rule can fire in its place —
+    naming the argument."""
     from otb_spec import _validation as reference_checks
+    if kernel == "eager":
+        monkeypatch.setattr(otb_torch._native, "usable", lambda *_: False)
+    elif not otb_torch.native_kernel_status().available:
+        pytest.skip(f"native kernel not available: {otb_torch.native_kernel_status().reason}")
     inputs, options = _realistic_inputs("compute_optimal_token_baseline_advantage", "scattered-unequal",
                                         torch.float32)
     named = dict(zip(("token_level_rewards", "response_mask", "index", "old_log_probs", "sum_pi_squared"), inputs))

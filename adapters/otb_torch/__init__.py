@@ -12,6 +12,11 @@ synchronisation of the value checks — the computation itself never synchronise
 under ``torch.compile`` and CUDA graphs. Results equal the NumPy reference ``otb_spec`` within the derived tolerances
 (``otb_spec.tolerances``); tests/test_adapters.py proves it.
 
+On CPU the self-inclusive variants (both drop-ins, ``optimal_token_baseline``, ``multi_turn_optimal_token_baseline``)
+run a native kernel built on first use with the system's C compiler (one sweep per group, rows in any order; about a
+second, once per machine, cached); without a compiler, or with ``OTB_TORCH_NATIVE=0``, the eager kernel runs instead.
+``native_kernel_status()`` says which, and why (docs/performance.md).
+
 To make verl 0.9.1 itself call the port, ``import otb_torch.verl`` and ``otb_torch.verl.install()`` (or
 ``install(variant="leave_one_out")`` for the unbiased estimator under verl's OTB names; ``uninstall()`` undoes it) —
 imported on demand, so ``otb_torch`` never imports verl (docs/verl.md).
@@ -27,6 +32,7 @@ from otb_torch._logits import (
     token_statistics_from_logits,
     vocab_shard_partials,
 )
+from otb_torch._native import NativeKernelStatus, native_kernel_status
 from otb_torch._otb import (
     AdvantageResult,
     compute_multi_turn_optimal_token_baseline_advantage,
@@ -77,4 +83,7 @@ __all__ = [
     "opo_advantage",
     "sequence_optimal_advantage",
     "proxy_total_power",
+    # the native CPU kernel
+    "NativeKernelStatus",
+    "native_kernel_status",
 ]

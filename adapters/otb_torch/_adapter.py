@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
 import torch
 
 import otb_torch
+from otb_torch import _native
 
 __all__ = ["TorchAdapter", "make_adapter"]
 
@@ -16,15 +18,21 @@ _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch
 
 
 class TorchAdapter:
-    """Runs ``otb_torch`` on ``device``; ``compiled=True`` uses its ``torch.compile``d kernels (``compile=True``)."""
+    """Runs ``otb_torch`` on ``device``; ``compiled=True`` uses its ``torch.compile``d kernels (``compile=True``),
+    ``eager=True`` the eager kernels where the native CPU kernel would run (``otb_torch.native_kernel_status``)."""
 
-    def __init__(self, device: str = "cpu", compiled: bool = False):
+    def __init__(self, device: str = "cpu", compiled: bool = False, eager: bool = False):
         self.device = str(torch.device(device))
         self.compiled = bool(compiled)
-        self.name = f"torch-{torch.device(device).type}" + ("-compiled" if compiled else "")
+        self.eager = bool(eager)
+        self.name = (f"torch-{torch.device(device).type}" + ("-compiled" if compiled else "")
+                     + ("-eager" if eager else ""))
         self._otb = otb_torch.optimal_token_baseline
         self._multi = otb_torch.multi_turn_optimal_token_baseline
         self._loo = otb_torch.leave_one_out_token_baseline
+
+    def _kernel(self):
+        return _native.eager_only() if self.eager else nullcontext()
 
     def asarray(self, array: Any, dtype: str) -> torch.Tensor:
         return torch.as_tensor(np.asarray(array)).to(device=self.device, dtype=_DTYPES[dtype])
@@ -41,20 +49,23 @@ class TorchAdapter:
 
     def optimal_token_baseline(self, rewards, response_mask, segments, log_probs, sum_pi_squared, *,
                                is_weights=None, handle_zero_tail=True, epsilon=1e-8):
-        result = self._otb(rewards, response_mask, segments, log_probs, sum_pi_squared, is_weights=is_weights,
-                           handle_zero_tail=handle_zero_tail, epsilon=epsilon, compile=self.compiled)
+        with self._kernel():
+            result = self._otb(rewards, response_mask, segments, log_probs, sum_pi_squared, is_weights=is_weights,
+                               handle_zero_tail=handle_zero_tail, epsilon=epsilon, compile=self.compiled)
         return result.advantages, result.returns
 
     def multi_turn_optimal_token_baseline(self, rewards, response_mask, segments, log_probs, sum_pi_squared, *,
                                           is_weights=None, handle_zero_tail=True, epsilon=1e-8):
-        result = self._multi(rewards, response_mask, segments, log_probs, sum_pi_squared, is_weights=is_weights,
-                             handle_zero_tail=handle_zero_tail, epsilon=epsilon, compile=self.compiled)
+        with self._kernel():
+            result = self._multi(rewards, response_mask, segments, log_probs, sum_pi_squared,
+                                 is_weights=is_weights, handle_zero_tail=handle_zero_tail, epsilon=epsilon, compile=self.compiled)
         return result.advantages, result.returns
 
     def leave_one_out_token_baseline(self, rewards, response_mask, segments, log_probs, sum_pi_squared, *,
                                      is_weights=None, align="position", epsilon=1e-8):
-        result = self._loo(rewards, response_mask, segments, log_probs, sum_pi_squared, is_weights=is_weights,
-                           align=align, epsilon=epsilon, compile=self.compiled)
+        with self._kernel():
+            result = self._loo(rewards, response_mask, segments, log_probs, sum_pi_squared, is_weights=is_weights,
+                               align=align, epsilon=epsilon, compile=self.compiled)
         return result.advantages, result.returns
 
     def sum_pi_squared(self, logits: torch.Tensor) -> torch.Tensor:
@@ -64,5 +75,5 @@ class TorchAdapter:
         return tuple(otb_torch.token_statistics_from_logits(logits, token_ids))
 
 
-def make_adapter(device: str = "cpu", compiled: bool = False) -> TorchAdapter:
-    return TorchAdapter(device=device, compiled=compiled)
+def make_adapter(device: str = "cpu", compiled: bool = False, eager: bool = False) -> TorchAdapter:
+    return TorchAdapter(device=device, compiled=compiled, eager=eager)

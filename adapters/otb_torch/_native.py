@@ -25,6 +25,7 @@ import sysconfig
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,9 +136,25 @@ def native_kernel_status() -> NativeKernelStatus:
     return _load()[1]
 
 
+_CHOICE = threading.local()
+
+
+@contextmanager
+def eager_only():
+    """Within this block (in this thread), the eager kernel runs even where the native one could: for the tests
+    and the ``torch-cpu-eager`` adapter, which keep the fallback proven equal to the reference."""
+    previous = getattr(_CHOICE, "eager", False)
+    _CHOICE.eager = True
+    try:
+        yield
+    finally:
+        _CHOICE.eager = previous
+
+
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
     """True if the native kernel serves a CPU computation in ``dtype``."""
-    return device.type == "cpu" and dtype in _COMPUTE and _load()[0] is not None
+    return (device.type == "cpu" and dtype in _COMPUTE and not getattr(_CHOICE, "eager", False)
+            and _load()[0] is not None)
 
 
 _POOL: dict[int, ThreadPoolExecutor] = {}
@@ -160,6 +177,14 @@ def group_offsets(runs, rows: int) -> np.ndarray:
     return np.concatenate(starts + [np.array([rows], dtype=np.int64)])
 
 
+def shares(offsets: np.ndarray, workers: int) -> list[int]:
+    """Group bounds 0 = b₀ < b₁ < … < b_k = G (k ≤ ``workers``) cutting the groups into whole-group shares of about
+    equal numbers of rows; thread j computes groups b_j … b_{j+1} − 1."""
+    groups, rows = offsets.shape[0] - 1, int(offsets[-1])
+    cuts = np.searchsorted(offsets, np.linspace(0, rows, workers + 1)[1:-1], side="left")
+    return [0] + sorted({int(cut) for cut in cuts} - {0, groups}) + [groups]
+
+
 def self_inclusive(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor, sum_pi_squared: torch.Tensor,
                    is_weights: torch.Tensor | None, order: torch.Tensor | None, offsets: np.ndarray, *, align: str,
                    handle_zero_tail: bool, epsilon: float, dtype: torch.dtype, need_baselines: bool, check: bool,
@@ -178,11 +203,7 @@ def self_inclusive(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torch.T
     offsets_c = np.ascontiguousarray(offsets, dtype=np.int64)
     function = getattr(library, f"otb_{_COMPUTE[dtype]}_{_MASKS[mask.dtype]}")
     function.restype = ctypes.c_int
-    groups = offsets_c.shape[0] - 1
-    workers = max(1, min(torch.get_num_threads(), groups, rows * width // 65536 or 1))
-    # equal shares of rows (groups stay whole)
-    bounds = np.searchsorted(offsets_c, np.linspace(0, rows, workers + 1)[1:-1], side="left")
-    bounds = [0] + sorted(set(int(b) for b in bounds) - {0, groups}) + [groups]
+    bounds = shares(offsets_c, max(1, min(torch.get_num_threads(), rows * width // 65536 or 1)))
     scratch = torch.empty((len(bounds) - 1, 5 * width), dtype=dtype)
     slack_lp, slack_spp = slacks if slacks is not None else (0.0, 0.0)
     r, lp, spp, rho = floats
@@ -197,11 +218,10 @@ def self_inclusive(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torch.T
                         _pointer(scratch[share]), ctypes.c_int(int(check)), ctypes.c_double(slack_lp),
                         ctypes.c_double(slack_spp))
 
-    shares = range(len(bounds) - 1)
     if len(bounds) == 2:
         flags = [work(0)]
     else:
-        flags = list(_pool(len(bounds) - 1).map(work, shares))
+        flags = list(_pool(len(bounds) - 1).map(work, range(len(bounds) - 1)))
     return outputs, any(flags)
 
 

@@ -1,0 +1,188 @@
+"""The native CPU kernel of otb_torch (adapters/otb_torch/_kernel.c): its exponential, its equality with the eager
+kernel and the reference in the layouts trainers produce, its independence of the thread split, and the fallback.
+
+The shared suite (tests/test_adapters.py) runs it as ``torch-cpu`` and the eager kernel as ``torch-cpu-eager``; the
+value checks of both are tested in tests/test_torch_adapter.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+otb_torch = pytest.importorskip("otb_torch")
+
+from otb_spec import otb  # noqa: E402
+from otb_spec.tolerances import otb_comparison_tolerance  # noqa: E402
+from otb_torch import _native  # noqa: E402
+
+STATUS = otb_torch.native_kernel_status()
+needs_native = pytest.mark.skipif(not STATUS.available, reason=f"native kernel not available: {STATUS.reason}")
+
+
+def test_the_kernel_is_built_where_a_compiler_exists():
+    """CI and development machines have a C compiler: the kernel must build there (set OTB_REQUIRE_NATIVE=0 to allow
+    the eager fallback on a machine without one)."""
+    if os.environ.get("OTB_REQUIRE_NATIVE", "1") == "0" or os.environ.get("OTB_TORCH_NATIVE") == "0":
+        pytest.skip("the eager fallback is allowed here")
+    assert STATUS.available, STATUS.reason
+    assert os.path.exists(STATUS.path)
+
+
+@needs_native
+def test_exponential_is_within_one_ulp():
+    """exp(min(x, 0)) of the float32 kernel: relative error ≤ 2ε = 2⁻²² against float64 on a dense grid of (−87, 0]
+    (measured ≤ 0.82 ε), exactly 1 at 0 and for x > 0, 0 from −87 down, NaN for NaN."""
+    grid = torch.cat([torch.linspace(-86.999, 0.0, 1_000_003), -torch.rand(100_000, dtype=torch.float64).float() * 5])
+    got = _native.exp_float32(grid).double()
+    exact = torch.exp(grid.double())
+    relative = ((got - exact).abs() / exact).max().item()
+    assert relative <= 2.0**-22, relative
+    special = torch.tensor([0.0, -0.0, 3.0, float("inf"), -87.0, -88.0, -1e30, -float("inf"), float("nan")])
+    out = _native.exp_float32(special)
+    assert out[:4].tolist() == [1.0, 1.0, 1.0, 1.0]
+    assert out[4] <= 1.7e-38 and out[5:8].tolist() == [0.0, 0.0, 0.0]
+    assert torch.isnan(out[8])
+
+
+def _batch(seed: int, layout: str, multi_turn: bool):
+    from test_adapters import realistic_batch, unequal_sizes
+    sizes = [4] * 6 if layout == "contiguous" else unequal_sizes(seed, 9)
+    return realistic_batch(seed, sizes, 33, scattered=layout != "contiguous", holes=multi_turn,
+                           empty_rows=0 if layout == "contiguous" else 3, is_weights=True)
+
+
+_MASK_DTYPES = [torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32, torch.float64, torch.bfloat16]
+
+
+@needs_native
+@pytest.mark.parametrize("layout", ["contiguous", "scattered-unequal"])
+@pytest.mark.parametrize("function", ["optimal_token_baseline", "multi_turn_optimal_token_baseline"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mask_dtype", _MASK_DTYPES, ids=str)
+def test_native_equals_eager_and_the_reference(monkeypatch, layout, function, dtype, mask_dtype):
+    """Every mask dtype the kernel reads in place (and one it converts), every compute dtype, IS weights, the zero
+    tail on and off, ε = 0: the native result is within the reference's derived tolerance of the reference and of
+    the eager kernel's (both are correct programs, with different rounding), baselines included."""
+    multi_turn = function.startswith("multi")
+    batch = _batch(5, layout, multi_turn)
+    tensor = lambda array, kind=dtype: torch.as_tensor(np.asarray(array)).to(kind)  # noqa: E731
+    wide = torch.float64 if dtype == torch.float64 else torch.float32          # what the reference is given: the
+    seen = {name: tensor(getattr(batch, name)).to(wide).numpy()                # rounded values, in a dtype whose
+            for name in ("rewards", "log_probs", "sum_pi_squared", "is_weights")}  # input slack covers the rounding
+    compute = "float64" if dtype == torch.float64 else "float32"
+    for handle_zero_tail, epsilon in ((True, 1e-8), (False, 0.0)):
+        call = lambda: getattr(otb_torch, function)(  # noqa: E731
+            tensor(batch.rewards), tensor(batch.response_mask, mask_dtype), batch.group_ids, tensor(batch.log_probs),
+            tensor(batch.sum_pi_squared), is_weights=tensor(batch.is_weights), handle_zero_tail=handle_zero_tail,
+            epsilon=epsilon)
+        native = call()
+        with _native.eager_only():
+            eager = call()
+        expected = getattr(otb, function)(seen["rewards"], batch.response_mask, batch.group_ids, seen["log_probs"],
+                                          seen["sum_pi_squared"], is_weights=seen["is_weights"],
+                                          handle_zero_tail=handle_zero_tail, epsilon=epsilon)
+        advantages_tolerance, returns_tolerance = otb_comparison_tolerance(
+            seen["rewards"], batch.response_mask, batch.group_ids, seen["log_probs"], seen["sum_pi_squared"],
+            is_weights=seen["is_weights"], epsilon=epsilon, handle_zero_tail=handle_zero_tail,
+            align="valid_token" if multi_turn else "position", compute_dtype=compute,
+            output_dtype=str(dtype).replace("torch.", ""))
+        label = f"{function} {layout} {dtype} mask {mask_dtype} zero tail {handle_zero_tail}"
+        for result in (native, eager):
+            assert result.advantages.dtype == result.returns.dtype == result.baselines.dtype == dtype
+            advantages_tolerance.assert_close(result.advantages.double().numpy(), expected.advantages, label)
+            returns_tolerance.assert_close(result.returns.double().numpy(), expected.returns, label)
+            advantages_tolerance.assert_close(result.baselines.double().numpy(), expected.baselines, label)
+        (advantages_tolerance + advantages_tolerance).assert_close(
+            native.advantages.double().numpy(), eager.advantages.double().numpy(), label + " native vs eager")
+
+
+@needs_native
+@pytest.mark.bitexact
+@pytest.mark.parametrize("function", ["compute_optimal_token_baseline_advantage",
+                                      "compute_multi_turn_optimal_token_baseline_advantage"])
+def test_results_do_not_depend_on_the_number_of_threads(function):
+    """A group is computed by one thread from start to end, so 1, 2 or 3 threads give bitwise the same outputs."""
+    batch = _batch(8, "scattered-unequal", function.startswith("compute_multi"))
+    inputs = [torch.as_tensor(np.asarray(a, dtype=np.float32)) for a in (batch.rewards, batch.response_mask)]
+    inputs += [batch.group_ids] + [torch.as_tensor(np.asarray(a, dtype=np.float32))
+                                   for a in (batch.log_probs, batch.sum_pi_squared, batch.is_weights)]
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            results.append(getattr(otb_torch, function)(*inputs))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for got, expected in zip(other, results[0]):
+            assert torch.equal(got, expected)
+
+
+@needs_native
+def test_shares_split_whole_groups():
+    """The thread shares are whole groups covering every group once, for any sizes and thread counts."""
+    rng = np.random.default_rng(2)
+    for _ in range(50):
+        sizes = rng.integers(1, 9, size=rng.integers(1, 40))
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        for workers in (1, 2, 3, 7):
+            bounds = _native.shares(offsets, workers)
+            assert bounds[0] == 0 and bounds[-1] == len(sizes)
+            assert all(a < b for a, b in zip(bounds, bounds[1:]))
+            assert len(bounds) - 1 <= workers
+
+
+def _subprocess(code: str, **environment: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **environment)
+    adapters = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "adapters")
+    env["PYTHONPATH"] = adapters + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+_FALLBACK = """
+    import json, numpy as np, torch, otb_torch
+    status = otb_torch.native_kernel_status()
+    print("available", status.available)
+    print("reason", status.reason)
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]])
+    log_probs = torch.log(torch.full((3, 2), 0.5))
+    advantages, returns = otb_torch.compute_optimal_token_baseline_advantage(
+        rewards, mask, np.array(["a", "a", "b"], dtype=object), log_probs, torch.full((3, 2), 0.5))
+    print("advantages", json.dumps(advantages.tolist()))
+"""
+
+
+@pytest.mark.parametrize("environment, reason", [({"OTB_TORCH_NATIVE": "0"}, "disabled by OTB_TORCH_NATIVE=0"),
+                                                 ({"CC": "false"}, "build failed")])
+def test_without_the_kernel_the_eager_kernel_runs(tmp_path, environment, reason):
+    """Disabled, or no working compiler (``CC=false`` into an empty cache): the status says so, and the functions
+    give the eager kernel's results."""
+    disabled = _subprocess(_FALLBACK, OTB_TORCH_CACHE=str(tmp_path), **environment)
+    assert disabled.returncode == 0, disabled.stderr
+    assert "available False" in disabled.stdout and reason in disabled.stdout, disabled.stdout
+    assert not list(tmp_path.glob("*.so"))
+    default = _subprocess(_FALLBACK, OTB_TORCH_CACHE=str(tmp_path / "fresh"))
+    assert default.returncode == 0, default.stderr
+    advantages = lambda output: [line for line in output.splitlines() if line.startswith("advantages")]  # noqa: E731
+    expected = otb.optimal_token_baseline(np.array([[0.0, 1.0], [0.0, 0.0], [1.0, 0.0]]),
+                                          np.array([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]]),
+                                          np.array(["a", "a", "b"], dtype=object), np.log(np.full((3, 2), 0.5)),
+                                          np.full((3, 2), 0.5))
+    got = np.array(json.loads(advantages(disabled.stdout)[0].split(" ", 1)[1]))
+    np.testing.assert_allclose(got, expected.advantages, rtol=1e-6, atol=1e-7)
+    if STATUS.available:
+        assert "available True" in default.stdout
+        assert list((tmp_path / "fresh").glob("otb_kernel-*.so"))
+        native = np.array(json.loads(advantages(default.stdout)[0].split(" ", 1)[1]))
+        np.testing.assert_allclose(native, got, rtol=1e-6, atol=1e-7)
