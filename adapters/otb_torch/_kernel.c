@@ -104,7 +104,7 @@ static void otb_exp_row_double(const double *x, double *out, int64_t count) {
 /* One entry point per compute type T (float, double) and mask type M; scratch holds 5·width values of T. */
 #define OTB_DEFINE(NAME, T, M, EXP_ROW, FINITE_MAX)                                                                 \
 static int NAME##_check_row(const T *r, const T *mv, const T *lp, const T *spp, const T *pi, const T *rho,          \
-                            int64_t width, T slack_lp, T slack_spp) {                                               \
+                            int64_t width, int64_t lo, int64_t hi, T slack_lp, T slack_spp) {                       \
     int bad = 0;                                                                                                     \
     const T own_slack = (slack_spp + 2 * slack_lp) * (T)0.999;  /* margin: π² is computed, the rest compared */    \
     for (int64_t t = 0; t < width; ++t) {                                                                            \
@@ -115,8 +115,9 @@ static int NAME##_check_row(const T *r, const T *mv, const T *lp, const T *spp, 
         bad |= valid & (mv[t] != 1);                                                                                 \
         bad |= valid & (lp[t] > slack_lp);                                                                           \
         bad |= valid & ((spp[t] < -slack_spp) | (spp[t] > 1 + slack_spp));                                          \
-        bad |= valid & (pi[t] * pi[t] - spp[t] > own_slack);                                                         \
     }                                                                                                                \
+    for (int64_t t = lo; t < hi; ++t)                          /* π is computed on the valid span only */           \
+        bad |= (mv[t] != 0) & (pi[t] * pi[t] - spp[t] > own_slack);                                                  \
     if (rho) {                                                                                                       \
         for (int64_t t = 0; t < width; ++t)                                                                          \
             bad |= !((rho[t] <= FINITE_MAX) & (rho[t] >= 0));                                                        \
@@ -145,43 +146,51 @@ OTB_EXPORT int NAME(const T *r, const M *m, const T *lp, const T *spp, const T *
             const M *mr = m + at;                                                                                    \
             T *gr = ret + at;                                                                                        \
             for (int64_t t = 0; t < width; ++t) mv[t] = (T)mr[t];                                                    \
-            if (check || size > 1) EXP_ROW(lr, pi, width);                                                           \
-            if (check) bad |= NAME##_check_row(rr, mv, lr, sr, pi, wr, width, (T)slack_lp, (T)slack_spp);           \
             int64_t valid = 0;                                                                                       \
             for (int64_t t = 0; t < width; ++t) valid += mv[t] != 0;                                                 \
             lengths[p] = (T)valid;                                                                                   \
+            /* the valid span [lo, hi): outside it m = 0, so Gₜ is the row total before it and 0 after it, and   */ \
+            /* mₜWₜ = 0 — the scans and the exponential run on the span only (right padding is most of a batch) */ \
+            int64_t lo = 0, hi = width;                                                                              \
+            while (lo < width && mv[lo] == 0) ++lo;                                                                  \
+            while (hi > lo && mv[hi - 1] == 0) --hi;                                                                 \
+            if (check || size > 1) EXP_ROW(lr + lo, pi + lo, hi - lo);                                               \
+            if (check) bad |= NAME##_check_row(rr, mv, lr, sr, pi, wr, width, lo, hi, (T)slack_lp, (T)slack_spp);   \
+            double total = 0, running = 0;                                                                           \
             if (size == 1) {                                                                                         \
-                double total = 0;                                                                                    \
-                T *ar = adv + at;                                                                                    \
-                for (int64_t t = width - 1; t >= 0; --t) {                                                           \
+                for (int64_t t = hi - 1; t >= lo; --t) {                                                             \
                     total += (double)(rr[t] * mv[t]);                                                                \
                     gr[t] = (T)total;                                                                                \
-                    ar[t] = gr[t] * mv[t];                                                                           \
                 }                                                                                                    \
-                if (check) bad |= !((total <= FINITE_MAX) & (total >= -FINITE_MAX));                                 \
+            } else {                                                                                                 \
+                for (int64_t t = lo; t < hi; ++t)              /* mₜ(1 − 2πₜ + Σπ²ₜ) */                              \
+                    energy[t] = mv[t] + mv[t] * (sr[t] - 2 * pi[t]);                                                 \
+                if (wr) for (int64_t t = lo; t < hi; ++t) energy[t] = energy[t] * wr[t] * wr[t];                     \
+                /* the two scans in one loop, Gₜ from the end, mₜWₜ from the start: independent chains overlap */  \
+                for (int64_t t = lo, s = hi - 1; t < hi; ++t, --s) {                                                 \
+                    total += (double)(rr[s] * mv[s]);                                                                \
+                    gr[s] = (T)total;                                                                                \
+                    running += (double)energy[t];                                                                    \
+                    energy[t] = (T)running * mv[t];                                                                  \
+                }                                                                                                    \
+            }                                                                                                        \
+            for (int64_t t = 0; t < lo; ++t) gr[t] = (T)total;                                                       \
+            for (int64_t t = hi; t < width; ++t) gr[t] = 0;                                                          \
+            if (check) bad |= !((total <= FINITE_MAX) & (total >= -FINITE_MAX));                                     \
+            if (size == 1) {                                                                                         \
+                T *ar = adv + at;                                                                                    \
+                for (int64_t t = 0; t < width; ++t) ar[t] = gr[t] * mv[t];                                           \
                 if (base) memset(base + at, 0, (size_t)width * sizeof(T));                                           \
                 continue;                                                                                            \
             }                                                                                                        \
-            for (int64_t t = 0; t < width; ++t)                /* mₜ(1 − 2πₜ + Σπ²ₜ) */                              \
-                energy[t] = mv[t] + mv[t] * (sr[t] - 2 * pi[t]);                                                     \
-            if (wr) for (int64_t t = 0; t < width; ++t) energy[t] = energy[t] * wr[t] * wr[t];                       \
-            /* the two scans in one loop, Gₜ from the end and mₜWₜ from the start: independent chains overlap */   \
-            double total = 0, running = 0;                                                                           \
-            for (int64_t t = 0, s = width - 1; t < width; ++t, --s) {                                                \
-                total += (double)(rr[s] * mv[s]);                                                                    \
-                gr[s] = (T)total;                                                                                    \
-                running += (double)energy[t];                                                                        \
-                energy[t] = (T)running * mv[t];                                                                      \
-            }                                                                                                        \
-            if (check) bad |= !((total <= FINITE_MAX) & (total >= -FINITE_MAX));                                     \
             if (!valid_token) {                                                                                      \
-                for (int64_t t = 0; t < width; ++t) {                                                                \
+                for (int64_t t = lo; t < hi; ++t) {                                                                  \
                     num[t] += gr[t] * energy[t];                                                                     \
                     den[t] += energy[t];                                                                             \
                 }                                                                                                    \
             } else {                                                                                                 \
                 int64_t column = 0;                                                                                  \
-                for (int64_t t = 0; t < width; ++t) {                                                                \
+                for (int64_t t = lo; t < hi; ++t) {                                                                  \
                     if (mv[t] != 0) {                                                                                \
                         num[column] += gr[t] * energy[t];                                                            \
                         den[column] += energy[t];                                                                    \
