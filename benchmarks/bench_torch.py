@@ -2,7 +2,7 @@
 
     python benchmarks/bench_torch.py [--device cpu|cuda] [--sizes 64x8x1024,256x8x4096,512x16x8192] [--repeats 3]
                                      [--section all|otb|tir|sum-pi-squared] [--allocator as-is|warm|both]
-                                     [--against verl|loop] [--compile]
+                                     [--against verl|loop] [--compile] [--kernel auto|eager]
 
 Inputs are what a verl trainer hands the advantage function: float32 [B, T] tensors, ``index`` a NumPy object array of
 string uids, right-padded masks of random lengths (T/8 … T), consistent token statistics (Σπ² = π² + (1 − π)²u), a 0/1
@@ -19,7 +19,8 @@ or without verl installed, the loop transcriptions in benchmarks/loop_*.py), the
 (read the four inputs, write the two outputs into freshly allocated tensors — no arithmetic; the same bytes in every
 layout, so the floor is the same). TIR-OTB rows use masks with tool-output holes. Context lines give the eager floor:
 the passes no eager-mode implementation avoids (two scans and one exp over the batch; for TIR also the compaction:
-a scan of the mask, two scatters, one gather), on top of the memory floor.
+a scan of the mask, two scatters, one gather), on top of the memory floor. On CPU the drop-ins run otb_torch's native
+kernel where it builds (the header says which kernel ran); ``--kernel eager`` times the eager kernel instead.
 
 Σπ² at [1, 4096, 32768] float32 (and [1, 1024, 32768], to show the extra memory does not grow with the batch): verl's
 ``calculate_sum_pi_squared_from_logits`` (or the plain formula) against the otb_torch drop-in, each in a fresh
@@ -305,18 +306,23 @@ def main() -> None:
     parser.add_argument("--against", default="verl", choices=["verl", "loop"],
                         help="the competitor: verl's own functions (falls back to loop without verl), or the loops")
     parser.add_argument("--compile", action="store_true", help="also time the hot path with compile=True")
+    parser.add_argument("--kernel", default="auto", choices=["auto", "eager"],
+                        help="CPU: the native kernel where it builds (auto), or the eager kernel (OTB_TORCH_NATIVE=0)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.sizes = [tuple(int(x) for x in size.split("x")) for size in args.sizes.split(",")]
     if args.device == "cpu" and not args.child:
         for regime in (("as-is", "warm") if args.allocator == "both" else (args.allocator,)):
-            in_subprocess(regime)
+            in_subprocess(regime, args.kernel)
         return
     print(f"torch {torch.__version__}, python {platform.python_version()}, numpy {np.__version__}, "
           f"{torch.get_num_threads()} threads, {platform.machine()}"
           + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else "")
           + f"; allocator: {os.environ.get('OTB_BENCH_ALLOCATOR', 'as-is')}; competitor: "
           + ("verl " + _verl_version() if verl_algos is not None and args.against == "verl" else "loop transcription"))
+    status = otb_torch.native_kernel_status()
+    print("otb_torch kernel on CPU: " + (f"native ({status.path})" if status.available else
+                                          f"eager ({status.reason})"))
     otb = bench_advantages(args, False) if args.section in ("all", "otb") else []
     tir = bench_advantages(args, True) if args.section in ("all", "tir") else []
     spp = bench_sum_pi_squared(args) if args.section in ("all", "sum-pi-squared") else {}
@@ -326,12 +332,14 @@ def main() -> None:
 _WARM_HEAP = {"MALLOC_MMAP_THRESHOLD_": str(2**62), "MALLOC_TRIM_THRESHOLD_": str(2**62)}
 
 
-def in_subprocess(regime: str) -> None:
+def in_subprocess(regime: str, kernel: str) -> None:
     """Run the benchmark in a fresh process whose C allocator runs as-is or with a warm heap."""
     environment = {name: value for name, value in os.environ.items() if name not in _WARM_HEAP}
     if regime == "warm":
         environment.update(_WARM_HEAP)
     environment["OTB_BENCH_ALLOCATOR"] = regime
+    if kernel == "eager":
+        environment["OTB_TORCH_NATIVE"] = "0"
     subprocess.run([sys.executable, os.path.abspath(__file__), "--child", *sys.argv[1:]], check=True, env=environment)
 
 
