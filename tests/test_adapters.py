@@ -44,6 +44,13 @@ def _adapter_params():
 
 _CACHE: dict[str, object] = {}
 
+# Adapters that run the same port as another one, only slower (JAX op by op runs the jit port's functions without
+# tracing): they run every fixed case here (realistic layouts, bf16, the fixed identity cases) but leave the generated
+# Hypothesis properties to the fast twin, which keeps the default run inside CI's time (tests/conftest.py applies it
+# at collection). OTB_ADAPTERS=jax-cpu-nojit selects one explicitly and runs everything on it.
+FIXED_CASES_ONLY = {"jax-cpu-nojit": "jax-cpu"}
+SELECTED = _SELECTED
+
 
 @pytest.fixture(scope="module", params=_adapter_params())
 def adapter(request):

@@ -141,12 +141,12 @@ def test_shares_split_whole_groups():
             assert len(bounds) - 1 <= workers
 
 
-def _subprocess(code: str, **environment: str) -> subprocess.CompletedProcess:
+def _subprocess(code: str, timeout: float = 300, **environment: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, **environment)
     adapters = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "adapters")
     env["PYTHONPATH"] = adapters + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
-                          timeout=300)
+                          timeout=timeout)
 
 
 _FALLBACK = """
@@ -163,26 +163,55 @@ _FALLBACK = """
 """
 
 
+def _advantages(output: str) -> np.ndarray:
+    line = next(line for line in output.splitlines() if line.startswith("advantages"))
+    return np.array(json.loads(line.split(" ", 1)[1]))
+
+
+_EXPECTED = otb.optimal_token_baseline(np.array([[0.0, 1.0], [0.0, 0.0], [1.0, 0.0]]),
+                                       np.array([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]]),
+                                       np.array(["a", "a", "b"], dtype=object), np.log(np.full((3, 2), 0.5)),
+                                       np.full((3, 2), 0.5)).advantages
+
+
 @pytest.mark.parametrize("environment, reason", [({"OTB_TORCH_NATIVE": "0"}, "disabled by OTB_TORCH_NATIVE=0"),
                                                  ({"CC": "false"}, "build failed")])
 def test_without_the_kernel_the_eager_kernel_runs(tmp_path, environment, reason):
-    """Disabled, or no working compiler (``CC=false`` into an empty cache): the status says so, and the functions
-    give the eager kernel's results."""
-    disabled = _subprocess(_FALLBACK, OTB_TORCH_CACHE=str(tmp_path), **environment)
-    assert disabled.returncode == 0, disabled.stderr
-    assert "available False" in disabled.stdout and reason in disabled.stdout, disabled.stdout
+    """Disabled, or no working compiler (``CC=false`` into an empty cache): the status says so, nothing is cached,
+    and the functions give the reference's results through the eager kernel."""
+    result = _subprocess(_FALLBACK, OTB_TORCH_CACHE=str(tmp_path), **environment)
+    assert result.returncode == 0, result.stderr
+    assert "available False" in result.stdout and reason in result.stdout, result.stdout
     assert not list(tmp_path.glob("*.so"))
-    default = _subprocess(_FALLBACK, OTB_TORCH_CACHE=str(tmp_path / "fresh"))
-    assert default.returncode == 0, default.stderr
-    advantages = lambda output: [line for line in output.splitlines() if line.startswith("advantages")]  # noqa: E731
-    expected = otb.optimal_token_baseline(np.array([[0.0, 1.0], [0.0, 0.0], [1.0, 0.0]]),
-                                          np.array([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]]),
-                                          np.array(["a", "a", "b"], dtype=object), np.log(np.full((3, 2), 0.5)),
-                                          np.full((3, 2), 0.5))
-    got = np.array(json.loads(advantages(disabled.stdout)[0].split(" ", 1)[1]))
-    np.testing.assert_allclose(got, expected.advantages, rtol=1e-6, atol=1e-7)
-    if STATUS.available:
-        assert "available True" in default.stdout
-        assert list((tmp_path / "fresh").glob("otb_kernel-*.so"))
-        native = np.array(json.loads(advantages(default.stdout)[0].split(" ", 1)[1]))
-        np.testing.assert_allclose(native, got, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(_advantages(result.stdout), _EXPECTED, rtol=1e-6, atol=1e-7)
+
+
+@needs_native
+def test_an_empty_cache_is_built_into(tmp_path):
+    """A fresh machine: the kernel is compiled into an empty ``OTB_TORCH_CACHE`` and used."""
+    result = _subprocess(_FALLBACK, OTB_TORCH_CACHE=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "available True" in result.stdout, result.stdout
+    assert len(list(tmp_path.glob("otb_kernel-*.so"))) == 1
+    np.testing.assert_allclose(_advantages(result.stdout), _EXPECTED, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_gets_fresh_kernel_threads():
+    """After the parent used the kernel's thread pool, a forked child (a data-loader worker, say) starts its own pool
+    instead of waiting forever for threads that were not forked. (torch's own OpenMP threads are not fork-safe either:
+    the child uses one torch thread, as torch's data-loader workers do.) Bounded in time."""
+    code = """
+        import os, sys
+        from otb_torch import _native
+        assert _native._pool(2).submit(lambda: 1).result(timeout=30) == 1       # the parent's pool, threads started
+        pid = os.fork()
+        if pid == 0:
+            import torch
+            torch.set_num_threads(1)
+            os._exit(0 if _native._pool(2).submit(lambda: 2).result(timeout=20) == 2 else 3)
+        _, status = os.waitpid(pid, 0)
+        sys.exit(os.waitstatus_to_exitcode(status))
+    """
+    result = _subprocess(code, timeout=120)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])

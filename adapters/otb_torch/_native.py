@@ -160,6 +160,18 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
 _POOL: dict[int, ThreadPoolExecutor] = {}
 
 
+def _after_fork_in_child() -> None:
+    """A forked child has none of the parent's pool threads (a pool copied with it would wait for them forever) and
+    may hold a copy of a lock taken at fork time: start both afresh."""
+    global _LOCK
+    _LOCK = threading.Lock()
+    _POOL.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _pool(workers: int) -> ThreadPoolExecutor:
     with _LOCK:
         if workers not in _POOL:
@@ -210,8 +222,9 @@ def self_inclusive(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torch.T
     arguments = [_pointer(r), _pointer(mask), _pointer(lp), _pointer(spp), _pointer(rho), ctypes.c_int64(width),
                  ctypes.c_void_p(None if order_c is None else order_c.data_ptr()),
                  offsets_c.ctypes.data_as(ctypes.c_void_p)]
-    tail = [ctypes.c_int(int(align != "position")), ctypes.c_int(int(handle_zero_tail)), ctypes.c_double(epsilon), _pointer(outputs[0]),
-            _pointer(outputs[1]), _pointer(outputs[2] if need_baselines else None), _pointer(lengths)]
+    tail = [ctypes.c_int(int(align != "position")), ctypes.c_int(int(handle_zero_tail)), ctypes.c_double(epsilon),
+            _pointer(outputs[0]), _pointer(outputs[1]), _pointer(outputs[2] if need_baselines else None),
+            _pointer(lengths)]
 
     def work(share: int) -> int:
         return function(*arguments, ctypes.c_int64(bounds[share]), ctypes.c_int64(bounds[share + 1]), *tail,
