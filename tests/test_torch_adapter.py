@@ -247,6 +247,7 @@ def test_hot_path_never_synchronises(function):
                                       "leave_one_out_token_baseline", "compute_optimal_token_baseline_advantage"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("with_weights", [False, True], ids=["no-weights", "weights"])
+@pytest.mark.bitexact
 def test_row_blocks_give_the_one_block_result(monkeypatch, function, dtype, with_weights):
     """On CPU, contiguous equal-size groups are processed in row blocks of whole groups (results written straight
     into the outputs, or copied when the output dtype differs from the compute dtype). With blocks forced small —
@@ -297,6 +298,7 @@ def _realistic_inputs(function: str, layout: str, dtype: torch.dtype):
 @pytest.mark.parametrize("function", _FUNCTIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layout", ["grouped-equal", "scattered-unequal"])
+@pytest.mark.bitexact
 def test_blocks_of_any_layout_give_the_one_block_result(monkeypatch, function, dtype, layout):
     """On CPU the plan's runs are cut into blocks of whole groups (slices of the batch, or gathered rows written back
     with index_copy_). With blocks forced to 1–2 groups — so runs span several blocks, the last one shorter, and
