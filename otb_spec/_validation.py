@@ -226,12 +226,13 @@ def epsilon(value: Any) -> float:
 def raise_value_error(host: Any, *, rewards: tuple[str, Any] | None = None, mask: tuple[str, Any] | None = None,
                       log_probs: tuple[str, Any] | None = None, sum_pi_squared: tuple[str, Any] | None = None,
                       is_weights: tuple[str, Any] | None = None, others: list[tuple[str, Any]] | None = None,
-                      energies: list[tuple[str, Any]] | None = None) -> None:
+                      energies: list[tuple[str, Any]] | None = None, flagged: bool = True) -> None:
     """Raise the reference's error, naming the argument, for (name, array) pairs a port's device-side check flagged.
 
     ``host`` copies a port's array to a NumPy array. The rules run in the reference's order: finite values
     (``rewards``, ``others``, ``energies``), a 0/1 ``mask``, ``energies`` ≥ 0 at valid positions, the token
-    statistics, ``is_weights`` ≥ 0. If none fires, the device and the host disagree: that is reported as such.
+    statistics, ``is_weights`` ≥ 0. If none fires, the device and the host disagree: that is reported as such —
+    unless ``flagged=False`` (the port asks for the exact check without a device flag), when it returns.
     """
     others, energies = others or [], energies or []
     like = rewards[0] if rewards is not None else "the first argument"
@@ -250,4 +251,5 @@ def raise_value_error(host: Any, *, rewards: tuple[str, Any] | None = None, mask
                          like=like, names=(log_probs[0], sum_pi_squared[0]))
     if is_weights is not None:
         nonnegative(is_weights[0], float_array(is_weights[0], host(is_weights[1])))
-    raise ValueError("inputs: a value check failed on the device but not on the host copy; please report this")
+    if flagged:
+        raise ValueError("inputs: a value check failed on the device but not on the host copy; please report this")

@@ -491,3 +491,26 @@ def test_cuda_graph_capture_and_replay():
     graph.replay()
     torch.cuda.synchronize()
     np.testing.assert_allclose(captured.cpu().numpy(), step().cpu().numpy(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel", ["native", "eager"])
+@pytest.mark.parametrize("case", ["float64 mask 1 + 1e-12", "float64 mask 1e-300", "integer statistics, π² underflows"])
+def test_value_checks_see_what_the_compute_dtype_rounds_away(monkeypatch, kernel, case):
+    """Inputs the reference rejects but which a float32 computation cannot see: a float64 mask value that rounds to
+    1 or 0 in float32, and integer log π / Σπ² (no input slack) where π² = exp(−120) underflows against Σπ² = 0."""
+    if kernel == "eager":
+        monkeypatch.setattr(otb_torch._native, "usable", lambda *_: False)
+    rows, positions = 4, 6
+    rewards = torch.zeros(rows, positions)
+    mask = torch.ones(rows, positions, dtype=torch.float64)
+    log_probs, sum_pi_squared = torch.full((rows, positions), -0.5), torch.full((rows, positions), 0.5)
+    if case.startswith("float64 mask"):
+        mask[2, 3] = 1.0 + 1e-12 if "1e-12" in case else 1e-300
+        expected = "response_mask"
+    else:
+        log_probs = torch.full((rows, positions), -60, dtype=torch.int64)
+        sum_pi_squared = torch.zeros(rows, positions, dtype=torch.int64)
+        expected = "sum_pi_squared"
+    with pytest.raises(ValueError, match=f"^{expected}"):
+        otb_torch.compute_optimal_token_baseline_advantage(rewards, mask, np.repeat(["a", "b"], 2), log_probs,
+                                                           sum_pi_squared)

@@ -108,8 +108,13 @@ def test_native_equals_eager_and_the_reference(monkeypatch, layout, function, dt
 @pytest.mark.bitexact
 @pytest.mark.parametrize("function", ["compute_optimal_token_baseline_advantage",
                                       "compute_multi_turn_optimal_token_baseline_advantage"])
-def test_results_do_not_depend_on_the_number_of_threads(function):
-    """A group is computed by one thread from start to end, so 1, 2 or 3 threads give bitwise the same outputs."""
+def test_results_do_not_depend_on_the_number_of_threads(monkeypatch, function):
+    """A group is computed by one thread from start to end, so 1, 2 or 3 threads give bitwise the same outputs (with
+    shares made small enough that this small batch really is split)."""
+    monkeypatch.setattr(_native, "ELEMENTS_PER_SHARE", 64)
+    used = []
+    original = _native.shares
+    monkeypatch.setattr(_native, "shares", lambda offsets, workers: used.append(original(offsets, workers)) or used[-1])
     batch = _batch(8, "scattered-unequal", function.startswith("compute_multi"))
     inputs = [torch.as_tensor(np.asarray(a, dtype=np.float32)) for a in (batch.rewards, batch.response_mask)]
     inputs += [batch.group_ids] + [torch.as_tensor(np.asarray(a, dtype=np.float32))
@@ -122,6 +127,7 @@ def test_results_do_not_depend_on_the_number_of_threads(function):
             results.append(getattr(otb_torch, function)(*inputs))
     finally:
         torch.set_num_threads(threads)
+    assert [len(bounds) - 1 for bounds in used] == [1, 2, 3]
     for other in results[1:]:
         for got, expected in zip(other, results[0]):
             assert torch.equal(got, expected)
@@ -215,3 +221,27 @@ def test_a_forked_child_gets_fresh_kernel_threads():
     """
     result = _subprocess(code, timeout=120)
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+
+
+@pytest.mark.parametrize("kernel", ["native", "eager"])
+@pytest.mark.parametrize("segments", ["too many groups", "order not a permutation", "order too short"])
+def test_inconsistent_segments_are_an_error_not_a_write_outside_the_batch(monkeypatch, kernel, segments):
+    """Hand-built Segments that do not describe the batch raise a ValueError naming the argument, before any kernel
+    runs (the native kernel would otherwise index rows that do not exist)."""
+    if kernel == "eager":
+        monkeypatch.setattr(_native, "usable", lambda *_: False)
+    rows, positions = 4, 8
+    made = {"too many groups": otb_torch.Segments(torch.tensor([0, 0, 1, 1]), 4, 2),
+            "order not a permutation": otb_torch.Segments(torch.tensor([0, 1, 0, 1]), 2, None, torch.tensor(
+                [0, 0, 1, 3]), (_core_run(2, 2, 0, -1),)),
+            "order too short": otb_torch.Segments(torch.tensor([0, 1, 0, 1]), 2, None, torch.tensor([0, 2, 1]),
+                                                  (_core_run(2, 2, 0, -1),))}[segments]
+    inputs = (torch.zeros(rows, positions), torch.ones(rows, positions), made, torch.full((rows, positions), -0.5),
+              torch.full((rows, positions), 0.5))
+    with pytest.raises(ValueError, match="^index: Segments inconsistent with the batch"):
+        otb_torch.compute_optimal_token_baseline_advantage(*inputs)
+
+
+def _core_run(size: int, count: int, start: int, first_row: int):
+    from otb_torch._core import Run
+    return Run(size, count, start, first_row)

@@ -80,7 +80,7 @@ def _not_finite(value: torch.Tensor) -> torch.Tensor:
     return ~(torch.isfinite(low) & torch.isfinite(high))
 
 
-def _not_binary(mask: torch.Tensor) -> torch.Tensor:
+def not_binary(mask: torch.Tensor) -> torch.Tensor:
     """True if any element is outside {0, 1}.
 
     Floating masks: m − m·m is exactly 0 only for m ∈ {0, 1} (fl(m·m) = m has no other solution: it would need
@@ -111,7 +111,7 @@ def problems(*, rewards: torch.Tensor | None = None, mask: torch.Tensor | None =
         if value is not None and value.is_floating_point():
             flags.append(_not_finite(value))
     if mask is not None:
-        flags.append(_not_binary(mask))
+        flags.append(not_binary(mask))
     if is_weights is not None:
         flags.append(is_weights.amin() < 0)
 
@@ -144,12 +144,18 @@ def _host(value: torch.Tensor) -> np.ndarray:
 def check_values(enabled: bool, *, rewards: Named | None = None, mask: Named | None = None,
                  log_probs: Named | None = None, sum_pi_squared: Named | None = None,
                  is_weights: Named | None = None, others: list[Named] | None = None,
-                 energies: list[Named] | None = None) -> None:
+                 energies: list[Named] | None = None, exact: bool = False) -> None:
     """One synchronisation; if any value rule is violated, raise the reference's error naming the argument.
 
     ``others`` must be finite; ``energies`` must also be ≥ 0 (up to the input-precision slack) at valid positions.
+    ``exact=True`` skips the device pre-check and runs the reference's validators on host copies directly.
     """
     others, energies = others or [], energies or []
+    if enabled and exact:
+        reference_checks.raise_value_error(_host, rewards=rewards, mask=mask, log_probs=log_probs,
+                                           sum_pi_squared=sum_pi_squared, is_weights=is_weights, others=others,
+                                           energies=energies, flagged=False)
+        return
     flag = problems(rewards=None if rewards is None else rewards[1], mask=None if mask is None else mask[1],
                     log_probs=None if log_probs is None else log_probs[1],
                     sum_pi_squared=None if sum_pi_squared is None else sum_pi_squared[1],

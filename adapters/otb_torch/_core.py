@@ -15,7 +15,7 @@ Mirrors ``otb_spec.otb`` (the math lives in the reference; this is its port), tu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -48,7 +48,8 @@ class Segments:
     ``runs`` says where the groups of each size lie in it. On CPU the batch is then processed as blocks of whole
     groups of one size: gather a block's rows, run the reshape kernel on [groups, size, T], write its rows back.
     Build once per batch with :func:`segments_from_index` (the only step that touches the host); segments built
-    by hand without a plan use segment sums (``index_add_``) instead.
+    by hand without a plan use segment sums (``index_add_``) instead, and a hand-built plan is checked against the
+    batch on every call (a host synchronisation).
     """
 
     index: torch.Tensor
@@ -56,10 +57,11 @@ class Segments:
     group_size: int | None = None
     order: torch.Tensor | None = None
     runs: tuple[Run, ...] | None = None
+    planned: bool = field(default=False, repr=False, compare=False)   # made by segments_from_index: consistent
 
     def to(self, device: torch.device | str) -> "Segments":
         return Segments(self.index.to(device), self.num_groups, self.group_size,
-                        None if self.order is None else self.order.to(device), self.runs)
+                        None if self.order is None else self.order.to(device), self.runs, self.planned)
 
 
 def _contiguous_size(index: np.ndarray, num_groups: int) -> int | None:
@@ -117,7 +119,8 @@ def segments_from_index(index: Any, device: torch.device | str | None = None) ->
     relabelled = rank[segments.index]
     order, runs = _plan(relabelled, segments.n_groups)
     return Segments(torch.as_tensor(relabelled, device=device), segments.n_groups,
-                    _contiguous_size(relabelled, segments.n_groups), torch.as_tensor(order, device=device), runs)
+                    _contiguous_size(relabelled, segments.n_groups), torch.as_tensor(order, device=device), runs,
+                    planned=True)
 
 
 def segment_sum(values: torch.Tensor, segments: Segments) -> torch.Tensor:

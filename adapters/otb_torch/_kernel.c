@@ -19,11 +19,14 @@
  * compute type T (float or double), in the order of the eager kernel (otb_torch._core.grouped_otb). With `check`,
  * the return value is nonzero if any input may break a value rule of the reference: non-finite values anywhere, a
  * mask outside {0, 1}, or at valid positions log π > slack, Σπ² outside [−slack, 1 + slack], π² − Σπ² above its
- * slack, ρ < 0 — a superset of what the reference rejects, so the caller runs the exact check only when it is set.
+ * slack, ρ < 0 — with the caller's own rules for integer token statistics (no slack; π² may underflow) a superset
+ * of what the reference rejects, so the caller runs the exact check only when it is set. Without `check` (the hot
+ * path), inputs the reference rejects give undefined results: NaN at a masked position outside a row's valid span
+ * is skipped, inside it spreads, and a non-binary mask is read as "valid where nonzero" for the counts.
  *
  * No OpenMP (it would meet torch's own runtime in the process): the caller splits the groups over threads, and
- * ctypes releases the GIL for the call. Built for the baseline of the architecture (SSE2 on x86-64) and, on x86-64,
- * once more with -mavx2 for the machines that have it (the loader picks), and with
+ * ctypes releases the GIL for the call. Built for the baseline of the architecture (SSE2 on x86-64), or with -mavx2
+ * where torch reports AVX2 on the machine (the loader chooses before it compiles), and with
  * -ffp-contract=off, so no multiply–add is fused behind the code's back.
  */
 #include <math.h>
@@ -103,7 +106,8 @@ static void otb_exp_row_double(const double *x, double *out, int64_t count) {
 
 /* One entry point per compute type T (float, double) and mask type M; scratch holds 5·width values of T. */
 #define OTB_DEFINE(NAME, T, M, EXP_ROW, FINITE_MAX)                                                                 \
-static int NAME##_check_row(const T *r, const T *mv, const T *lp, const T *spp, const T *pi, const T *rho,          \
+static int NAME##_check_row(const T *r, const M *m, const T *mv, const T *lp, const T *spp, const T *pi,            \
+                            const T *rho,                                                                            \
                             int64_t width, int64_t lo, int64_t hi, T slack_lp, T slack_spp) {                       \
     int bad = 0;                                                                                                     \
     const T own_slack = (slack_spp + 2 * slack_lp) * (T)0.999;  /* margin: π² is computed, the rest compared */    \
@@ -112,7 +116,7 @@ static int NAME##_check_row(const T *r, const T *mv, const T *lp, const T *spp, 
         bad |= !((r[t] <= FINITE_MAX) & (r[t] >= -FINITE_MAX));                                                      \
         bad |= !((lp[t] <= FINITE_MAX) & (lp[t] >= -FINITE_MAX));                                                   \
         bad |= !((spp[t] <= FINITE_MAX) & (spp[t] >= -FINITE_MAX));                                                  \
-        bad |= valid & (mv[t] != 1);                                                                                 \
+        bad |= (m[t] != 0) & (m[t] != 1);                      /* in the mask's own type, before any rounding */   \
         bad |= valid & (lp[t] > slack_lp);                                                                           \
         bad |= valid & ((spp[t] < -slack_spp) | (spp[t] > 1 + slack_spp));                                          \
     }                                                                                                                \
@@ -155,7 +159,7 @@ OTB_EXPORT int NAME(const T *r, const M *m, const T *lp, const T *spp, const T *
             while (lo < width && mv[lo] == 0) ++lo;                                                                  \
             while (hi > lo && mv[hi - 1] == 0) --hi;                                                                 \
             if (check || size > 1) EXP_ROW(lr + lo, pi + lo, hi - lo);                                               \
-            if (check) bad |= NAME##_check_row(rr, mv, lr, sr, pi, wr, width, lo, hi, (T)slack_lp, (T)slack_spp);   \
+            if (check) bad |= NAME##_check_row(rr, mr, mv, lr, sr, pi, wr, width, lo, hi, (T)slack_lp, (T)slack_spp);   \
             double total = 0, running = 0;                                                                           \
             if (size == 1) {                                                                                         \
                 for (int64_t t = hi - 1; t >= lo; --t) {                                                             \

@@ -6,9 +6,11 @@ order (no gather, no scatter), so its cost is close to the memory floor. The mat
 (:func:`otb_torch._core.grouped_otb`), which is the reference's; the equivalence suite runs both.
 
 Build: the C compiler Python was built with (``$CC`` overrides), ``-O3 -ffp-contract=off`` (plus ``-mavx2`` where
-torch reports AVX2 on this CPU), into ``$OTB_TORCH_CACHE`` (default ``$XDG_CACHE_HOME/otb-spec`` or ``~/.cache/otb-spec``) under
-a name that hashes the source, the compiler and the flags; about a second, once per machine. Without a compiler, or
-with ``OTB_TORCH_NATIVE=0``, the eager kernel runs instead: :func:`native_kernel_status` says which and why.
+torch reports AVX2 on this CPU), into ``$OTB_TORCH_CACHE`` (default ``$XDG_CACHE_HOME/otb-spec`` or
+``~/.cache/otb-spec``; else ``<tmp>/otb-spec-<uid>``; only a directory that is ours and writable by no one else) under
+a name that hashes the source, the compiler, the flags and the platform; a few seconds, once per machine. Without a
+compiler, or with ``OTB_TORCH_NATIVE=0`` (read once per process), the eager kernel runs instead:
+:func:`native_kernel_status` says which and why.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,33 +80,68 @@ def _variants() -> list[tuple[str, ...]]:
     return ([_FLAGS + ("-mavx2",)] if avx2 else []) + [_FLAGS]
 
 
-def _build(compiler: list[str]) -> Path:
+def _private(directory: Path) -> bool:
+    """True if ``directory`` exists (created 0700 if need be), is ours and no one else can write to it: a library
+    found there is trusted and loaded, so a directory another user controls must not be used."""
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = directory.stat()
+    except OSError:
+        return False
+    return info.st_uid == os.getuid() and not info.st_mode & 0o022
+
+
+def _compile(compiler: list[str], flags: tuple[str, ...], target: Path) -> str | None:
+    """Compile into ``target`` through a temporary file and an atomic rename (concurrent builds agree on the
+    result); None on success, else the compiler's error."""
+    handle, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(handle)
+    try:
+        result = subprocess.run(compiler + list(flags) + [str(_SOURCE), "-o", partial, "-lm"],
+                                capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            return f"{' '.join(compiler + list(flags))}: {result.stderr.strip()[-2000:]}"
+        os.replace(partial, target)
+        return None
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+def _build_and_load(compiler: list[str]) -> tuple[ctypes.CDLL, Path]:
+    """The library for this source, compiler and CPU: loaded from the cache, or compiled into it (once more if a
+    cached file does not load, e.g. a home directory shared with a machine of another C library)."""
     source = _SOURCE.read_bytes()
     version = subprocess.run(compiler + ["--version"], capture_output=True, text=True, timeout=60).stdout
     errors = []
+    directories = [directory for directory in (_cache_directory(), Path(tempfile.gettempdir()) /
+                                               f"otb-spec-{os.getuid()}") if _private(directory)]
+    if not directories:
+        raise RuntimeError(f"no private writable cache directory ({_cache_directory()}, or one in the temporary "
+                           "directory); set OTB_TORCH_CACHE")
     for flags in _variants():
         key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(compiler + list(flags)).encode(),
                                          platform.machine().encode(), sys.platform.encode()])).hexdigest()[:20]
-        for directory in (_cache_directory(), Path(tempfile.gettempdir()) / f"otb-spec-{os.getuid()}"):
+        for directory in directories:
             target = directory / f"otb_kernel-{key}.so"
             if target.exists():
-                return target
+                try:
+                    return ctypes.CDLL(str(target)), target
+                except OSError as exc:                       # built elsewhere, or damaged: build it again
+                    errors.append(f"{target}: {exc}")
             try:
-                directory.mkdir(parents=True, exist_ok=True)
-                handle, partial = tempfile.mkstemp(suffix=".so", dir=directory)
-                os.close(handle)
-            except OSError as exc:
+                error = _compile(compiler, flags, target)
+            except (OSError, subprocess.SubprocessError) as exc:
                 errors.append(f"{directory}: {exc}")
-                continue
-            result = subprocess.run(compiler + list(flags) + [str(_SOURCE), "-o", partial, "-lm"],
-                                    capture_output=True, text=True, timeout=300)
-            if result.returncode == 0:
-                os.replace(partial, target)                  # atomic: concurrent builds agree on the result
-                return target
-            os.unlink(partial)
-            errors.append(f"{' '.join(compiler + list(flags))}: {result.stderr.strip()[-2000:]}")
-            break
-    raise RuntimeError("; ".join(errors) or "no writable cache directory")
+                continue                                     # this directory failed: try the next
+            if error is not None:
+                errors.append(error)
+                break                                        # the compiler rejects these flags: try the next set
+            try:
+                return ctypes.CDLL(str(target)), target
+            except OSError as exc:
+                errors.append(f"{target}: {exc}")
+    raise RuntimeError("; ".join(errors))
 
 
 def _load() -> tuple[ctypes.CDLL | None, NativeKernelStatus]:
@@ -121,8 +158,7 @@ def _load() -> tuple[ctypes.CDLL | None, NativeKernelStatus]:
                     status = NativeKernelStatus(False, None, "no C compiler found ($CC, or cc on PATH)")
                 else:
                     try:
-                        path = _build(compiler)
-                        library = ctypes.CDLL(str(path))
+                        library, path = _build_and_load(compiler)
                         status = NativeKernelStatus(True, str(path), "")
                     except Exception as exc:                 # any failure: the eager kernel runs
                         status = NativeKernelStatus(False, None, f"build failed: {exc}")
@@ -189,6 +225,25 @@ def group_offsets(runs, rows: int) -> np.ndarray:
     return np.concatenate(starts + [np.array([rows], dtype=np.int64)])
 
 
+ELEMENTS_PER_SHARE = 65536      # a batch gets min(torch threads, elements / this) shares: small ones stay on one thread
+
+
+def plan_problem(order: torch.Tensor | None, offsets: np.ndarray, rows: int) -> str | None:
+    """Why (order, offsets) cannot drive the kernel over ``rows`` rows — it would read or write outside the batch,
+    or race — or None: offsets strictly increasing from 0 to ``rows``, ``order`` None or a permutation of the rows."""
+    if offsets.shape[0] < 2 or offsets[0] != 0 or offsets[-1] != rows or np.any(np.diff(offsets) <= 0):
+        return f"its groups cover {int(offsets[-1]) if offsets.shape[0] else 0} rows in {offsets.shape[0] - 1} " \
+               f"groups, but the batch has {rows} rows"
+    if order is not None:
+        if order.dim() != 1 or order.shape[0] != rows:
+            return f"its order lists {order.shape[0] if order.dim() == 1 else tuple(order.shape)} rows, " \
+                   f"the batch has {rows}"
+        if order.is_floating_point() or int(order.min()) < 0 or int(order.max()) >= rows or not bool(
+                (torch.bincount(order.to(torch.int64), minlength=rows) == 1).all()):
+            return "its order is not a permutation of the batch's rows"
+    return None
+
+
 def shares(offsets: np.ndarray, workers: int) -> list[int]:
     """Group bounds 0 = b₀ < b₁ < … < b_k = G (k ≤ ``workers``) cutting the groups into whole-group shares of about
     equal numbers of rows; thread j computes groups b_j … b_{j+1} − 1."""
@@ -215,7 +270,7 @@ def self_inclusive(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torch.T
     offsets_c = np.ascontiguousarray(offsets, dtype=np.int64)
     function = getattr(library, f"otb_{_COMPUTE[dtype]}_{_MASKS[mask.dtype]}")
     function.restype = ctypes.c_int
-    bounds = shares(offsets_c, max(1, min(torch.get_num_threads(), rows * width // 65536 or 1)))
+    bounds = shares(offsets_c, max(1, min(torch.get_num_threads(), rows * width // ELEMENTS_PER_SHARE or 1)))
     scratch = torch.empty((len(bounds) - 1, 5 * width), dtype=dtype)
     slack_lp, slack_spp = slacks if slacks is not None else (0.0, 0.0)
     r, lp, spp, rho = floats
@@ -226,15 +281,20 @@ def self_inclusive(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torch.T
             _pointer(outputs[0]), _pointer(outputs[1]), _pointer(outputs[2] if need_baselines else None),
             _pointer(lengths)]
 
+    owners = (floats, mask, outputs, lengths, order_c, offsets_c, scratch)     # alive while C reads and writes
+
     def work(share: int) -> int:
+        assert owners
         return function(*arguments, ctypes.c_int64(bounds[share]), ctypes.c_int64(bounds[share + 1]), *tail,
                         _pointer(scratch[share]), ctypes.c_int(int(check)), ctypes.c_double(slack_lp),
                         ctypes.c_double(slack_spp))
 
-    if len(bounds) == 2:
-        flags = [work(0)]
-    else:
-        flags = list(_pool(len(bounds) - 1).map(work, range(len(bounds) - 1)))
+    pool = _pool(len(bounds) - 2) if len(bounds) > 2 else None
+    others = [pool.submit(work, share) for share in range(1, len(bounds) - 1)] if pool else []
+    try:
+        flags = [work(0)] + [future.result() for future in others]             # share 0 on the calling thread
+    finally:
+        wait(others)                          # never free what a thread still writes to (e.g. on KeyboardInterrupt)
     return outputs, any(flags)
 
 
