@@ -2,7 +2,7 @@
 
 Profiles (select with the environment variable ``OTB_HYPOTHESIS_PROFILE``; default ``ci``):
 
-* ``ci``       — derandomized (the same examples every run), 60 examples per property, no deadline. CI uses it.
+* ``ci``       — derandomized (the same examples every run), 50 examples per property, no deadline. CI uses it.
 * ``dev``      — random seeds, 60 examples: finds new counterexamples during development.
 * ``thorough`` — random seeds, 2000 examples per property: for hand runs before a release.
 
@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, settings
 
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
                print_blob=True)
-settings.register_profile("ci", derandomize=True, database=None, max_examples=60, **_COMMON)
+settings.register_profile("ci", derandomize=True, database=None, max_examples=50, **_COMMON)
 settings.register_profile("dev", max_examples=60, **_COMMON)
 settings.register_profile("thorough", max_examples=2000, **_COMMON)
 settings.load_profile(os.environ.get("OTB_HYPOTHESIS_PROFILE", "ci"))
