@@ -210,9 +210,10 @@ def _run(names: tuple[str, str, str, str, str, str], rewards: Any, response_mask
     """Validate and compute (advantages, returns, baselines) in the rewards' dtype, block by block.
 
     ``baselines`` is None when not needed (the verl drop-ins), which saves a pass over the batch; ``compile=True``
-    runs each block through a ``torch.compile``d kernel (the first call compiles). The self-inclusive variants run
-    :func:`grouped_otb` on every block, which also reduces what the value checks need while the block is in cache,
-    then the zero rules on one row per group; leave-one-out, and segments without a plan, run the general
+    runs each block through a ``torch.compile``d kernel (the first call compiles). On CPU the self-inclusive variants
+    run the native kernel (:mod:`otb_torch._native`: one sweep per group, zero rules and value flags included) where
+    it is built; otherwise :func:`grouped_otb` on every block, which also reduces what the value checks need while
+    the block is in cache, then the zero rules on one row per group; leave-one-out, and segments without a plan, run the general
     :func:`token_baseline` with the value checks of :func:`otb_torch._checks.problems`. Either way the value checks
     cost one synchronisation, at the end; only if they flag something are the inputs checked exactly, and the
     reference's error raised.
