@@ -267,6 +267,13 @@ def _score_dot_gradient(rollouts: Rollouts, returns: np.ndarray) -> np.ndarray:
     return np.einsum("ntv,nvf,ntf->nt", rollouts.logit_gradients, own, rollouts.feature_values)
 
 
+def _ratio_or_zero(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
+    """numerator/denominator per position, 0 where no trajectory reaches it (denominator 0)."""
+    out = np.zeros(numerator.shape[0])
+    np.divide(numerator, denominator, out=out, where=denominator > 0)
+    return out
+
+
 def oracle_baselines(task: EnumerableTask) -> np.ndarray:
     """The variance-optimal per-position constant baseline (T5):  B^opt_t = E[mₜ sₜ·ĝ₀] / E[mₜ‖sₜ‖²]  — [T].
 
@@ -276,13 +283,12 @@ def oracle_baselines(task: EnumerableTask) -> np.ndarray:
     returns = task.returns()
     numerator = weights @ (_score_dot_gradient(rollouts, returns) * rollouts.response_mask)
     denominator = weights @ (rollouts.score_sq_norms * rollouts.response_mask)
-    out = np.zeros(task.horizon)
-    np.divide(numerator, denominator, out=out, where=denominator > 0)
-    return out
+    return _ratio_or_zero(numerator, denominator)
 
 
-def population_token_baselines(task: EnumerableTask, energy: str = "proxy") -> np.ndarray:
-    """Population OTB  Bₜ = E[mₜGₜWₜ]/E[mₜWₜ]  with Wₜ the proxy's realized energy or the exact ‖Sₜ‖²  — [T]."""
+def _population_sums(task: EnumerableTask, energy: str):
+    """(rollouts, weights, mₜWₜ per trajectory, E[mₜGₜWₜ], E[mₜWₜ]) by enumeration, with Wₜ the proxy's realized energy
+    (``energy="proxy"``) or the exact ‖Sₜ‖² (``"exact"``)."""
     rollouts, weights = _weighted_all(task)
     if energy == "proxy":
         realized = np.cumsum(rollouts.token_energy, axis=1)
@@ -290,12 +296,14 @@ def population_token_baselines(task: EnumerableTask, energy: str = "proxy") -> n
         realized = rollouts.cumulative_score_sq_norms
     else:
         raise ValueError(f"energy: expected 'proxy' or 'exact', got {energy!r}")
-    mask = rollouts.response_mask
-    numerator = weights @ (task.returns() * realized * mask)
-    denominator = weights @ (realized * mask)
-    out = np.zeros(task.horizon)
-    np.divide(numerator, denominator, out=out, where=denominator > 0)
-    return out
+    masked = realized * rollouts.response_mask
+    return rollouts, weights, masked, weights @ (task.returns() * masked), weights @ masked
+
+
+def population_token_baselines(task: EnumerableTask, energy: str = "proxy") -> np.ndarray:
+    """Population OTB  Bₜ = E[mₜGₜWₜ]/E[mₜWₜ]  with Wₜ the proxy's realized energy or the exact ‖Sₜ‖²  — [T]."""
+    _, _, _, numerator, denominator = _population_sums(task, energy)
+    return _ratio_or_zero(numerator, denominator)
 
 
 def self_inclusive_bias_coefficient(task: EnumerableTask, energy: str = "proxy") -> np.ndarray:
@@ -308,18 +316,10 @@ def self_inclusive_bias_coefficient(task: EnumerableTask, energy: str = "proxy")
     A_self = (1 − λ)·A_loo, λ = Wᵢ/(Σⱼ Wⱼ + ε) ≈ Wᵢ/(N·E[mₜWₜ])). The scale of E[ĝ_self] is then
     1 − (c·∇J/‖∇J‖²)/N + O(1/N²).
     """
-    rollouts, weights = _weighted_all(task)
-    if energy == "proxy":
-        realized = np.cumsum(rollouts.token_energy, axis=1)
-    elif energy == "exact":
-        realized = rollouts.cumulative_score_sq_norms
-    else:
-        raise ValueError(f"energy: expected 'proxy' or 'exact', got {energy!r}")
-    mask = rollouts.response_mask
-    mean_energy = weights @ (realized * mask)                                   # [T] E[mₜWₜ]
-    baselines = population_token_baselines(task, energy)
+    rollouts, weights, masked, numerator, mean_energy = _population_sums(task, energy)      # E[mₜWₜ]: [T]
+    baselines = _ratio_or_zero(numerator, mean_energy)
     safe = np.where(mean_energy > 0, mean_energy, 1.0)
-    per_token = weights[:, None] * mask * realized * (task.returns() - baselines[None, :]) / safe[None, :]
+    per_token = weights[:, None] * masked * (task.returns() - baselines[None, :]) / safe[None, :]
     per_token = np.where(mean_energy[None, :] > 0, per_token, 0.0)
     return weighted_score_sums(rollouts, per_token, np.zeros(rollouts.size, dtype=np.int64), 1)[0]
 
