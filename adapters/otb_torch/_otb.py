@@ -231,21 +231,22 @@ def _run(names: tuple[str, str, str, str, str, str], rewards: Any, response_mask
                    out_dtype=check.output_dtype(rewards_t))
     inputs = [rewards_t, mask_t, lp_t, spp_t] + ([] if weights_t is None else [weights_t])
     lengths = None
-    if _runs(segments) is not None and not segments.planned:                 # hand-built: check before any kernel
-        problem = _native.plan_problem(segments.order, _native.group_offsets(_runs(segments), rewards_t.shape[0]),
-                                       rewards_t.shape[0])
+    runs = _runs(segments)
+    offsets = None if runs is None else _native.group_offsets(runs, rewards_t.shape[0])
+    if offsets is not None and not segments.planned:                          # hand-built: check before any kernel
+        problem = _native.plan_problem(segments.order, offsets, rewards_t.shape[0])
         if problem is not None:
             raise ValueError(f"{g_name}: Segments inconsistent with the batch: {problem}; build them with "
                              "otb_torch.segments_from_index")
-    if leave_one_out or _runs(segments) is None:
+    native = (not leave_one_out and runs is not None and not options["compiled"]
+              and not torch.compiler.is_compiling() and _native.usable(rewards_t.device, options["dtype"]))
+    if leave_one_out or runs is None:
         outputs, bad = _general(_blocks(segments, *rewards_t.shape, rewards_t.device), inputs,
                                 leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail, **options)
-    elif (not options["compiled"] and not torch.compiler.is_compiling()
-          and _native.usable(rewards_t.device, options["dtype"])):                # one sweep per group, in C
+    elif native:                                                                  # one sweep per group, in C
         outputs, bad = _native.self_inclusive(
-            *inputs[:4], weights_t, segments.order, _native.group_offsets(_runs(segments), rewards_t.shape[0]),
-            align=align, handle_zero_tail=handle_zero_tail, epsilon=options["epsilon"], dtype=options["dtype"],
-            need_baselines=need_baselines, check=check_values,
+            *inputs[:4], weights_t, segments.order, offsets, align=align, handle_zero_tail=handle_zero_tail,
+            epsilon=options["epsilon"], dtype=options["dtype"], need_baselines=need_baselines, check=check_values,
             slacks=(check.slack(lp_t), check.slack(spp_t)) if check_values else None)
         if options["out_dtype"] != options["dtype"]:
             outputs = [value.to(options["out_dtype"]) for value in outputs]
@@ -256,8 +257,9 @@ def _run(names: tuple[str, str, str, str, str, str], rewards: Any, response_mask
                                          **options)
     # integer token statistics have no input slack and π² may underflow in float32: the reference's validators decide
     exact = not (lp_t.is_floating_point() and spp_t.is_floating_point())
-    if check_values and mask_t.dtype == torch.float64 and options["dtype"] != torch.float64:
-        bad = bool(bad) or bool(check.not_binary(mask_t))   # the kernels read this mask rounded to float32
+    if check_values and not native and mask_t.dtype == torch.float64 and options["dtype"] != torch.float64:
+        bad = bool(bad) or bool(check.not_binary(mask_t))   # the eager kernels read this mask rounded to float32
+        # (the native kernel checks the mask in its own dtype)
     if check_values and (exact or bool(bad)):                           # the one synchronisation
         check.check_values(True, rewards=(r_name, rewards_t), mask=(m_name, mask_t), log_probs=(lp_name, lp_t),
                            sum_pi_squared=(spp_name, spp_t),
