@@ -17,6 +17,9 @@ run a native kernel built on first use with the system's C compiler (one sweep p
 second, once per machine, cached); without a compiler, or with ``OTB_TORCH_NATIVE=0``, the eager kernel runs instead.
 ``native_kernel_status()`` says which, and why (docs/performance.md).
 
+Across processes, ``otb_torch.distributed`` (imported on demand) computes vocab-parallel Σπ², log π and entropy, and
+OTB for batches split over data- and context-parallel ranks (docs/distributed.md).
+
 To make verl 0.9.1 itself call the port, ``import otb_torch.verl`` and ``otb_torch.verl.install()`` (or
 ``install(variant="leave_one_out")`` for the unbiased estimator under verl's OTB names; ``uninstall()`` undoes it) —
 imported on demand, so ``otb_torch`` never imports verl (docs/verl.md).

@@ -1,0 +1,616 @@
+"""OTB and Σπ² across processes with torch.distributed: vocab-, data- and context-parallel, any backend.
+
+The port of :mod:`otb_spec.distributed` (the data- and context-parallel protocol) and of the vocab-shard rule
+(:func:`otb_spec.combine_vocab_shards`); every function equals the single-process reference on the whole batch
+within :mod:`otb_spec.tolerances` (tests/test_torch_distributed.py runs them on gloo with 2–4 processes).
+
+* :func:`vocab_parallel_token_statistics` / :func:`vocab_parallel_sum_pi_squared` — logits sharded over the
+  vocabulary: one MAX all-reduce of the row maxima M, then one SUM all-reduce of the stacked partials
+  (S₁ = Σe^{z−M}, S₂ = Σe^{2(z−M)}, Σe^{z−M}(z−M), z_y − M), computed through fixed row-chunk buffers, so the extra
+  memory is O(rows), not O(shard).
+* :func:`distributed_token_baseline` — a batch whose prompt groups are split over the ranks of ``group`` (data
+  parallel) and, optionally, whose rows are cut along T over the ranks of ``context_group`` (context parallel): every
+  rank gets exactly the advantages, returns and baselines one process would compute for its rows — self-inclusive
+  (single- and multi-turn, zero tail included) or leave-one-out, with rollout IS weights.
+* :func:`context_parallel_returns_and_energy` — Gₜ and Wₜ of row pieces cut along T.
+* :func:`global_group_ids` — dense global group ids from per-rank ids of any kind (verl's uid strings).
+
+Bad input never hangs: every rank validates its inputs, then the first collective (a small all-gather) carries each
+rank's verdict and layout, so a rank with bad values, or shapes, options or ids that disagree with the others', makes
+every rank raise a ``ValueError`` naming the argument (the offending rank raises the reference's own message).
+Collectives wait at most ``timeout`` seconds when given (else the process group's timeout). Communication volumes:
+docs/distributed.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import struct
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from otb_spec import _validation as reference_checks
+from otb_torch import _checks as check
+from otb_torch._logits import (
+    TokenStatistics,
+    _check_maxima,
+    _chunk_rows,
+    _compute_dtype,
+    _logits,
+    _out_dtype,
+    _row_dot,
+)
+from otb_torch._otb import AdvantageResult
+
+__all__ = [
+    "vocab_parallel_sum_pi_squared",
+    "vocab_parallel_token_statistics",
+    "ContextScan",
+    "context_parallel_returns_and_energy",
+    "distributed_token_baseline",
+    "global_group_ids",
+]
+
+_ALIGNMENTS = ("position", "valid_token")
+_MAGIC = 0x07B5
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Collectives with a time bound
+
+
+def _wait(work: Any, timeout: float | None) -> None:
+    if timeout is None:
+        work.wait()
+    elif not work.wait(timeout=datetime.timedelta(seconds=timeout)):
+        raise RuntimeError(f"otb_torch.distributed: a collective did not finish within timeout={timeout} s")
+
+
+def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, timeout: float | None) -> torch.Tensor:
+    _wait(dist.all_reduce(tensor, op=op, group=group, async_op=True), timeout)
+    return tensor
+
+
+def _all_gather(tensor: torch.Tensor, group: Any, timeout: float | None) -> torch.Tensor:
+    """[...] on every rank → [P, ...] in the group's rank order."""
+    size = dist.get_world_size(group)
+    flat = tensor.contiguous().reshape(-1)
+    out = torch.empty(size * flat.numel(), dtype=tensor.dtype, device=tensor.device)     # concatenated, as gloo wants
+    _wait(dist.all_gather_single(out, flat, group=group, async_op=True), timeout)
+    return out.reshape((size,) + tuple(tensor.shape))
+
+
+def _timeout(timeout: Any) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0 or math.isinf(timeout):
+        raise ValueError(f"timeout: expected a positive number of seconds or None, got {timeout!r}")
+    return float(timeout)
+
+
+def _float_bits(value: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(value)))[0]
+
+
+def _fingerprint(values: torch.Tensor) -> int:
+    """An int64 fingerprint of integer ids, equal on ranks holding equal ids (a weighted sum that wraps around)."""
+    ids = values.to(torch.int64).cpu().numpy().astype(np.uint64)
+    weights = (np.arange(ids.size, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)) | np.uint64(1)
+    with np.errstate(over="ignore"):
+        total = int(np.sum((ids + np.uint64(1)) * weights, dtype=np.uint64))
+    return struct.unpack("<q", struct.pack("<Q", total))[0]
+
+
+class _Verdicts:
+    """The handshake: every rank's fields gathered over ``group``; raises on every rank if any rank failed."""
+
+    def __init__(self, fields: list[int], failure: BaseException | None, group: Any, timeout: float | None,
+                 device: torch.device, what: str):
+        local = torch.tensor([_MAGIC, 1 if failure is not None else 0, dist.get_rank()] + fields, dtype=torch.int64)
+        self.table = _all_gather(local.to(device), group, timeout).cpu().tolist()   # [P, 3 + len(fields)]
+        self.what = what
+        if failure is not None:
+            raise failure
+        if any(row[0] != _MAGIC or len(row) != len(self.table[0]) for row in self.table):
+            raise ValueError(f"{what}: the ranks of the process group are not all calling the same function")
+        failed = [row[2] for row in self.table if row[1]]
+        if failed:
+            raise ValueError(f"{what}: rank {failed[0]} rejected its inputs (its own error names the argument); "
+                             "nothing was computed on any rank")
+
+    def column(self, k: int) -> list[int]:
+        return [row[3 + k] for row in self.table]
+
+    def require_equal(self, k: int, name: str, ranks: list[int] | None = None) -> None:
+        rows = self.table if ranks is None else [row for row in self.table if row[2] in ranks]
+        values = {row[3 + k] for row in rows}
+        if len(values) > 1:
+            shown = ", ".join(f"rank {row[2]}: {row[3 + k]}" for row in rows)
+            raise ValueError(f"{name}: differs between ranks ({shown}); it must be the same on every rank"
+                             + ("" if ranks is None else " of the context group"))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Vocab parallel
+
+
+@torch.no_grad()
+def vocab_parallel_token_statistics(logits_shard: Any, token_ids: Any = None, *, group: Any = None,
+                                    vocab_start: int | None = None, chunk_size: int | None = None,
+                                    check_values: bool = True, timeout: float | None = None,
+                                    _entropy: bool = True) -> TokenStatistics:
+    """log π(y), entropy and Σπ² of logits sharded over the vocabulary, in one pass over the shard.
+
+    Rank k holds the logits of vocabulary slice [v_k, v_k + V_k) (consecutive in rank order unless ``vocab_start``
+    says otherwise). With the global row maximum M (one MAX all-reduce) and, per shard, a = e^{z − M}:
+
+        S₁ = Σa,   S₂ = Σa²,   U = Σa·(z − M),   c = z_y − M on the rank owning y (0 elsewhere)
+
+    are stacked and SUM all-reduced once; then Σπ² = S₂/S₁², H = log S₁ − U/S₁ (non-negative terms) and
+    log π(y) = c − log S₁. Equal to :func:`otb_spec.token_statistics_from_logits` on the gathered logits within
+    :func:`otb_spec.tolerances.sum_pi_squared_tolerance`.
+
+    Args:
+      logits_shard: [..., V_k] this rank's logits (same leading shape and dtype on every rank).
+      token_ids: optional [...] global token ids y (the same on every rank) for log π(y).
+      group: the vocab-parallel (tensor-parallel) process group; None: the default group.
+      vocab_start: v_k, this shard's first global token id; None: the sum of the lower ranks' V_k.
+      chunk_size: rows per chunk buffer (default: about 1M logits).
+      check_values: reject NaN/+inf logits, rows that are −inf on every rank, and ids outside [0, V) — on every rank.
+      timeout: seconds each collective may take (None: the process group's timeout).
+
+    Returns:
+      :class:`otb_torch.TokenStatistics` (log π(y) None without ids), each [...] in the logits' dtype.
+
+    Collectives: one all-gather of 10 integers per rank (shapes, dtype, vocab offsets), one MAX all-reduce of
+    rows + 2 values, one SUM all-reduce of 2–4 values per row.
+    """
+    timeout = _timeout(timeout)
+    failure, z, ids = None, None, None
+    lead: tuple[int, ...] = ()
+    try:
+        z = _logits("logits_shard", logits_shard)
+        lead = tuple(z.shape[:-1])
+        if token_ids is not None:
+            ids = check.tensor("token_ids", token_ids)
+            if ids.is_floating_point() or ids.dtype == torch.bool:
+                raise TypeError(f"token_ids: expected integer token ids, got dtype {ids.dtype}")
+            if tuple(ids.shape) != lead:
+                raise ValueError(f"token_ids: expected shape {lead} (logits without the vocabulary axis), got "
+                                 f"{tuple(ids.shape)}")
+        if vocab_start is not None and (isinstance(vocab_start, bool) or not isinstance(vocab_start, int)
+                                        or vocab_start < 0):
+            raise ValueError(f"vocab_start: expected a non-negative integer or None, got {vocab_start!r}")
+        _chunk_rows(1, chunk_size)
+    except (TypeError, ValueError) as exc:
+        failure = exc
+    device = z.device if z is not None else torch.device("cpu")
+    rows = int(np.prod(lead)) if z is not None else 0
+    width = int(z.shape[-1]) if z is not None else 0
+    dtype_code = {torch.float64: 2, torch.float32: 1}.get(_compute_dtype(z), 0) if z is not None else 0
+    verdicts = _Verdicts([len(lead), rows, hash(lead) & 0x7FFFFFFF, width, ids is not None, dtype_code,
+                          -1 if vocab_start is None else vocab_start], failure, group, timeout, device,
+                         "vocab_parallel_token_statistics")
+    verdicts.require_equal(0, "logits_shard (number of leading dimensions)")
+    verdicts.require_equal(1, "logits_shard (number of positions)")
+    verdicts.require_equal(2, "logits_shard (leading shape)")
+    verdicts.require_equal(4, "token_ids (given on some ranks only)")
+    verdicts.require_equal(5, "logits_shard (dtype: float64 on some ranks only)")
+    widths, starts = verdicts.column(3), verdicts.column(6)
+    if len(set(start < 0 for start in starts)) > 1:
+        raise ValueError("vocab_start: given on some ranks only")
+    position = dist.get_rank(group)
+    begin = sum(widths[:position]) if vocab_start is None else vocab_start
+    vocab = sum(widths)
+    assert z is not None
+
+    dtype = _compute_dtype(z)
+    flat = z.reshape(-1, width)
+    maxima = flat.amax(-1).to(dtype)
+    rank_flag = float(dist.get_rank() + 1)
+    bad_values = bool((torch.isnan(maxima) | (maxima == math.inf)).any()) if check_values else False
+    ids_flat = None if ids is None else ids.reshape(-1).to(device=device, dtype=torch.int64)
+    bad_ids = bool(((ids_flat < 0) | (ids_flat >= vocab)).any()) if (check_values and ids_flat is not None) else False
+    stacked = torch.cat([torch.nan_to_num(maxima, nan=-math.inf, posinf=-math.inf),
+                         torch.tensor([rank_flag if bad_values else 0.0, rank_flag if bad_ids else 0.0],
+                                      dtype=dtype, device=device)])
+    _all_reduce(stacked, dist.ReduceOp.MAX, group, timeout)
+    overall, flags = stacked[:rows], stacked[rows:].cpu().tolist()
+    if flags[0] or flags[1]:
+        which = int(flags[0] or flags[1]) - 1
+        if which == dist.get_rank():
+            if flags[0]:
+                _check_maxima("logits_shard", z, maxima, allow_excluded_rows=True)
+            host = check._host(ids_flat)
+            first = int(np.flatnonzero((host < 0) | (host >= vocab))[0])
+            raise ValueError(f"token_ids: must lie in [0, {vocab}) (the whole vocabulary), found {int(host[first])} "
+                             f"at flat index {first}")
+        argument = "logits_shard (NaN or +inf)" if flags[0] else "token_ids (outside the vocabulary)"
+        raise ValueError(f"{argument}: rejected on rank {which}; nothing was computed on any rank")
+    if check_values and rows and bool((overall == -math.inf).any()):
+        first = int(torch.nonzero(overall == -math.inf)[0, 0])
+        raise ValueError(f"logits_shard: every logit is -inf on every rank at flat position {first}; the softmax is "
+                         "undefined there")
+    shift = torch.where(torch.isinf(overall), torch.zeros_like(overall), overall)
+
+    # rows of partials: S₁, S₂, then U (entropy) unless only Σπ² is wanted, then c with ids
+    parts = 2 + int(_entropy) + int(ids is not None)
+    partials = torch.zeros((parts, rows), dtype=dtype, device=device)
+    step = _chunk_rows(width, chunk_size)
+    shifted = torch.empty((min(step, max(rows, 1)), width), dtype=dtype, device=device)
+    exps = torch.empty_like(shifted)
+    for start in range(0, rows, step):
+        block = flat[start:start + step]
+        count = block.shape[0]
+        d, a = shifted[:count], exps[:count]
+        torch.sub(block, shift[start:start + count, None], out=d)
+        torch.exp(d, out=a)
+        partials[0, start:start + count] = a.sum(-1)
+        partials[1, start:start + count] = _row_dot(a, a)
+        if _entropy:
+            d.nan_to_num_(nan=0.0, neginf=0.0)      # −inf logits: a = 0, no contribution to Σ a·(z − M)
+            partials[2, start:start + count] = _row_dot(a, d)
+        if ids is not None:
+            local = ids_flat[start:start + count] - begin
+            owned = (local >= 0) & (local < width)
+            chosen = block.gather(1, local.clamp(0, width - 1)[:, None])[:, 0].to(dtype)
+            partials[-1, start:start + count] = torch.where(owned, chosen - shift[start:start + count],
+                                                           torch.zeros_like(chosen))
+    _all_reduce(partials, dist.ReduceOp.SUM, group, timeout)
+    total, squares = partials[0], partials[1]
+    log_total = torch.log(total)
+    out = _out_dtype(z)
+    spp = (squares / torch.square(total)).reshape(lead).to(out)
+    entropy = (log_total - partials[2] / total).reshape(lead).to(out) if _entropy else None
+    log_probs = None if ids is None else (partials[-1] - log_total).reshape(lead).to(out)
+    return TokenStatistics(log_probs, entropy, spp)
+
+
+def vocab_parallel_sum_pi_squared(logits_shard: Any, *, group: Any = None, chunk_size: int | None = None,
+                                  check_values: bool = True, timeout: float | None = None) -> torch.Tensor:
+    """Σπ² [...] of logits sharded over the vocabulary (:func:`vocab_parallel_token_statistics` without ids).
+
+    Replaces verl 0.9.1's ``vocab_parallel_sum_pi_squared`` (three all-reduces and two shard-sized temporaries) with
+    one MAX and one SUM all-reduce (of 2 values per row) and chunk buffers. For the entropy as well, call
+    :func:`vocab_parallel_token_statistics`: it rides in the same SUM.
+    """
+    return vocab_parallel_token_statistics(logits_shard, None, group=group, chunk_size=chunk_size,
+                                           check_values=check_values, timeout=timeout,
+                                           _entropy=False).sum_pi_squared
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Data and context parallel OTB
+
+
+class ContextScan(NamedTuple):
+    """A context shard's whole-row scans, [B, T_c] (``returns``, ``energy``) and [B] int64 (the rest).
+
+    Attributes:
+      returns: Gₜ = Σ_{k≥t} mₖrₖ over the whole row.
+      energy: Wₜ = Σ_{j≤t} mⱼρⱼ²wⱼ over the whole row.
+      lengths: the rows' valid tokens in all shards.
+      valid_before: valid tokens in the shards before this one.
+      columns_before: positions in the shards before this one (a Python int).
+    """
+
+    returns: torch.Tensor
+    energy: torch.Tensor
+    lengths: torch.Tensor
+    valid_before: torch.Tensor
+    columns_before: int
+
+
+class _Local(NamedTuple):
+    rewards: torch.Tensor
+    mask: torch.Tensor
+    log_probs: torch.Tensor
+    sum_pi_squared: torch.Tensor
+    is_weights: torch.Tensor | None
+    ids: torch.Tensor | None
+
+
+def _validated(rewards: Any, response_mask: Any, log_probs: Any, sum_pi_squared: Any, is_weights: Any,
+               group_ids: Any, num_groups: int | None, check_values: bool) -> _Local:
+    rewards_t = check.batch("rewards", rewards)
+    mask_t = check.tensor("response_mask", response_mask, like=rewards_t, like_name="rewards")
+    lp_t = check.tensor("log_probs", log_probs, like=rewards_t, like_name="rewards")
+    spp_t = check.tensor("sum_pi_squared", sum_pi_squared, like=rewards_t, like_name="rewards")
+    weights_t = None if is_weights is None else check.tensor("is_weights", is_weights, like=rewards_t,
+                                                             like_name="rewards")
+    exact = not (lp_t.is_floating_point() and spp_t.is_floating_point())
+    check.check_values(check_values, rewards=("rewards", rewards_t), mask=("response_mask", mask_t),
+                       log_probs=("log_probs", lp_t), sum_pi_squared=("sum_pi_squared", spp_t),
+                       is_weights=None if weights_t is None else ("is_weights", weights_t), exact=exact)
+    ids = None
+    if num_groups is not None:
+        if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
+            raise ValueError(f"num_groups: expected a positive integer, got {num_groups!r}")
+        ids = check.tensor("group_ids", group_ids)
+        if ids.is_floating_point() or ids.dtype == torch.bool:
+            raise TypeError(f"group_ids: expected global integer group ids in [0, num_groups), got dtype {ids.dtype} "
+                            "(otb_torch.distributed.global_group_ids numbers ids of any kind)")
+        if ids.dim() != 1 or ids.shape[0] != rewards_t.shape[0]:
+            raise ValueError(f"group_ids: expected {rewards_t.shape[0]} ids (one per row), got shape "
+                             f"{tuple(ids.shape)}")
+        ids = ids.to(device=rewards_t.device, dtype=torch.int64)
+        outside = (ids < 0) | (ids >= num_groups)
+        if bool(outside.any()):
+            first = int(torch.nonzero(outside)[0, 0])
+            raise ValueError(f"group_ids: must lie in [0, {num_groups}) (num_groups), found {int(ids[first])} at "
+                             f"index {first}")
+    return _Local(rewards_t, mask_t, lp_t, spp_t, weights_t, ids)
+
+
+def _row_totals(local: _Local, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """(m·r, m·ρ²·w) [B, T_c] in ``dtype`` and the mask."""
+    m = local.mask.to(dtype)
+    masked_rewards = local.rewards.to(dtype) * m
+    pi = torch.clamp(local.log_probs.to(dtype), max=0.0).exp_()
+    per_token = (local.sum_pi_squared.to(dtype) + 1.0).sub_(pi, alpha=2.0).mul_(m)
+    if local.is_weights is not None:
+        rho = local.is_weights.to(dtype)
+        per_token.mul_(rho).mul_(rho)
+    return masked_rewards, per_token, m
+
+
+def _scan(local: _Local, dtype: torch.dtype, context_group: Any, columns_before: int, timeout: float | None
+          ) -> ContextScan:
+    masked_rewards, per_token, m = _row_totals(local, dtype)
+    prefix_rewards = torch.cumsum(masked_rewards, -1)
+    energy = torch.cumsum(per_token, -1)
+    valid = m.sum(-1)
+    if context_group is None:
+        after = torch.zeros_like(valid)
+        before = torch.zeros_like(valid)
+        valid_before = torch.zeros_like(valid, dtype=torch.int64)
+        lengths = valid.to(torch.int64)
+    else:
+        totals = torch.stack([prefix_rewards[:, -1], energy[:, -1], valid]).to(torch.float64)     # [3, B]
+        gathered = _all_gather(totals, context_group, timeout)                                   # [P_c, 3, B]
+        me = dist.get_rank(context_group)
+        after = gathered[me + 1:, 0].sum(0).to(dtype)
+        before = gathered[:me, 1].sum(0).to(dtype)
+        valid_before = gathered[:me, 2].sum(0).to(torch.int64)
+        lengths = gathered[:, 2].sum(0).to(torch.int64)
+    returns = (prefix_rewards[:, -1:] - prefix_rewards).add_(masked_rewards).add_(after[:, None])
+    return ContextScan(returns, energy.add_(before[:, None]), lengths, valid_before, columns_before)
+
+
+def _context_layout(verdicts: _Verdicts, context_group: Any, rows_field: int, width_field: int, ids_field: int | None
+                    ) -> int:
+    """Check the context group's rows and ids agree; return this rank's columns_before."""
+    if context_group is None:
+        return 0
+    members = dist.get_process_group_ranks(context_group)
+    known = {row[2] for row in verdicts.table}
+    if not set(members) <= known:
+        raise ValueError("context_group: every rank of the context group must belong to group")
+    verdicts.require_equal(rows_field, "rewards (number of rows B)", members)
+    if ids_field is not None:
+        verdicts.require_equal(ids_field, "group_ids", members)
+    widths = {row[2]: row[3 + width_field] for row in verdicts.table}
+    me = dist.get_rank(context_group)
+    return sum(widths[rank] for rank in members[:me])
+
+
+def _group_key(context_group: Any) -> Any:
+    return None if context_group is None else tuple(dist.get_process_group_ranks(context_group))
+
+
+@torch.no_grad()
+def context_parallel_returns_and_energy(rewards: Any, response_mask: Any, log_probs: Any, sum_pi_squared: Any, *,
+                                        is_weights: Any = None, context_group: Any = None, check_values: bool = True,
+                                        timeout: float | None = None) -> ContextScan:
+    """Gₜ and Wₜ of rows cut along T over the ranks of ``context_group`` (rank c holds columns [t_c, t_{c+1}) of the
+    same B rows, consecutive in rank order); the port of :func:`otb_spec.distributed.context_shard_returns_and_energy`.
+
+    One all-gather of 6 integers (the handshake) and one all-gather of the [3, B] row totals (Σmr, Σmρ²w, Σm):
+    P_c·3·B float64 values per rank, whatever T.
+    """
+    timeout = _timeout(timeout)
+    failure, local = None, None
+    try:
+        local = _validated(rewards, response_mask, log_probs, sum_pi_squared, is_weights, None, None, check_values)
+    except (TypeError, ValueError) as exc:
+        failure = exc
+    shape = (0, 0) if local is None else tuple(local.rewards.shape)
+    device = torch.device("cpu") if local is None else local.rewards.device
+    verdicts = _Verdicts([shape[0], shape[1], local is not None and local.is_weights is not None], failure,
+                         context_group, timeout, device, "context_parallel_returns_and_energy")
+    verdicts.require_equal(0, "rewards (number of rows B)")
+    verdicts.require_equal(2, "is_weights (given on some ranks only)")
+    columns_before = sum(verdicts.column(1)[:dist.get_rank(context_group)])
+    assert local is not None
+    dtype = check.accumulation_dtype(local.rewards, local.log_probs, local.sum_pi_squared, local.is_weights)
+    scan = _scan(local, dtype, context_group, columns_before, timeout)
+    out = check.output_dtype(local.rewards)
+    return scan._replace(returns=scan.returns.to(out), energy=scan.energy.to(out))
+
+
+@torch.no_grad()
+def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any, log_probs: Any, sum_pi_squared: Any,
+                               *, num_groups: int, is_weights: Any = None, align: str = "position",
+                               leave_one_out: bool = False, handle_zero_tail: bool | None = None,
+                               epsilon: float = 1e-8, group: Any = None, context_group: Any = None,
+                               check_values: bool = True, timeout: float | None = None) -> AdvantageResult:
+    """OTB for a batch split over ranks: this rank's rows get exactly what one process would compute on the batch.
+
+    Data parallel: the members of a prompt group may sit on any ranks of ``group`` (any order, unequal groups, a rank
+    without valid tokens). Context parallel (optional): ranks of ``context_group`` (a subset of ``group``) hold
+    consecutive column ranges of the same rows, in rank order. Every rank of ``group`` calls this function.
+
+    Per rank (the protocol of :mod:`otb_spec.distributed`): the whole-row scans (:func:`context_parallel_returns_and_energy`),
+    then its terms of N_gk = Σᵢ GᵢWᵢmᵢ, D_gk = Σᵢ Wᵢmᵢ (and V_gk = Σᵢ mᵢ for leave-one-out) on the [G, K] aligned grid,
+    SUM all-reduced over ``group``; the self-inclusive rules need each group's members and top-two lengths, all-gathered
+    as [G, 4] integers. K = the longest padded row over the ranks (Σ of the context shards' widths).
+
+    Args:
+      rewards, response_mask, log_probs, sum_pi_squared, is_weights: this rank's [B, T_c] pieces, as
+        :func:`otb_torch.optimal_token_baseline`.
+      group_ids: [B] global integer group ids in [0, num_groups) (:func:`global_group_ids` numbers other ids).
+      num_groups: G, the same on every rank.
+      align: ``"position"`` (verl's single-turn OTB) or ``"valid_token"`` (multi-turn compaction).
+      leave_one_out: the unbiased leave-one-out baseline.
+      handle_zero_tail: verl's zero-tail rule (default: on for the self-inclusive baseline; not with leave-one-out).
+      epsilon: ε ≥ 0.
+      group: the process group over which the batch is split (None: the default group).
+      context_group: the context-parallel group of this rank, or None.
+      check_values, timeout: as :func:`vocab_parallel_token_statistics`.
+
+    Returns:
+      :class:`otb_torch.AdvantageResult` for this rank's rows and columns, in the rewards' dtype.
+    """
+    timeout = _timeout(timeout)
+    failure, local = None, None
+    options = [0, 0, 0, 0]
+    try:
+        if align not in _ALIGNMENTS:
+            raise ValueError(f"align: expected one of {_ALIGNMENTS}, got {align!r}")
+        leave_one_out = reference_checks.flag("leave_one_out", leave_one_out)
+        if handle_zero_tail is None:
+            handle_zero_tail = not leave_one_out
+        handle_zero_tail = reference_checks.flag("handle_zero_tail", handle_zero_tail)
+        if handle_zero_tail and leave_one_out:
+            raise ValueError("handle_zero_tail: not applicable with leave_one_out=True; leave it unset")
+        epsilon = check.epsilon(epsilon)
+        options = [_ALIGNMENTS.index(align), int(leave_one_out), int(handle_zero_tail), _float_bits(epsilon)]
+        local = _validated(rewards, response_mask, log_probs, sum_pi_squared, is_weights, group_ids, num_groups,
+                           check_values)
+    except (TypeError, ValueError) as exc:
+        failure = exc
+    shape = (0, 0) if local is None else tuple(local.rewards.shape)
+    device = torch.device("cpu") if local is None else local.rewards.device
+    dtype = torch.float32 if local is None else check.accumulation_dtype(
+        local.rewards, local.log_probs, local.sum_pi_squared, local.is_weights)
+    fingerprint = 0 if local is None or local.ids is None else _fingerprint(local.ids)
+    groups = num_groups if isinstance(num_groups, int) and not isinstance(num_groups, bool) else -1
+    verdicts = _Verdicts(options + [groups, int(dtype == torch.float64), int(local is not None and local.is_weights
+                                                                              is not None),
+                                    shape[0], shape[1], fingerprint], failure, group, timeout, device,
+                         "distributed_token_baseline")
+    for field, name in enumerate(("align", "leave_one_out", "handle_zero_tail", "epsilon", "num_groups",
+                                  "the accumulation dtype (float64 inputs on some ranks only)",
+                                  "is_weights (given on some ranks only)")):
+        verdicts.require_equal(field, name)
+    columns_before = _context_layout(verdicts, context_group, 7, 8, 9)
+    assert local is not None and local.ids is not None
+    scan = _scan(local, dtype, context_group, columns_before, timeout)
+    # K: the longest padded row of any rank (context shards: this rank's end column; the group's widest)
+    context_ends = {}
+    if context_group is not None:
+        key = {row[2]: row for row in verdicts.table}
+        members = dist.get_process_group_ranks(context_group)
+        context_ends = {rank: sum(key[r][3 + 8] for r in members) for rank in members}
+    width = max(context_ends.get(row[2], row[3 + 8]) for row in verdicts.table)
+    width = max(width, 1)
+    advantages, returns, baselines = _baseline(local, scan, num_groups, width, align=align,
+                                               leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail,
+                                               epsilon=epsilon, dtype=dtype, group=group,
+                                               context_group=context_group, timeout=timeout)
+    out = check.output_dtype(local.rewards)
+    return AdvantageResult(advantages.to(out), returns.to(out), baselines.to(out))
+
+
+def _baseline(local: _Local, scan: ContextScan, num_groups: int, width: int, *, align: str, leave_one_out: bool,
+              handle_zero_tail: bool, epsilon: float, dtype: torch.dtype, group: Any, context_group: Any,
+              timeout: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    m = local.mask.to(dtype)
+    ids = local.ids
+    assert ids is not None
+    positions = local.mask.shape[1]
+    if align == "position":
+        columns = (scan.columns_before + torch.arange(positions, device=m.device)).expand(m.shape[0], -1)
+    else:
+        columns = (torch.cumsum(m, -1) - m).to(torch.int64) + scan.valid_before[:, None]
+    columns = columns.clamp(max=width - 1)
+    weights = scan.energy * m                                       # 0 at masked positions: they add nothing
+    planes = [scan.returns * weights, weights] + ([m] if leave_one_out else [])
+    if align == "position":                                         # whole rows of the grid: row-wise adds
+        grid = torch.zeros((len(planes), num_groups, width), dtype=dtype, device=m.device)
+        window = slice(scan.columns_before, scan.columns_before + positions)
+        grid[:, :, window].index_add_(1, ids, torch.stack(planes))
+        _all_reduce(grid, dist.ReduceOp.SUM, group, timeout)
+        picked = grid[:, :, window].index_select(1, ids)           # [planes, B, T_c]
+    else:                                                           # each valid token to its (group, column) cell
+        cells = (ids[:, None] * width + columns).reshape(-1)
+        source = torch.stack(planes, dim=-1).reshape(cells.shape[0], len(planes))
+        grid = torch.zeros((num_groups * width, len(planes)), dtype=dtype, device=m.device).index_add_(0, cells,
+                                                                                                     source)
+        _all_reduce(grid, dist.ReduceOp.SUM, group, timeout)
+        picked = grid.index_select(0, cells).reshape(m.shape + (len(planes),)).movedim(-1, 0)
+    numerator, denominator = picked[0], picked[1]
+    if leave_one_out:
+        others = picked[2] - m
+        own = weights
+        ratio_num = numerator - scan.returns * own
+        ratio_den = torch.clamp(denominator - own, min=0.0) + epsilon
+        forced = others <= 0
+    else:
+        ratio_num, ratio_den = numerator, denominator + epsilon
+        stats = _group_lengths(scan.lengths, ids, num_groups, align,
+                               count_rows=context_group is None or dist.get_rank(context_group) == 0)
+        merged = _merge_lengths(_all_gather(stats, group, timeout))     # [4, G]
+        members, longest, count_longest, second = merged
+        forced = (members[ids] < 2)[:, None].expand(m.shape)
+        if handle_zero_tail:
+            unique = (count_longest[ids] == 1) & (scan.lengths == longest[ids])
+            forced = forced | (unique[:, None] & (columns >= second[ids][:, None]))
+    zero = ratio_den == 0
+    baselines = (ratio_num / ratio_den.masked_fill(zero, 1.0)).masked_fill_(zero | forced, 0.0).mul_(m)
+    advantages = (scan.returns - baselines).mul_(m)
+    return advantages, scan.returns, baselines
+
+
+def _group_lengths(lengths: torch.Tensor, ids: torch.Tensor, num_groups: int, align: str, count_rows: bool
+                   ) -> torch.Tensor:
+    """[4, G] int64: members, longest, count at longest, second longest (−1: none) of this rank's rows (all zero /
+    −1 where ``count_rows`` is False: a context shard other than the first counts nothing)."""
+    device = lengths.device
+    stats = torch.zeros((4, num_groups), dtype=torch.int64, device=device)
+    stats[1:].fill_(-1)
+    stats[2].fill_(0)
+    if not count_rows:
+        return stats
+    members = lengths > 0 if align == "valid_token" else torch.ones_like(lengths, dtype=torch.bool)
+    member_ids, member_lengths = ids[members], lengths[members]
+    stats[0].index_add_(0, member_ids, torch.ones_like(member_ids))
+    stats[1].scatter_reduce_(0, member_ids, member_lengths, reduce="amax", include_self=True)
+    at_longest = member_lengths == stats[1][member_ids]
+    stats[2].index_add_(0, member_ids[at_longest], torch.ones_like(member_ids[at_longest]))
+    stats[3].scatter_reduce_(0, member_ids[~at_longest], member_lengths[~at_longest], reduce="amax",
+                             include_self=True)
+    return stats
+
+
+def _merge_lengths(gathered: torch.Tensor) -> torch.Tensor:
+    """[P, 4, G] → [4, G]: the rule of :func:`otb_spec.distributed.combine_group_lengths`."""
+    members, longest, count, second = gathered.unbind(1)
+    overall = longest.amax(0)
+    reaches = longest == overall
+    merged_count = torch.where(reaches, count, torch.zeros_like(count)).sum(0)
+    merged_second = torch.where(reaches, second, longest).clamp(min=-1).amax(0)
+    return torch.stack([members.sum(0), overall, merged_count, merged_second])
+
+
+def global_group_ids(ids: Any, *, group: Any = None, device: Any = None) -> tuple[torch.Tensor, int]:
+    """Dense global group ids for per-rank ids of any hashable kind (verl's uid strings): equal ids on any ranks get
+    the same integer, numbered in order of first appearance over the ranks in rank order.
+
+    Returns ([B] int64 tensor on ``device``, G). One ``all_gather_object`` of the ranks' distinct ids.
+    """
+    values = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    if any(isinstance(value, float) and value != value for value in values):
+        raise ValueError("group_ids: contains NaN, which never compares equal to itself and cannot name a group")
+    distinct = list(dict.fromkeys(values))
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, distinct, group=group)
+    table: dict[Any, int] = {}
+    for part in gathered:
+        for value in part:
+            table.setdefault(value, len(table))
+    return torch.tensor([table[value] for value in values], dtype=torch.int64, device=device), len(table)

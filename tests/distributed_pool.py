@@ -1,0 +1,152 @@
+"""A pool of real torch.distributed processes (gloo on loopback) for the distributed tests, bounded in time.
+
+Four processes are spawned once per test module and kept; each test sends every rank a task (a function of
+``otb_torch.distributed`` and its per-rank arguments as NumPy arrays) and collects every rank's result or exception.
+Process groups, created once at start-up in every process (``new_group`` is collective):
+
+* ``"world"``   — all four ranks; ``group=None``, no context split (data parallel over 4 ranks);
+* ``"three"``   — ranks 0–2 as ``group`` (data parallel over 3 ranks; rank 3 sits out);
+* ``"two"``     — ranks 0–1 as ``group`` (ranks 2–3 sit out);
+* ``"context"`` — all four ranks as one context group (rows cut along T in four pieces);
+* ``"mesh"``    — a 2 × 2 mesh: context pairs {0, 1} and {2, 3}, the batch split over the pairs (rank = 2·d + c).
+
+A task that does not answer within ``timeout`` seconds fails the test and the pool is restarted; collectives inside
+the processes time out after ``COLLECTIVE_TIMEOUT`` seconds (the process groups' timeout), so nothing can hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import queue
+import socket
+import traceback
+from typing import Any
+
+import numpy as np
+
+WORLD_SIZE = 4
+COLLECTIVE_TIMEOUT = 30.0
+LAYOUTS = ("world", "three", "two", "context", "mesh")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _worker(rank: int, port: int, inbox: Any, outbox: Any) -> None:  # pragma: no cover - runs in the children
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    import otb_torch.distributed as otb_dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))
+    three = dist.new_group([0, 1, 2])
+    two = dist.new_group([0, 1])
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    layouts = {
+        "world": (rank < 4, dict(group=None)),
+        "three": (rank < 3, dict(group=three)),
+        "two": (rank < 2, dict(group=two)),
+        "context": (True, dict(group=None, context_group=dist.group.WORLD)),
+        "mesh": (True, dict(group=None, context_group=pairs[rank // 2])),
+    }
+    outbox.put((rank, "ready", None))
+    while True:
+        message = inbox.get()
+        if message is None:
+            break
+        name, layout, arguments = message
+        taking_part, groups = layouts[layout]
+        if not taking_part or arguments is None:
+            outbox.put((rank, "ok", None))
+            continue
+        try:
+            function = getattr(otb_dist, name)
+            call = {key: torch.from_numpy(value) if isinstance(value, np.ndarray) and value.dtype.kind in "biuf" else value
+                    for key, value in arguments.items()}
+            if name in ("vocab_parallel_token_statistics", "vocab_parallel_sum_pi_squared", "global_group_ids"):
+                groups = {"group": groups.get("group")}
+            elif name == "context_parallel_returns_and_energy":
+                groups = {"context_group": groups.get("context_group", groups.get("group"))}
+            result = function(**call, **groups)
+            outbox.put((rank, "ok", _to_numpy(result)))
+        except Exception as exc:  # reported to the parent, which decides
+            outbox.put((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))
+    dist.destroy_process_group()
+
+
+def _to_numpy(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    if isinstance(value, tuple):
+        converted = [_to_numpy(item) for item in value]
+        return type(value)(*converted) if hasattr(value, "_fields") else tuple(converted)
+    return value
+
+
+class Pool:
+    """Four gloo processes; :meth:`run` sends one task to every rank and returns the ranks' outcomes in rank order:
+    ``("ok", result)`` or ``("error", (type name, message, traceback))``."""
+
+    def __init__(self, timeout: float = 120.0):
+        self.timeout = timeout
+        self._start()
+
+    def _start(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        port = _free_port()
+        self.inboxes = [context.Queue() for _ in range(WORLD_SIZE)]
+        self.outbox = context.Queue()
+        self.processes = [context.Process(target=_worker, args=(rank, port, self.inboxes[rank], self.outbox),
+                                          daemon=True) for rank in range(WORLD_SIZE)]
+        for process in self.processes:
+            process.start()
+        self._collect("start-up")
+
+    def _collect(self, what: str) -> list[tuple[str, Any]]:
+        outcomes: list[Any] = [None] * WORLD_SIZE
+        for _ in range(WORLD_SIZE):
+            try:
+                rank, status, payload = self.outbox.get(timeout=self.timeout)
+            except queue.Empty:
+                self.restart()
+                raise AssertionError(f"distributed pool: no answer within {self.timeout} s ({what}); a rank hung "
+                                     "or died — the pool was restarted") from None
+            outcomes[rank] = (status, payload)
+        return outcomes
+
+    def run(self, name: str, layout: str, arguments: list[dict | None]) -> list[tuple[str, Any]]:
+        """Call ``otb_torch.distributed.<name>(**arguments[rank], <layout's groups>)`` on every rank."""
+        assert layout in LAYOUTS and len(arguments) == WORLD_SIZE
+        for rank, inbox in enumerate(self.inboxes):
+            inbox.put((name, layout, arguments[rank]))
+        outcomes = self._collect(f"{name} on layout {layout!r}")
+        if any(status == "error" and payload[0] in ("RuntimeError", "DistBackendError") for status, payload in
+               outcomes):
+            self.restart()          # a failed collective leaves the process group unusable
+        return outcomes
+
+    def restart(self) -> None:
+        self.close()
+        self._start()
+
+    def close(self) -> None:
+        for inbox in self.inboxes:
+            try:
+                inbox.put(None)
+            except Exception:
+                pass
+        for process in self.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)

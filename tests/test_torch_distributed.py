@@ -1,0 +1,351 @@
+"""otb_torch.distributed on real processes: gloo on loopback, 2–4 ranks, every collective bounded in time.
+
+Each rank's result is compared with the single-process NumPy reference on the whole batch, within the reference's
+error bound for any summation order (``otb_comparison_tolerance``, ``sum_pi_squared_tolerance``), on
+Hypothesis-generated batches and splits and on adversarial ones: a group entirely on one rank, a rank without valid
+tokens, uneven shards, a context piece of one column. Bad input must raise on every rank, never hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.distributed.is_available():  # pragma: no cover
+    pytest.skip("torch.distributed is not available in this build", allow_module_level=True)
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import otb_spec as otb  # noqa: E402
+from distributed_pool import WORLD_SIZE, Pool  # noqa: E402
+from otb_spec import strategies  # noqa: E402
+from otb_spec.groups import group_segments  # noqa: E402
+from otb_spec.tolerances import (  # noqa: E402
+    Tolerance,
+    otb_comparison_tolerance,
+    proxy_tolerance,
+    sum_pi_squared_tolerance,
+)
+
+pytestmark = pytest.mark.distributed
+
+DATA_LAYOUTS = {"world": 4, "three": 3, "two": 2}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    workers = Pool()
+    yield workers
+    workers.close()
+
+
+def _sliced(tolerance: Tolerance, rows: np.ndarray, columns: slice) -> Tolerance:
+    def cut(value):
+        value = np.asarray(value)
+        return value if value.ndim == 0 else value[rows][:, columns]
+    return Tolerance(rtol=cut(tolerance.rtol), atol=cut(tolerance.atol), reason=tolerance.reason)
+
+
+def _reference(batch, ids, *, align, leave_one_out, epsilon):
+    common = dict(is_weights=batch.is_weights, epsilon=epsilon)
+    if leave_one_out:
+        return otb.leave_one_out_token_baseline(batch.rewards, batch.response_mask, ids, batch.log_probs,
+                                                batch.sum_pi_squared, align=align, **common)
+    function = otb.optimal_token_baseline if align == "position" else otb.multi_turn_optimal_token_baseline
+    return function(batch.rewards, batch.response_mask, ids, batch.log_probs, batch.sum_pi_squared, **common)
+
+
+def _split_arguments(batch, ids, num_groups, row_shards, column_cuts, context_size, *, align, leave_one_out,
+                     epsilon):
+    """Per rank (rank = context_size·d + c): the rows of data shard d, columns of context piece c."""
+    total = batch.rewards.shape[1]
+    cuts = [0, *column_cuts, total]
+    arguments, pieces = [], []
+    for rows in row_shards:
+        for c in range(context_size):
+            columns = slice(cuts[c], cuts[c + 1])
+
+            def take(array, rows=rows, columns=columns):
+                return None if array is None else np.ascontiguousarray(np.asarray(array)[rows][:, columns])
+
+            arguments.append(dict(rewards=take(batch.rewards), response_mask=take(batch.response_mask),
+                                  group_ids=np.ascontiguousarray(ids[rows]), log_probs=take(batch.log_probs),
+                                  sum_pi_squared=take(batch.sum_pi_squared), is_weights=take(batch.is_weights),
+                                  num_groups=num_groups, align=align, leave_one_out=leave_one_out,
+                                  epsilon=epsilon))
+            pieces.append((rows, columns))
+    return arguments, pieces
+
+
+def _check_split(pool, batch, row_shards, *, layout, column_cuts=(), align="position", leave_one_out=False,
+                 epsilon=1e-8):
+    ids = group_segments(batch.group_ids).index
+    num_groups = int(ids.max()) + 1
+    context_size = len(column_cuts) + 1
+    arguments, pieces = _split_arguments(batch, ids, num_groups, row_shards, list(column_cuts), context_size,
+                                         align=align, leave_one_out=leave_one_out, epsilon=epsilon)
+    arguments += [None] * (WORLD_SIZE - len(arguments))
+    outcomes = pool.run("distributed_token_baseline", layout, arguments)
+    expected = _reference(batch, ids, align=align, leave_one_out=leave_one_out, epsilon=epsilon)
+    dtype = np.asarray(batch.rewards).dtype
+    advantage_tol, returns_tol = otb_comparison_tolerance(
+        batch.rewards, batch.response_mask, ids, batch.log_probs, batch.sum_pi_squared, is_weights=batch.is_weights,
+        align=align, leave_one_out=leave_one_out, handle_zero_tail=not leave_one_out, epsilon=epsilon,
+        compute_dtype=dtype)
+    for rank, ((status, result), (rows, columns)) in enumerate(zip(outcomes, pieces)):
+        assert status == "ok", f"rank {rank}: {result[0]}: {result[1]}\n{result[2]}"
+        _sliced(advantage_tol, rows, columns).assert_close(result.advantages, expected.advantages[rows][:, columns],
+                                                           f"rank {rank} advantages")
+        _sliced(returns_tol, rows, columns).assert_close(result.returns, expected.returns[rows][:, columns],
+                                                         f"rank {rank} returns")
+        mask = np.asarray(batch.response_mask)[rows][:, columns]
+        assert np.all(result.baselines[mask == 0] == 0) and np.all(result.advantages[mask == 0] == 0)
+
+
+@st.composite
+def _row_shards(draw, rows: int, shards: int):
+    """A random partition of the rows into ``shards`` non-empty parts (any order: groups scattered)."""
+    order = np.asarray(draw(st.permutations(range(rows))), dtype=np.int64)
+    cuts = sorted(draw(st.lists(st.integers(1, rows - 1), min_size=shards - 1, max_size=shards - 1,
+                                unique=True)))
+    return [order[a:b] for a, b in zip([0, *cuts], [*cuts, rows])]
+
+
+_BATCHES = dict(min_groups=1, max_groups=4, max_group_size=5, min_length=4, max_length=10)
+
+
+@settings(max_examples=25)
+@given(data=st.data(), layout=st.sampled_from(sorted(DATA_LAYOUTS)), align=st.sampled_from(["position", "valid_token"]),
+       leave_one_out=st.booleans(), dtype=st.sampled_from([np.float64, np.float32]))
+def test_data_parallel_equals_one_process(pool, data, layout, align, leave_one_out, dtype):
+    shards = DATA_LAYOUTS[layout]
+    batch = data.draw(strategies.rollout_batches(**_BATCHES, min_group_size=2, dtype=dtype).filter(
+        lambda b: b.rewards.shape[0] >= shards))
+    row_shards = data.draw(_row_shards(batch.rewards.shape[0], shards))
+    _check_split(pool, batch, row_shards, layout=layout, align=align, leave_one_out=leave_one_out)
+
+
+@settings(max_examples=20)
+@given(data=st.data(), layout=st.sampled_from(["context", "mesh"]), align=st.sampled_from(["position", "valid_token"]),
+       leave_one_out=st.booleans())
+def test_context_parallel_equals_one_process(pool, data, layout, align, leave_one_out):
+    context_size = 4 if layout == "context" else 2
+    data_shards = WORLD_SIZE // context_size
+    batch = data.draw(strategies.rollout_batches(**_BATCHES, min_group_size=2).filter(
+        lambda b: b.rewards.shape[0] >= data_shards))
+    total = batch.rewards.shape[1]
+    column_cuts = sorted(data.draw(st.lists(st.integers(1, total - 1), min_size=context_size - 1,
+                                            max_size=context_size - 1, unique=True)))
+    row_shards = data.draw(_row_shards(batch.rewards.shape[0], data_shards)) if data_shards > 1 else [
+        np.arange(batch.rewards.shape[0])]
+    _check_split(pool, batch, row_shards, layout=layout, column_cuts=column_cuts, align=align,
+                 leave_one_out=leave_one_out)
+
+
+def _fixed_batch(rows: int = 8, positions: int = 6, seed: int = 3):
+    rng = np.random.default_rng(seed)
+    mask = np.ones((rows, positions))
+    lengths = rng.integers(1, positions + 1, rows)
+    mask[np.arange(positions)[None, :] >= lengths[:, None]] = 0.0
+    log_probs = np.log(rng.uniform(0.05, 1.0, (rows, positions)))
+    spp = np.clip(np.exp(2 * log_probs) + rng.uniform(0, 0.5, (rows, positions)), 0, 1)
+    return otb.RolloutBatch(rewards=rng.normal(size=(rows, positions)), response_mask=mask,
+                            group_ids=np.array([0, 0, 0, 1, 1, 1, 2, 2]), log_probs=log_probs,
+                            sum_pi_squared=spp, is_weights=rng.uniform(0.5, 1.5, (rows, positions)))
+
+
+@pytest.mark.parametrize("leave_one_out", [False, True])
+@pytest.mark.parametrize("align", ["position", "valid_token"])
+def test_adversarial_splits(pool, align, leave_one_out):
+    batch = _fixed_batch()
+    # group 1 entirely on rank 2; rank 3 without a valid token; uneven shards; group 0 split 2 + 1
+    mask = batch.response_mask.copy()
+    mask[7] = 0.0
+    batch = dataclasses.replace(batch, response_mask=mask)
+    row_shards = [np.array([0, 1, 6]), np.array([2]), np.array([3, 4, 5]), np.array([7])]
+    _check_split(pool, batch, row_shards, layout="world", align=align, leave_one_out=leave_one_out)
+    # a context piece of a single column, and a piece with no valid token in any row
+    _check_split(pool, batch, [np.arange(8)], layout="context", column_cuts=(1, 2, 5), align=align,
+                 leave_one_out=leave_one_out)
+
+
+def test_zero_tail_needs_the_global_top_two(pool):
+    """The unique longest member is on one rank, the second longest on another: only the global lengths give the
+    right zero tail (a rank deciding from its own rows would zero from its local second length)."""
+    mask = np.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0]], float)
+    half = np.full(mask.shape, 0.5)
+    batch = otb.RolloutBatch(rewards=np.arange(24.0).reshape(4, 6) % 3, response_mask=mask,
+                             group_ids=np.zeros(4, np.int64), log_probs=np.log(half), sum_pi_squared=half,
+                             is_weights=None)
+    _check_split(pool, batch, [np.array([0, 1]), np.array([2, 3])], layout="two")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Vocab parallel
+
+
+def _vocab_split(logits: np.ndarray, shards: int, cuts: list[int]):
+    edges = [0, *cuts, logits.shape[-1]]
+    return [np.ascontiguousarray(logits[..., a:b]) for a, b in zip(edges, edges[1:])]
+
+
+@settings(max_examples=20)
+@given(data=st.data(), layout=st.sampled_from(sorted(DATA_LAYOUTS)), dtype=st.sampled_from([np.float64, np.float32]),
+       with_ids=st.booleans())
+def test_vocab_parallel_statistics_equal_one_process(pool, data, layout, dtype, with_ids):
+    shards = DATA_LAYOUTS[layout]
+    vocab = data.draw(st.integers(shards, 40))
+    logits = data.draw(strategies.logits((3, 2), vocab_size=vocab)).astype(dtype)
+    cuts = sorted(data.draw(st.lists(st.integers(1, vocab - 1), min_size=shards - 1, max_size=shards - 1,
+                                     unique=True)))
+    ids = data.draw(st.lists(st.integers(0, vocab - 1), min_size=6, max_size=6))
+    ids = np.asarray(ids, dtype=np.int64).reshape(3, 2) if with_ids else None
+    pieces = _vocab_split(logits, shards, cuts)
+    arguments = [dict(logits_shard=piece, token_ids=ids) for piece in pieces] + [None] * (WORLD_SIZE - shards)
+    outcomes = pool.run("vocab_parallel_token_statistics", layout, arguments)
+    expected = otb.token_statistics_from_logits(logits, ids)
+    spp_tol = sum_pi_squared_tolerance(logits, dtype=dtype) + sum_pi_squared_tolerance(logits, dtype=np.float64)
+    proxy = proxy_tolerance(vocab, float(np.abs(logits[np.isfinite(logits)]).max(initial=0.0)),
+                                           dtype=dtype)
+    for rank, (status, result) in enumerate(outcomes[:shards]):
+        assert status == "ok", f"rank {rank}: {result}"
+        spp_tol.assert_close(result.sum_pi_squared, expected.sum_pi_squared, f"rank {rank} Σπ²")
+        proxy.assert_close(result.entropy, expected.entropy, f"rank {rank} entropy")
+        if with_ids:
+            proxy.assert_close(result.log_probs, expected.log_probs, f"rank {rank} log π(y)")
+        else:
+            assert result.log_probs is None
+
+
+def test_vocab_parallel_sum_pi_squared_rows_excluded_on_some_shards(pool):
+    """A row whose logits are −inf on one shard (excluded tokens) but not on all: that shard contributes nothing."""
+    logits = np.array([[0.0, 1.0, -np.inf, -np.inf, 2.0, 0.5], [-np.inf, -np.inf, 3.0, -1.0, -np.inf, -np.inf]])
+    pieces = _vocab_split(logits, 3, [2, 4])
+    outcomes = pool.run("vocab_parallel_sum_pi_squared", "three", [dict(logits_shard=p) for p in pieces] + [None])
+    expected = otb.sum_pi_squared(logits)
+    for status, result in outcomes[:3]:
+        assert status == "ok", result
+        np.testing.assert_allclose(result, expected, rtol=1e-14)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Bad input: every rank raises, none hangs
+
+
+def _errors(outcomes, ranks):
+    for rank in ranks:
+        status, payload = outcomes[rank]
+        assert status == "error", f"rank {rank} did not raise: {payload}"
+        yield rank, payload[0], payload[1]
+
+
+def test_mismatched_vocab_shapes_raise_on_every_rank(pool):
+    pieces = [np.zeros((2, 3, 4)), np.zeros((2, 3, 5)), np.zeros((3, 2, 4)), np.zeros((2, 3, 4))]
+    outcomes = pool.run("vocab_parallel_sum_pi_squared", "world", [dict(logits_shard=p) for p in pieces])
+    for _, kind, message in _errors(outcomes, range(4)):
+        assert kind == "ValueError" and "logits_shard" in message and "differs between ranks" in message
+
+
+def test_bad_values_on_one_rank_raise_on_every_rank(pool):
+    batch = _fixed_batch()
+    arguments, _ = _split_arguments(batch, group_segments(batch.group_ids).index, 3,
+                                    [np.array([0, 1]), np.array([2, 3]), np.array([4, 5]), np.array([6, 7])], [], 1,
+                                    align="position", leave_one_out=False, epsilon=1e-8)
+    arguments[2]["rewards"] = arguments[2]["rewards"].copy()
+    arguments[2]["rewards"][0, 0] = np.nan
+    outcomes = pool.run("distributed_token_baseline", "world", arguments)
+    errors = dict((rank, (kind, message)) for rank, kind, message in _errors(outcomes, range(4)))
+    assert errors[2][0] == "ValueError" and errors[2][1].startswith("rewards")
+    for rank in (0, 1, 3):
+        assert errors[rank][0] == "ValueError" and "rank 2 rejected its inputs" in errors[rank][1]
+
+
+@pytest.mark.parametrize("problem", ["id outside num_groups", "num_groups differs", "ids differ in context group",
+                                     "rows differ in context group", "align differs", "token id outside vocab",
+                                     "NaN logit"])
+def test_disagreeing_ranks_raise_on_every_rank(pool, problem):
+    batch = _fixed_batch()
+    ids = group_segments(batch.group_ids).index
+    if problem in ("token id outside vocab", "NaN logit"):
+        logits = np.random.default_rng(0).normal(size=(2, 3, 8))
+        pieces = _vocab_split(logits, 4, [2, 4, 6])
+        token_ids = np.zeros((2, 3), np.int64)
+        arguments = [dict(logits_shard=p, token_ids=token_ids) for p in pieces]
+        if problem == "NaN logit":
+            arguments[1]["logits_shard"] = pieces[1].copy()
+            arguments[1]["logits_shard"][0, 0, 0] = np.nan
+        else:
+            arguments = [dict(a, token_ids=np.full((2, 3), 8, np.int64)) for a in arguments]
+        outcomes = pool.run("vocab_parallel_token_statistics", "world", arguments)
+        for _, kind, message in _errors(outcomes, range(4)):
+            assert kind == "ValueError"
+            assert ("logits_shard" in message) if problem == "NaN logit" else ("token_ids" in message)
+        return
+    layout, context = ("context", [1, 3, 4]) if "context group" in problem else ("world", [])
+    row_shards = [np.arange(8)] if context else [np.array([0, 1]), np.array([2, 3]), np.array([4, 5]),
+                                                 np.array([6, 7])]
+    arguments, _ = _split_arguments(batch, ids, 3, row_shards, context, len(context) + 1, align="position",
+                                    leave_one_out=False, epsilon=1e-8)
+    if problem == "id outside num_groups":
+        arguments[1]["group_ids"] = np.array([0, 5])
+    elif problem == "num_groups differs":
+        arguments[3]["num_groups"] = 4
+    elif problem == "ids differ in context group":
+        arguments[2]["group_ids"] = arguments[2]["group_ids"][::-1].copy()
+    elif problem == "rows differ in context group":
+        arguments[1] = {key: (value[:7] if isinstance(value, np.ndarray) else value)
+                        for key, value in arguments[1].items()}
+    elif problem == "align differs":
+        arguments[0]["align"] = "valid_token"
+    outcomes = pool.run("distributed_token_baseline", layout, arguments)
+    names = {"id outside num_groups": "group_ids", "num_groups differs": "num_groups",
+             "ids differ in context group": "group_ids", "rows differ in context group": "rewards",
+             "align differs": "align"}
+    for _, kind, message in _errors(outcomes, range(4)):
+        assert kind == "ValueError"
+        assert message.startswith(names[problem]) or "rejected its inputs" in message, message
+
+
+def test_a_missing_rank_times_out_instead_of_hanging(pool):
+    """Rank 3 never calls: the others must fail within their timeout (then the pool is restarted)."""
+    batch = _fixed_batch()
+    arguments, _ = _split_arguments(batch, group_segments(batch.group_ids).index, 3,
+                                    [np.array([0, 1]), np.array([2, 3]), np.array([4, 5]), np.array([6, 7])], [], 1,
+                                    align="position", leave_one_out=False, epsilon=1e-8)
+    for argument in arguments:
+        argument["timeout"] = 2.0
+    outcomes = pool.run("distributed_token_baseline", "world", arguments[:3] + [None])
+    for _, kind, message in _errors(outcomes, range(3)):
+        assert kind in ("RuntimeError", "DistBackendError"), message
+
+
+def test_global_group_ids(pool):
+    local = [np.array(["a", "b", "a"]), np.array(["c", "a"]), np.array(["b"]), np.array(["d", "c"])]
+    outcomes = pool.run("global_group_ids", "world", [dict(ids=ids) for ids in local])
+    numbered = [result for status, result in outcomes]
+    assert [ids.tolist() for ids, _ in numbered] == [[0, 1, 0], [2, 0], [1], [3, 2]]
+    assert {count for _, count in numbered} == {4}
+
+
+def test_context_parallel_returns_and_energy(pool):
+    batch = _fixed_batch()
+    cuts = [0, 2, 3, 5, 6]
+    arguments = [dict(rewards=np.ascontiguousarray(batch.rewards[:, a:b]),
+                      response_mask=np.ascontiguousarray(batch.response_mask[:, a:b]),
+                      log_probs=np.ascontiguousarray(batch.log_probs[:, a:b]),
+                      sum_pi_squared=np.ascontiguousarray(batch.sum_pi_squared[:, a:b]),
+                      is_weights=np.ascontiguousarray(batch.is_weights[:, a:b])) for a, b in zip(cuts, cuts[1:])]
+    outcomes = pool.run("context_parallel_returns_and_energy", "context", arguments)
+    returns = otb.returns_to_go(batch.rewards, batch.response_mask)
+    energy = otb.realized_energy(otb.token_energy(batch.log_probs, batch.sum_pi_squared), batch.response_mask,
+                                 is_weights=batch.is_weights)
+    for rank, ((status, scan), a, b) in enumerate(zip(outcomes, cuts, cuts[1:])):
+        assert status == "ok", scan
+        np.testing.assert_allclose(scan.returns, returns[:, a:b], rtol=1e-13, atol=1e-13)
+        np.testing.assert_allclose(scan.energy, energy[:, a:b], rtol=1e-13, atol=1e-13)
+        assert scan.columns_before == a
+        assert scan.lengths.tolist() == batch.response_mask.sum(-1).astype(int).tolist()
