@@ -26,6 +26,11 @@ settings.register_profile("dev", max_examples=60, **_COMMON)
 settings.register_profile("thorough", max_examples=2000, **_COMMON)
 settings.load_profile(os.environ.get("OTB_HYPOTHESIS_PROFILE", "ci"))
 
+# JAX's distributed tests (tests/test_jax_distributed.py) shard over several host devices; the flag must be set before
+# JAX starts its CPU backend. Single-device code is unaffected: arrays live on the first device.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+
 if os.environ.get("OTB_TORCH_THREADS"):
     try:
         import torch

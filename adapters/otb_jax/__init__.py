@@ -9,7 +9,9 @@ JAX needs static shapes, so groups are integer segment ids [B] plus a static num
 batches of the same shape and options) and works inside your own ``jit`` and under ``vmap`` over an extra batch axis.
 Half-precision inputs are accumulated in float32; float64 needs ``jax_enable_x64``. Values are checked (with the
 reference's messages) for concrete arrays only — inside a trace they are unknown. Results equal the NumPy reference
-``otb_spec`` within the derived tolerances (tests/test_adapters.py, tests/test_jax_adapter.py).
+``otb_spec`` within the derived tolerances (tests/test_adapters.py, tests/test_jax_adapter.py). Over named mesh axes,
+``otb_jax.distributed`` (imported on demand) runs vocab-, data- and context-parallel OTB with ``shard_map``
+(docs/distributed.md).
 """
 
 from otb_jax._logits import (

@@ -1,0 +1,131 @@
+"""otb_jax.distributed on several host devices (``--xla_force_host_platform_device_count``, set in conftest.py):
+``shard_map`` over 1-D and 2-D meshes, compared with the single-process NumPy reference on the whole batch within
+the reference's error bounds, on Hypothesis-generated batches whose rows are permuted (groups scattered over devices).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+import otb_spec as otb  # noqa: E402
+from otb_jax import distributed as jax_distributed  # noqa: E402
+from otb_spec import strategies  # noqa: E402
+from otb_spec.groups import group_segments  # noqa: E402
+from otb_spec.tolerances import otb_comparison_tolerance, proxy_tolerance, sum_pi_squared_tolerance  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+if len(jax.devices("cpu")) < 4:  # pragma: no cover - only when XLA_FLAGS was set by hand without the device count
+    pytest.skip("needs 4 host devices (--xla_force_host_platform_device_count=4)", allow_module_level=True)
+
+MESHES = {
+    "data4": (("data",), (4,), "data", None),
+    "data2": (("data",), (2,), "data", None),
+    "context4": (("context",), (4,), None, "context"),
+    "data2xcontext2": (("data", "context"), (2, 2), "data", "context"),
+}
+
+
+def _mesh(name: str) -> tuple[Mesh, object, object]:
+    axes, shape, data_axis, context_axis = MESHES[name]
+    devices = np.array(jax.devices("cpu")[:int(np.prod(shape))]).reshape(shape)
+    return Mesh(devices, axes), data_axis, context_axis
+
+
+ROWS, COLUMNS, GROUPS = 8, 12, 12      # fixed shapes: one compiled program per mesh and options
+
+
+def _fit(batch, order: np.ndarray):
+    """The batch's rows permuted (groups scattered over the devices), then padded to ROWS × COLUMNS: extra rows are
+    empty singleton groups of their own, extra columns masked — neither changes the other rows' reference result."""
+    rows, columns = batch.rewards.shape
+    extra_rows, extra_columns = ROWS - rows, COLUMNS - columns
+
+    def fit(array, fill=0.0):
+        if array is None:
+            return None
+        return np.pad(np.asarray(array)[order], [(0, extra_rows), (0, extra_columns)], constant_values=fill)
+
+    ids = group_segments(np.asarray(batch.group_ids)[order]).index
+    ids = np.concatenate([ids, ids.max() + 1 + np.arange(extra_rows)])
+    return dict(rewards=fit(batch.rewards), response_mask=fit(batch.response_mask),
+                log_probs=fit(batch.log_probs), sum_pi_squared=fit(batch.sum_pi_squared),
+                is_weights=fit(batch.is_weights, 1.0)), ids
+
+
+@settings(max_examples=25)
+@given(data=st.data(), mesh_name=st.sampled_from(sorted(MESHES)), align=st.sampled_from(["position", "valid_token"]),
+       leave_one_out=st.booleans())
+def test_sharded_otb_equals_one_process(data, mesh_name, align, leave_one_out):
+    mesh, data_axis, context_axis = _mesh(mesh_name)
+    batch = data.draw(strategies.rollout_batches(min_groups=1, max_groups=4, min_group_size=2, max_group_size=4,
+                                                 min_length=2, max_length=COLUMNS, dtype=np.float32,
+                                                 is_weights=True).filter(lambda b: b.rewards.shape[0] <= ROWS))
+    order = np.asarray(data.draw(st.permutations(range(batch.rewards.shape[0]))), dtype=np.int64)
+    inputs, ids = _fit(batch, order)
+    num_groups = GROUPS
+    result = jax_distributed.distributed_token_baseline(
+        inputs["rewards"], inputs["response_mask"], ids, inputs["log_probs"], inputs["sum_pi_squared"],
+        num_groups=num_groups, mesh=mesh, data_axis=data_axis, context_axis=context_axis,
+        is_weights=inputs["is_weights"], align=align, leave_one_out=leave_one_out)
+    common = dict(is_weights=inputs["is_weights"])
+    if leave_one_out:
+        expected = otb.leave_one_out_token_baseline(inputs["rewards"], inputs["response_mask"], ids,
+                                                    inputs["log_probs"], inputs["sum_pi_squared"], align=align,
+                                                    **common)
+    else:
+        function = otb.optimal_token_baseline if align == "position" else otb.multi_turn_optimal_token_baseline
+        expected = function(inputs["rewards"], inputs["response_mask"], ids, inputs["log_probs"],
+                            inputs["sum_pi_squared"], **common)
+    advantage_tol, returns_tol = otb_comparison_tolerance(
+        inputs["rewards"], inputs["response_mask"], ids, inputs["log_probs"], inputs["sum_pi_squared"], align=align,
+        leave_one_out=leave_one_out, handle_zero_tail=not leave_one_out, compute_dtype=np.float32, **common)
+    advantage_tol.assert_close(np.asarray(result.advantages), expected.advantages, f"{mesh_name} advantages")
+    returns_tol.assert_close(np.asarray(result.returns), expected.returns, f"{mesh_name} returns")
+    mask = inputs["response_mask"]
+    assert np.all(np.asarray(result.baselines)[mask == 0] == 0)
+
+
+@settings(max_examples=20)
+@given(data=st.data(), size=st.sampled_from([2, 4]), with_ids=st.booleans())
+def test_vocab_parallel_statistics_equal_one_process(data, size, with_ids):
+    mesh = Mesh(np.array(jax.devices("cpu")[:size]), ("vocab",))
+    vocab = 16
+    logits = data.draw(strategies.logits((3, 2), vocab_size=vocab)).astype(np.float32)
+    ids = np.asarray(data.draw(st.lists(st.integers(0, vocab - 1), min_size=6, max_size=6))).reshape(3, 2) \
+        if with_ids else None
+    result = jax_distributed.vocab_parallel_token_statistics(logits, ids, mesh=mesh, vocab_axis="vocab")
+    expected = otb.token_statistics_from_logits(logits, ids)
+    spp_tol = sum_pi_squared_tolerance(logits, dtype=np.float32) + sum_pi_squared_tolerance(logits, dtype=np.float64)
+    spp_tol.assert_close(np.asarray(result.sum_pi_squared), expected.sum_pi_squared, "Σπ²")
+    proxy = proxy_tolerance(vocab, float(np.abs(logits[np.isfinite(logits)]).max(initial=0.0)), dtype=np.float32)
+    proxy.assert_close(np.asarray(result.entropy), expected.entropy, "entropy")
+    if with_ids:
+        proxy.assert_close(np.asarray(result.log_probs), expected.log_probs, "log π(y)")
+
+
+def test_bad_input_is_named():
+    mesh, data_axis, _ = _mesh("data4")
+    ones = np.ones((6, 3))
+    with pytest.raises(ValueError, match="rewards: the 6 rows"):
+        jax_distributed.distributed_token_baseline(ones, ones, np.zeros(6, np.int32), ones * 0, ones, num_groups=1,
+                                                   mesh=mesh, data_axis=data_axis)
+    bad = np.ones((4, 3))
+    bad[1, 1] = np.nan
+    with pytest.raises(ValueError, match="^rewards"):
+        jax_distributed.distributed_token_baseline(bad, np.ones((4, 3)), np.zeros(4, np.int32), np.zeros((4, 3)),
+                                                   np.ones((4, 3)), num_groups=1, mesh=mesh, data_axis=data_axis)
+    with pytest.raises(ValueError, match="group_ids"):
+        jax_distributed.distributed_token_baseline(np.ones((4, 3)), np.ones((4, 3)), np.array([0, 1, 2, 3]),
+                                                   np.zeros((4, 3)), np.ones((4, 3)), num_groups=2, mesh=mesh,
+                                                   data_axis=data_axis)
+    vocab_mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("vocab",))
+    with pytest.raises(ValueError, match="logits: the vocabulary"):
+        jax_distributed.vocab_parallel_token_statistics(np.zeros((2, 6)), mesh=vocab_mesh, vocab_axis="vocab")
