@@ -125,6 +125,22 @@ def build_parser() -> argparse.ArgumentParser:
                          help="leave out the large special cases (T = 4096, V = 65536; tens of MB)")
     vectors.add_argument("--seed", type=int, default=0, help="Hypothesis seed of the generated cases (default 0)")
     vectors.set_defaults(run=_run_vectors)
+
+    experiment = commands.add_parser(
+        "experiment", help="a reproducible RL run on CPU: OTB at N = 4 vs the group mean at N = 32, per token "
+                           "(needs torch and matplotlib; docs/experiment.md)")
+    experiment.add_argument("--quick", action="store_true",
+                            help="a pipeline check in well under 2 minutes (1 seed, pg only, a few steps)")
+    experiment.add_argument("--out", default="experiment-output", metavar="DIR",
+                            help="results, runs and checkpoints go here; an interrupted run resumes from it "
+                                 "(default experiment-output)")
+    experiment.add_argument("--seed", type=int, action="append", metavar="S", help="seeds (repeatable; default 0–4)")
+    experiment.add_argument("--arm", action="append", metavar="NAME",
+                            help="arms (repeatable; default all: gm32 otb4 loo4 gm4 rloo4)")
+    experiment.add_argument("--update", action="append", metavar="RULE", help="update rules: pg, ppo (default both)")
+    experiment.add_argument("--samples", type=int, metavar="N", help="N for the N = 4 arms (at least 2)")
+    experiment.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    experiment.set_defaults(run=_run_experiment)
     return parser
 
 
@@ -295,6 +311,29 @@ def _run_vectors(args: argparse.Namespace) -> int:
         counts[entry["kind"]] = counts.get(entry["kind"], 0) + 1
     print(f"wrote {len(manifest['cases'])} cases ({', '.join(f'{k}: {n}' for k, n in counts.items())}) to "
           f"{args.out}: manifest.json, schema.json, <kind>/*.json and *.npz (format: docs/vectors.md)")
+    return 0
+
+
+def _run_experiment(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from otb_experiment import FULL, QUICK, run_experiment   # imported here: torch is needed only for this command
+
+    config = QUICK if args.quick else FULL
+    changes = {name: tuple(value) for name, value in (("seeds", args.seed), ("arms", args.arm),
+                                                     ("updates", args.update)) if value}
+    if args.samples is not None:
+        changes["samples_override"] = args.samples
+    results = run_experiment(dataclasses.replace(config, **changes), args.out, progress=not args.no_progress)
+    for key, entry in results["arms"].items():
+        final, tokens = entry["final_accuracy"], entry["tokens"]
+        print(f"{key:12s} final accuracy {final['mean']:.3f} ± {final['se']:.3f}   tokens {tokens['mean']:.0f}")
+    for update, decision in results["decision"].items():
+        verdict = decision["claim_supported"] if decision["valid"] else "inconclusive (gm32 did not learn)"
+        print(f"{update}: pre-registered claim supported: {verdict} "
+              f"(runs within 35 % of gm32's tokens: {decision['successes_within_35_percent']}, "
+              f"needed {decision['needed']})")
+    print(f"wrote {args.out}/results.json and {args.out}/accuracy_vs_tokens.png")
     return 0
 
 
