@@ -8,7 +8,8 @@ Process groups, created once at start-up in every process (``new_group`` is coll
 * ``"three"``   — ranks 0–2 as ``group`` (data parallel over 3 ranks; rank 3 sits out);
 * ``"two"``     — ranks 0–1 as ``group`` (ranks 2–3 sit out);
 * ``"context"`` — all four ranks as one context group (rows cut along T in four pieces);
-* ``"mesh"``    — a 2 × 2 mesh: context pairs {0, 1} and {2, 3}, the batch split over the pairs (rank = 2·d + c).
+* ``"mesh"``    — a 2 × 2 mesh: context pairs {0, 1} and {2, 3}, the batch split over the pairs (rank = 2·d + c);
+* ``"mesh-broken"`` — the mesh, but rank 1 forgets its context group (every rank must raise).
 
 A task that does not answer within ``timeout`` seconds fails the test and the pool is restarted; collectives inside
 the processes time out after ``COLLECTIVE_TIMEOUT`` seconds (the process groups' timeout), so nothing can hang.
@@ -28,7 +29,7 @@ import numpy as np
 
 WORLD_SIZE = 4
 COLLECTIVE_TIMEOUT = 30.0
-LAYOUTS = ("world", "three", "two", "context", "mesh")
+LAYOUTS = ("world", "three", "two", "context", "mesh", "mesh-broken")
 
 
 def _free_port() -> int:
@@ -56,6 +57,7 @@ def _worker(rank: int, port: int, inbox: Any, outbox: Any) -> None:  # pragma: n
         "two": (rank < 2, dict(group=two)),
         "context": (True, dict(group=None, context_group=dist.group.WORLD)),
         "mesh": (True, dict(group=None, context_group=pairs[rank // 2])),
+        "mesh-broken": (True, dict(group=None, context_group=None if rank == 1 else pairs[rank // 2])),
     }
     outbox.put((rank, "ready", None))
     while True:

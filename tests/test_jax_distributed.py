@@ -129,3 +129,23 @@ def test_bad_input_is_named():
     vocab_mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("vocab",))
     with pytest.raises(ValueError, match="logits: the vocabulary"):
         jax_distributed.vocab_parallel_token_statistics(np.zeros((2, 6)), mesh=vocab_mesh, vocab_axis="vocab")
+
+
+def test_junk_weights_at_masked_positions_are_ignored():
+    """float32, a huge importance weight where the mask is 0: the result is finite and the reference's."""
+    mesh, data_axis, context_axis = _mesh("data2xcontext2")
+    rng = np.random.default_rng(0)
+    mask = np.ones((4, 4), np.float32)
+    mask[0, 1:] = 0.0
+    weights = np.ones((4, 4), np.float32)
+    weights[0, 1] = 1e20
+    half = np.full((4, 4), 0.5, np.float32)
+    rewards = rng.normal(size=(4, 4)).astype(np.float32)
+    ids = np.zeros(4, np.int32)
+    got = jax_distributed.distributed_token_baseline(rewards, mask, ids, np.log(half), half, num_groups=1, mesh=mesh,
+                                                     data_axis=data_axis, context_axis=context_axis,
+                                                     is_weights=weights)
+    expected = otb.optimal_token_baseline(rewards, mask, ids, np.log(half), half, is_weights=weights)
+    tolerance, _ = otb_comparison_tolerance(rewards, mask, ids, np.log(half), half, is_weights=weights,
+                                            compute_dtype=np.float32)
+    tolerance.assert_close(np.asarray(got.advantages), expected.advantages, "advantages")

@@ -349,3 +349,45 @@ def test_context_parallel_returns_and_energy(pool):
         np.testing.assert_allclose(scan.energy, energy[:, a:b], rtol=1e-13, atol=1e-13)
         assert scan.columns_before == a
         assert scan.lengths.tolist() == batch.response_mask.sum(-1).astype(int).tolist()
+
+
+def test_context_groups_of_different_lengths(pool):
+    """Data shards padded to different lengths, each cut over its own context pair: K is the longest row of all."""
+    batch = _fixed_batch()
+    mask = batch.response_mask.copy()
+    mask[4:, 4:] = 0.0                                        # the second pair's rows fit in 4 columns
+    batch = dataclasses.replace(batch, response_mask=mask)
+    ids = group_segments(batch.group_ids).index
+    expected = otb.optimal_token_baseline(batch.rewards, mask, ids, batch.log_probs, batch.sum_pi_squared,
+                                          is_weights=batch.is_weights)
+    tolerance, _ = otb_comparison_tolerance(batch.rewards, mask, ids, batch.log_probs, batch.sum_pi_squared,
+                                            is_weights=batch.is_weights, compute_dtype=np.float64)
+    pieces = [(np.arange(4), slice(0, 3)), (np.arange(4), slice(3, 6)), (np.arange(4, 8), slice(0, 2)),
+              (np.arange(4, 8), slice(2, 4))]
+    arguments = [dict(rewards=np.ascontiguousarray(batch.rewards[rows][:, cut]),
+                      response_mask=np.ascontiguousarray(mask[rows][:, cut]), group_ids=ids[rows],
+                      log_probs=np.ascontiguousarray(batch.log_probs[rows][:, cut]),
+                      sum_pi_squared=np.ascontiguousarray(batch.sum_pi_squared[rows][:, cut]),
+                      is_weights=np.ascontiguousarray(batch.is_weights[rows][:, cut]), num_groups=3)
+                 for rows, cut in pieces]
+    outcomes = pool.run("distributed_token_baseline", "mesh", arguments)
+    for rank, ((status, result), (rows, cut)) in enumerate(zip(outcomes, pieces)):
+        assert status == "ok", f"rank {rank}: {result}"
+        _sliced(tolerance, rows, cut).assert_close(result.advantages, expected.advantages[rows][:, cut],
+                                                   f"rank {rank} advantages")
+
+
+def test_a_rank_without_its_context_group_raises_on_every_rank(pool):
+    batch = _fixed_batch()
+    arguments, _ = _split_arguments(batch, group_segments(batch.group_ids).index, 3, [np.arange(4), np.arange(4, 8)],
+                                    [3], 2, align="position", leave_one_out=False, epsilon=1e-8)
+    outcomes = pool.run("distributed_token_baseline", "mesh-broken", arguments)
+    for _, kind, message in _errors(outcomes, range(4)):
+        assert kind == "ValueError" and message.startswith("context_group"), message
+
+
+def test_global_group_ids_bad_id_on_one_rank_raises_on_every_rank(pool):
+    local = [np.array([1.0, 2.0]), np.array([np.nan]), np.array([3.0]), np.array([1.0])]
+    outcomes = pool.run("global_group_ids", "world", [dict(ids=ids) for ids in local])
+    for _, kind, message in _errors(outcomes, range(4)):
+        assert kind == "ValueError" and ("NaN" in message or "rank 1" in message), message

@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
@@ -140,19 +141,23 @@ def distributed_token_baseline_local(rewards: jax.Array, response_mask: jax.Arra
                                      log_probs: jax.Array, sum_pi_squared: jax.Array, *, num_groups: int,
                                      data_axis: Any, context_axis: Any = None, is_weights: jax.Array | None = None,
                                      align: str = "position", leave_one_out: bool = False,
-                                     handle_zero_tail: bool = True, epsilon: float = 1e-8) -> AdvantageResult:
+                                     handle_zero_tail: bool | None = None, epsilon: float = 1e-8) -> AdvantageResult:
     """Inside ``shard_map``: this device's block [B_d, T_c] of the batch's (advantages, returns, baselines).
 
     ``group_ids`` are global integers in [0, num_groups); ``context_axis`` (optional) cuts rows into equal column
     blocks in axis order; ``data_axis`` may be a tuple of axis names or None (no data split).
     """
+    if handle_zero_tail is None:
+        handle_zero_tail = not leave_one_out
+    if handle_zero_tail and leave_one_out:
+        raise ValueError("handle_zero_tail: not applicable with leave_one_out=True; leave it unset")
     compute = check.compute_dtype(rewards, log_probs, sum_pi_squared, is_weights)
     m = response_mask.astype(compute)
     masked_rewards = rewards.astype(compute) * m
     pi = jnp.exp(jnp.minimum(log_probs.astype(compute), 0.0))
     per_token = (1.0 - 2.0 * pi + sum_pi_squared.astype(compute)) * m
-    if is_weights is not None:
-        per_token = per_token * jnp.square(is_weights.astype(compute))
+    if is_weights is not None:                                  # junk weights at masked positions must not overflow
+        per_token = per_token * jnp.square(jnp.where(m > 0, is_weights.astype(compute), 0.0))
     prefix = jnp.cumsum(masked_rewards, axis=-1)
     energy = jnp.cumsum(per_token, axis=-1)
     valid = jnp.sum(m, axis=-1)
@@ -178,6 +183,9 @@ def distributed_token_baseline_local(rewards: jax.Array, response_mask: jax.Arra
     else:
         columns = (jnp.cumsum(m, axis=-1) - m).astype(jnp.int32) + valid_before[:, None]
     columns = jnp.minimum(columns, width - 1)
+    if num_groups * width >= 2**31:
+        raise ValueError(f"num_groups: the [G, K] grid ({num_groups} × {width}) has more than 2³¹ cells, beyond int32 "
+                         "indexing; split the batch into fewer groups per call")
     ids = group_ids.astype(jnp.int32)
     cells = (ids[:, None] * width + columns).reshape(-1)
     weights = energy * m
@@ -213,7 +221,7 @@ def distributed_token_baseline_local(rewards: jax.Array, response_mask: jax.Arra
 
 
 def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any, log_probs: Any, sum_pi_squared: Any,
-                               *, num_groups: int, mesh: Mesh, data_axis: Any, context_axis: Any = None,
+                               *, num_groups: int, mesh: Mesh, data_axis: Any = None, context_axis: Any = None,
                                is_weights: Any = None, align: str = "position", leave_one_out: bool = False,
                                handle_zero_tail: bool | None = None, epsilon: float = 1e-8,
                                check_values: bool = True) -> AdvantageResult:
@@ -226,7 +234,8 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
       rewards, response_mask, log_probs, sum_pi_squared, is_weights: [B, T].
       group_ids: [B] global integer ids in [0, num_groups) (:func:`otb_jax.segment_ids` numbers any ids).
       num_groups: G (static).
-      mesh, data_axis, context_axis: the mesh and its axis names (``context_axis`` None: rows are not cut).
+      mesh, data_axis, context_axis: the mesh and its axis names (``data_axis`` None: rows are not split;
+        ``context_axis`` None: rows are not cut).
       align, leave_one_out, handle_zero_tail, epsilon: as :func:`otb_spec.token_baseline`.
       check_values: check values on the host first (concrete inputs only).
     """
@@ -243,7 +252,12 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
     lp = check.array("log_probs", log_probs, like=r, like_name="rewards")
     spp = check.array("sum_pi_squared", sum_pi_squared, like=r, like_name="rewards")
     w = None if is_weights is None else check.array("is_weights", is_weights, like=r, like_name="rewards")
-    ids = check.segments("group_ids", group_ids, num_groups, r.shape[0], check_values)
+    if isinstance(num_groups, bool) or not isinstance(num_groups, (int, np.integer)) or num_groups < 1:
+        raise ValueError(f"num_groups: expected a positive integer, got {num_groups!r}")
+    try:
+        ids = check.segments("group_ids", group_ids, int(num_groups), r.shape[0], check_values)
+    except ValueError as exc:                              # the single-process port calls G num_segments
+        raise ValueError(str(exc).replace("num_segments", "num_groups")) from None
     check.check_values(check_values, rewards=("rewards", r), mask=("response_mask", m), log_probs=("log_probs", lp),
                        sum_pi_squared=("sum_pi_squared", spp), is_weights=None if w is None else ("is_weights", w))
     for axis, size, what in ((data_axis, r.shape[0], "rows (B)"), (context_axis, r.shape[1], "positions (T)")):

@@ -15,11 +15,11 @@ within :mod:`otb_spec.tolerances` (tests/test_torch_distributed.py runs them on 
 * :func:`context_parallel_returns_and_energy` — Gₜ and Wₜ of row pieces cut along T.
 * :func:`global_group_ids` — dense global group ids from per-rank ids of any kind (verl's uid strings).
 
-Bad input never hangs: every rank validates its inputs, then the first collective (a small all-gather) carries each
-rank's verdict and layout, so a rank with bad values, or shapes, options or ids that disagree with the others', makes
-every rank raise a ``ValueError`` naming the argument (the offending rank raises the reference's own message).
-Collectives wait at most ``timeout`` seconds when given (else the process group's timeout). Communication volumes:
-docs/distributed.md.
+Bad input raises on every rank instead of hanging: every rank validates its inputs, then the first collective (a
+fixed-size all-gather) carries each rank's function, verdict, context group and layout, so a rank with bad values, or
+shapes, options, context groups or ids that disagree with the others', makes every rank raise a ``ValueError`` naming
+the argument (the offending rank raises the reference's own message). Collectives wait at most ``timeout`` seconds when
+given (else the process group's timeout). Tested on gloo; NCCL is not exercised (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -105,33 +105,89 @@ def _fingerprint(values: torch.Tensor) -> int:
     return struct.unpack("<q", struct.pack("<Q", total))[0]
 
 
-class _Verdicts:
-    """The handshake: every rank's fields gathered over ``group``; raises on every rank if any rank failed."""
+_FIELDS = 12                                           # every handshake has the same size, whatever the function
+_HEADER = 7                                            # magic, function, failed, rank, context group (3)
+_FUNCTIONS = {"vocab_parallel_token_statistics": 1, "context_parallel_returns_and_energy": 2,
+              "distributed_token_baseline": 3}
 
-    def __init__(self, fields: list[int], failure: BaseException | None, group: Any, timeout: float | None,
-                 device: torch.device, what: str):
-        local = torch.tensor([_MAGIC, 1 if failure is not None else 0, dist.get_rank()] + fields, dtype=torch.int64)
-        self.table = _all_gather(local.to(device), group, timeout).cpu().tolist()   # [P, 3 + len(fields)]
+
+def _context_key(context_group: Any) -> list[int]:
+    """[first global rank, size, this rank's index] of ``context_group``; [−1, 0, −1] for None; index −1 when this
+    rank is not a member."""
+    if context_group is None:
+        return [-1, 0, -1]
+    try:
+        members = dist.get_process_group_ranks(context_group)
+        index = dist.get_rank(context_group)
+    except (RuntimeError, ValueError):                 # not a member: the group object is a placeholder
+        return [-2, 0, -1]
+    return [members[0], len(members), index]
+
+
+def _handshake_device(value: Any, group: Any) -> torch.device:
+    """Where the handshake tensor must live: the inputs' device, or (inputs unusable) the backend's device."""
+    if isinstance(value, torch.Tensor):
+        return value.device
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class _Verdicts:
+    """The handshake: a fixed-size row per rank (function, verdict, context group, up to 12 fields) all-gathered over
+    ``group``, then checked identically on every rank — so every rank raises the same error, or none does."""
+
+    def __init__(self, what: str, fields: list[int], failure: BaseException | None, group: Any,
+                 timeout: float | None, device: torch.device, context_group: Any = None):
+        assert len(fields) <= _FIELDS
+        local = ([_MAGIC, _FUNCTIONS[what], 1 if failure is not None else 0, dist.get_rank()]
+                 + _context_key(context_group) + fields + [0] * (_FIELDS - len(fields)))
+        self.table = _all_gather(torch.tensor(local, dtype=torch.int64, device=device), group, timeout).cpu().tolist()
         self.what = what
         if failure is not None:
             raise failure
-        if any(row[0] != _MAGIC or len(row) != len(self.table[0]) for row in self.table):
+        if any(row[0] != _MAGIC or row[1] != _FUNCTIONS[what] for row in self.table):
             raise ValueError(f"{what}: the ranks of the process group are not all calling the same function")
-        failed = [row[2] for row in self.table if row[1]]
+        failed = [row[3] for row in self.table if row[2]]
         if failed:
             raise ValueError(f"{what}: rank {failed[0]} rejected its inputs (its own error names the argument); "
                              "nothing was computed on any rank")
 
     def column(self, k: int) -> list[int]:
-        return [row[3 + k] for row in self.table]
+        return [row[_HEADER + k] for row in self.table]
 
     def require_equal(self, k: int, name: str, ranks: list[int] | None = None) -> None:
-        rows = self.table if ranks is None else [row for row in self.table if row[2] in ranks]
-        values = {row[3 + k] for row in rows}
+        rows = self.table if ranks is None else [row for row in self.table if row[3] in ranks]
+        values = {row[_HEADER + k] for row in rows}
         if len(values) > 1:
-            shown = ", ".join(f"rank {row[2]}: {row[3 + k]}" for row in rows)
+            shown = ", ".join(f"rank {row[3]}: {row[_HEADER + k]}" for row in rows)
             raise ValueError(f"{name}: differs between ranks ({shown}); it must be the same on every rank"
-                             + ("" if ranks is None else " of the context group"))
+                             + ("" if ranks is None else " of a context group"))
+
+    def context_groups(self) -> list[list[int]]:
+        """The context groups as lists of global ranks in column order (a rank without one is a group of its own),
+        after checking that the ranks agree about them."""
+        clusters: dict[int, list[list[int]]] = {}
+        for row in self.table:
+            first, size, index = row[4:7]
+            if first == -2 or (first >= 0 and index < 0):
+                raise ValueError(f"context_group: rank {row[3]} passed a context group it does not belong to")
+            clusters.setdefault(first if first >= 0 else -1 - row[3], []).append(row)
+        groups = []
+        for key, rows in sorted(clusters.items()):
+            if key < 0:
+                groups.append([rows[0][3]])
+                continue
+            sizes = {row[5] for row in rows}
+            ordered = sorted(rows, key=lambda row: row[6])
+            if (len(sizes) != 1 or [row[6] for row in ordered] != list(range(len(rows)))
+                    or rows[0][5] != len(rows) or ordered[0][3] != key):
+                raise ValueError("context_group: the ranks disagree about their context groups (every rank of a "
+                                 "context group must pass that group, and all of its ranks must belong to group); "
+                                 f"ranks {sorted(row[3] for row in rows)} claim the group starting at rank {key}")
+            groups.append([row[3] for row in ordered])
+        return groups
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -188,13 +244,13 @@ def vocab_parallel_token_statistics(logits_shard: Any, token_ids: Any = None, *,
         _chunk_rows(1, chunk_size)
     except (TypeError, ValueError) as exc:
         failure = exc
-    device = z.device if z is not None else torch.device("cpu")
     rows = int(np.prod(lead)) if z is not None else 0
     width = int(z.shape[-1]) if z is not None else 0
     dtype_code = {torch.float64: 2, torch.float32: 1}.get(_compute_dtype(z), 0) if z is not None else 0
-    verdicts = _Verdicts([len(lead), rows, hash(lead) & 0x7FFFFFFF, width, ids is not None, dtype_code,
-                          -1 if vocab_start is None else vocab_start], failure, group, timeout, device,
-                         "vocab_parallel_token_statistics")
+    verdicts = _Verdicts("vocab_parallel_token_statistics",
+                         [len(lead), rows, hash(lead) & 0x7FFFFFFF, width, ids is not None, dtype_code,
+                          -1 if vocab_start is None else vocab_start], failure, group, timeout,
+                         _handshake_device(z if z is not None else logits_shard, group))
     verdicts.require_equal(0, "logits_shard (number of leading dimensions)")
     verdicts.require_equal(1, "logits_shard (number of positions)")
     verdicts.require_equal(2, "logits_shard (leading shape)")
@@ -208,7 +264,7 @@ def vocab_parallel_token_statistics(logits_shard: Any, token_ids: Any = None, *,
     vocab = sum(widths)
     assert z is not None
 
-    dtype = _compute_dtype(z)
+    dtype, device = _compute_dtype(z), z.device
     flat = z.reshape(-1, width)
     maxima = flat.amax(-1).to(dtype)
     rank_flag = float(dist.get_rank() + 1)
@@ -328,8 +384,9 @@ def _validated(rewards: Any, response_mask: Any, log_probs: Any, sum_pi_squared:
                        is_weights=None if weights_t is None else ("is_weights", weights_t), exact=exact)
     ids = None
     if num_groups is not None:
-        if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
+        if isinstance(num_groups, bool) or not isinstance(num_groups, (int, np.integer)) or num_groups < 1:
             raise ValueError(f"num_groups: expected a positive integer, got {num_groups!r}")
+        num_groups = int(num_groups)
         ids = check.tensor("group_ids", group_ids)
         if ids.is_floating_point() or ids.dtype == torch.bool:
             raise TypeError(f"group_ids: expected global integer group ids in [0, num_groups), got dtype {ids.dtype} "
@@ -381,25 +438,21 @@ def _scan(local: _Local, dtype: torch.dtype, context_group: Any, columns_before:
     return ContextScan(returns, energy.add_(before[:, None]), lengths, valid_before, columns_before)
 
 
-def _context_layout(verdicts: _Verdicts, context_group: Any, rows_field: int, width_field: int, ids_field: int | None
-                    ) -> int:
-    """Check the context group's rows and ids agree; return this rank's columns_before."""
-    if context_group is None:
-        return 0
-    members = dist.get_process_group_ranks(context_group)
-    known = {row[2] for row in verdicts.table}
-    if not set(members) <= known:
-        raise ValueError("context_group: every rank of the context group must belong to group")
-    verdicts.require_equal(rows_field, "rewards (number of rows B)", members)
-    if ids_field is not None:
-        verdicts.require_equal(ids_field, "group_ids", members)
-    widths = {row[2]: row[3 + width_field] for row in verdicts.table}
-    me = dist.get_rank(context_group)
-    return sum(widths[rank] for rank in members[:me])
-
-
-def _group_key(context_group: Any) -> Any:
-    return None if context_group is None else tuple(dist.get_process_group_ranks(context_group))
+def _layout(verdicts: _Verdicts, rows_field: int, width_field: int, ids_field: int | None) -> tuple[int, int]:
+    """Check that each context group's ranks hold the same rows (and ids); return (this rank's columns_before, K),
+    K the longest padded row over the ranks: the widest context group's total width."""
+    me = dist.get_rank()
+    widths = {row[3]: row[_HEADER + width_field] for row in verdicts.table}
+    columns_before, width = 0, 1
+    for members in verdicts.context_groups():
+        if len(members) > 1:
+            verdicts.require_equal(rows_field, "rewards (number of rows B)", members)
+            if ids_field is not None:
+                verdicts.require_equal(ids_field, "group_ids", members)
+        width = max(width, sum(widths[rank] for rank in members))
+        if me in members:
+            columns_before = sum(widths[rank] for rank in members[:members.index(me)])
+    return columns_before, width
 
 
 @torch.no_grad()
@@ -419,12 +472,11 @@ def context_parallel_returns_and_energy(rewards: Any, response_mask: Any, log_pr
     except (TypeError, ValueError) as exc:
         failure = exc
     shape = (0, 0) if local is None else tuple(local.rewards.shape)
-    device = torch.device("cpu") if local is None else local.rewards.device
-    verdicts = _Verdicts([shape[0], shape[1], local is not None and local.is_weights is not None], failure,
-                         context_group, timeout, device, "context_parallel_returns_and_energy")
-    verdicts.require_equal(0, "rewards (number of rows B)")
+    verdicts = _Verdicts("context_parallel_returns_and_energy",
+                         [shape[0], shape[1], local is not None and local.is_weights is not None], failure,
+                         context_group, timeout, _handshake_device(rewards, context_group), context_group)
     verdicts.require_equal(2, "is_weights (given on some ranks only)")
-    columns_before = sum(verdicts.column(1)[:dist.get_rank(context_group)])
+    columns_before, _ = _layout(verdicts, 0, 1, None)
     assert local is not None
     dtype = check.accumulation_dtype(local.rewards, local.log_probs, local.sum_pi_squared, local.is_weights)
     scan = _scan(local, dtype, context_group, columns_before, timeout)
@@ -447,7 +499,7 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
     Per rank (the protocol of :mod:`otb_spec.distributed`): the whole-row scans (:func:`context_parallel_returns_and_energy`),
     then its terms of N_gk = Σᵢ GᵢWᵢmᵢ, D_gk = Σᵢ Wᵢmᵢ (and V_gk = Σᵢ mᵢ for leave-one-out) on the [G, K] aligned grid,
     SUM all-reduced over ``group``; the self-inclusive rules need each group's members and top-two lengths, all-gathered
-    as [G, 4] integers. K = the longest padded row over the ranks (Σ of the context shards' widths).
+    as [4, G] integers. K = the longest padded row over the ranks (Σ of the context shards' widths).
 
     Args:
       rewards, response_mask, log_probs, sum_pi_squared, is_weights: this rank's [B, T_c] pieces, as
@@ -484,31 +536,23 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
     except (TypeError, ValueError) as exc:
         failure = exc
     shape = (0, 0) if local is None else tuple(local.rewards.shape)
-    device = torch.device("cpu") if local is None else local.rewards.device
     dtype = torch.float32 if local is None else check.accumulation_dtype(
         local.rewards, local.log_probs, local.sum_pi_squared, local.is_weights)
     fingerprint = 0 if local is None or local.ids is None else _fingerprint(local.ids)
-    groups = num_groups if isinstance(num_groups, int) and not isinstance(num_groups, bool) else -1
-    verdicts = _Verdicts(options + [groups, int(dtype == torch.float64), int(local is not None and local.is_weights
-                                                                              is not None),
-                                    shape[0], shape[1], fingerprint], failure, group, timeout, device,
-                         "distributed_token_baseline")
+    groups = int(num_groups) if isinstance(num_groups, (int, np.integer)) and not isinstance(num_groups, bool) else -1
+    verdicts = _Verdicts("distributed_token_baseline",
+                         options + [groups, int(dtype == torch.float64),
+                                    int(local is not None and local.is_weights is not None),
+                                    shape[0], shape[1], fingerprint], failure, group, timeout,
+                         _handshake_device(rewards, group), context_group)
     for field, name in enumerate(("align", "leave_one_out", "handle_zero_tail", "epsilon", "num_groups",
                                   "the accumulation dtype (float64 inputs on some ranks only)",
                                   "is_weights (given on some ranks only)")):
         verdicts.require_equal(field, name)
-    columns_before = _context_layout(verdicts, context_group, 7, 8, 9)
+    columns_before, width = _layout(verdicts, 7, 8, 9)
     assert local is not None and local.ids is not None
     scan = _scan(local, dtype, context_group, columns_before, timeout)
-    # K: the longest padded row of any rank (context shards: this rank's end column; the group's widest)
-    context_ends = {}
-    if context_group is not None:
-        key = {row[2]: row for row in verdicts.table}
-        members = dist.get_process_group_ranks(context_group)
-        context_ends = {rank: sum(key[r][3 + 8] for r in members) for rank in members}
-    width = max(context_ends.get(row[2], row[3 + 8]) for row in verdicts.table)
-    width = max(width, 1)
-    advantages, returns, baselines = _baseline(local, scan, num_groups, width, align=align,
+    advantages, returns, baselines = _baseline(local, scan, groups, width, align=align,
                                                leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail,
                                                epsilon=epsilon, dtype=dtype, group=group,
                                                context_group=context_group, timeout=timeout)
@@ -601,16 +645,32 @@ def global_group_ids(ids: Any, *, group: Any = None, device: Any = None) -> tupl
     """Dense global group ids for per-rank ids of any hashable kind (verl's uid strings): equal ids on any ranks get
     the same integer, numbered in order of first appearance over the ranks in rank order.
 
-    Returns ([B] int64 tensor on ``device``, G). One ``all_gather_object`` of the ranks' distinct ids.
+    Returns ([B] int64 tensor on ``device``, G). One ``all_gather_object`` of each rank's verdict and distinct ids
+    (bounded by the process group's timeout); ids that cannot name a group (NaN, unhashable) raise on every rank.
     """
-    values = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-    if any(isinstance(value, float) and value != value for value in values):
-        raise ValueError("group_ids: contains NaN, which never compares equal to itself and cannot name a group")
-    distinct = list(dict.fromkeys(values))
+    failure, distinct, values = None, [], []
+    try:
+        values = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        for position, value in enumerate(values):
+            if isinstance(value, float) and value != value:
+                raise ValueError(f"group_ids: NaN at index {position}, which never compares equal to itself and "
+                                 "cannot name a group")
+            hash(value)
+        distinct = list(dict.fromkeys(values))
+    except TypeError as exc:
+        failure = TypeError(f"group_ids: every id must be hashable ({exc})")
+    except ValueError as exc:
+        failure = exc
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, distinct, group=group)
+    dist.all_gather_object(gathered, (None if failure is None else str(failure), distinct), group=group)
+    if failure is not None:
+        raise failure
+    rejected = [rank for rank, (message, _) in enumerate(gathered) if message is not None]
+    if rejected:
+        raise ValueError(f"global_group_ids: rank {rejected[0]} of the group rejected its ids "
+                         f"({gathered[rejected[0]][0]}); nothing was numbered")
     table: dict[Any, int] = {}
-    for part in gathered:
+    for _, part in gathered:
         for value in part:
             table.setdefault(value, len(table))
     return torch.tensor([table[value] for value in values], dtype=torch.int64, device=device), len(table)
