@@ -114,7 +114,8 @@ def _splits(config: Config, seed: int) -> tuple[task.Prompts, task.Prompts]:
             task.make_prompts(rng, config.test_prompts, config.min_digits, config.max_digits))
 
 
-def warm_start(config: Config, seed: int, train: task.Prompts, test: task.Prompts) -> tuple[dict, dict]:
+def warm_start(config: Config, seed: int, train: task.Prompts, test: task.Prompts,
+               report: Callable[[str], None] | None = None) -> tuple[dict, dict]:
     """Supervised fine-tuning on targets until held-out accuracy reaches ``sft_target_accuracy`` (checked every 50
     steps) or ``sft_steps_max``; returns (state dict, summary)."""
     torch.manual_seed(seed)
@@ -141,6 +142,8 @@ def warm_start(config: Config, seed: int, train: task.Prompts, test: task.Prompt
         step += 1
         if step % 50 == 0:
             reached = accuracy(policy, test, config.max_response)
+            if report is not None:
+                report(f"warm start seed {seed}: step {step}, accuracy {reached:.2f}")
     return policy.state_dict(), {"sft_steps": step, "sft_accuracy": reached}
 
 
@@ -286,6 +289,10 @@ class _Progress:
         self.total, self.done, self.start = total_units, done_units, time.monotonic()
         self.started_from = done_units
 
+    def note(self, label: str) -> None:
+        """Redraw with a new label (work that the ETA does not count, such as a warm start)."""
+        self.advance(0, label)
+
     def advance(self, units: int, label: str) -> None:
         self.done += units
         elapsed = time.monotonic() - self.start
@@ -294,7 +301,7 @@ class _Progress:
         filled = int(30 * self.done / max(self.total, 1))
         eta_text = "?" if math.isinf(eta) else f"{int(eta // 60)}m{int(eta % 60):02d}s"
         sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {100 * self.done / max(self.total, 1):5.1f}% "
-                         f"{label:<28s} ETA {eta_text}   ")
+                         f"{label:<40s} ETA {eta_text}   ")
         sys.stderr.flush()
 
 
@@ -348,7 +355,7 @@ def run_experiment(config: Config, out_dir: str, *, progress: bool = True,
             if os.path.exists(warm_path):
                 warm[seed] = torch.load(warm_path, weights_only=False)
             else:
-                warm[seed] = warm_start(config, seed, train, test)
+                warm[seed] = warm_start(config, seed, train, test, None if bar is None else bar.note)
                 torch.save(warm[seed], warm_path)
         result = _one_run(config, update, arm, seed, train, test, warm[seed], checkpoints, bar)
         _write_json(path, result)
