@@ -166,18 +166,27 @@ def _subset(rollouts, rows: np.ndarray):
                           rollouts.prompt_rows[rows])
 
 
-def train_step(update: str, arm: str, policy: Policy, optimizer: torch.optim.Optimizer, prompts: task.Prompts,
-               samples: int, generator: torch.Generator, max_length: int) -> dict:
-    """One RL step; returns the step's statistics (tokens consumed, mean reward, entropy, loss)."""
+def _rollout_advantages(arm: str, policy: Policy, prompts: task.Prompts, samples: int, generator: torch.Generator,
+                        max_length: int) -> tuple[Any, np.ndarray, Any, torch.Tensor]:
+    """Sample N responses per prompt, score them, and compute the arm's advantages from the model's own token
+    statistics (masked positions get log π = 0, Σπ² = 1). Returns (rollouts, rewards [B], statistics, advantages)."""
     rollouts = sample(policy, prompts, samples, generator, max_length)
     rewards_np = task.rewards_of(_prompts_at(prompts, rollouts.prompt_rows), rollouts.tokens.numpy(),
                                  rollouts.lengths)
     with torch.no_grad():
-        logits = teacher_forced(policy, prompts, rollouts)
-    stats = token_statistics(logits, rollouts.tokens)
+        stats = token_statistics(teacher_forced(policy, prompts, rollouts), rollouts.tokens)
     mask = rollouts.mask
     advantages = arm_advantages(arm, _terminal_rewards(rewards_np, mask), mask, rollouts.prompt_rows,
                                 stats.log_probs * mask, stats.sum_pi_squared * mask + (1 - mask))
+    return rollouts, rewards_np, stats, advantages
+
+
+def train_step(update: str, arm: str, policy: Policy, optimizer: torch.optim.Optimizer, prompts: task.Prompts,
+               samples: int, generator: torch.Generator, max_length: int) -> dict:
+    """One RL step; returns the step's statistics (tokens consumed, mean reward, entropy, loss)."""
+    rollouts, rewards_np, stats, advantages = _rollout_advantages(arm, policy, prompts, samples, generator,
+                                                                  max_length)
+    mask = rollouts.mask
     losses = []
     if update == "pg":
         loss = _policy_loss("pg", policy, prompts, rollouts, advantages, None)
@@ -213,18 +222,10 @@ def gradient_variance(policy: Policy, train: task.Prompts, config: Config, seed:
         grads = []
         for _ in range(config.variance_resamples):
             prompts = _prompts_at(train, rng.integers(0, len(train.digits), config.prompts_per_step))
-            rollouts = sample(policy, prompts, _samples(config, arm), generator, config.max_response)
-            rewards_np = task.rewards_of(_prompts_at(prompts, rollouts.prompt_rows), rollouts.tokens.numpy(),
-                                         rollouts.lengths)
-            with torch.no_grad():
-                stats = token_statistics(teacher_forced(policy, prompts, rollouts), rollouts.tokens)
-            mask = rollouts.mask
-            advantages = arm_advantages(arm, _terminal_rewards(rewards_np, mask), mask, rollouts.prompt_rows,
-                                        stats.log_probs * mask, stats.sum_pi_squared * mask + (1 - mask))
+            rollouts, _, _, advantages = _rollout_advantages(arm, policy, prompts, _samples(config, arm), generator,
+                                                             config.max_response)
             policy.zero_grad()
-            loss = -(advantages * torch.log_softmax(teacher_forced(policy, prompts, rollouts), -1).gather(
-                -1, rollouts.tokens.clamp(max=task.VOCAB - 1)[..., None])[..., 0] * mask).sum() / len(prompts.digits)
-            loss.backward()
+            _policy_loss("pg", policy, prompts, rollouts, advantages, None).backward()
             grads.append(torch.cat([p.grad.reshape(-1) for p in policy.parameters()]).numpy().copy())
         g = np.stack(grads)
         deviations = np.square(g - g.mean(0)).sum(1) * len(g) / (len(g) - 1)
