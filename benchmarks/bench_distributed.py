@@ -126,7 +126,7 @@ def _bytes_sent(name: str, size: int, args: argparse.Namespace) -> int:
     """Bytes one rank sends, ring algorithms: all-reduce 2(P−1)/P·S, all-gather (P−1)/P·S (S: the result's size)."""
     reduce, gather = 2 * (size - 1) / size, (size - 1) / size
     G, K, B = args.prompts, args.positions, args.prompts * args.samples
-    handshake = gather * size * 8 * 13                   # 13 integers per rank
+    handshake = gather * size * 8 * 19                   # 19 integers per rank (fixed size)
     if name == "OTB data parallel":
         return int(handshake + gather * size * 4 * G * 8 + reduce * 2 * G * K * 4)
     if name == "OTB data parallel, leave-one-out":
@@ -135,7 +135,7 @@ def _bytes_sent(name: str, size: int, args: argparse.Namespace) -> int:
         return int(handshake + gather * size * 3 * B * 8 + gather * size * 4 * G * 8 + reduce * 2 * G * K * 4)
     rows = args.rows
     parts = 2 if name == "Σπ² vocab parallel" else 4
-    return int(gather * size * 8 * 10 + reduce * (rows + 2) * 4 + reduce * parts * rows * 4)
+    return int(gather * size * 8 * 19 + reduce * (rows + 2) * 4 + reduce * parts * rows * 4)
 
 
 def main() -> None:

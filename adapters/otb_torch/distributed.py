@@ -222,7 +222,7 @@ def vocab_parallel_token_statistics(logits_shard: Any, token_ids: Any = None, *,
     Returns:
       :class:`otb_torch.TokenStatistics` (log π(y) None without ids), each [...] in the logits' dtype.
 
-    Collectives: one all-gather of 10 integers per rank (shapes, dtype, vocab offsets), one MAX all-reduce of
+    Collectives: one all-gather of 19 integers per rank (shapes, dtype, vocab offsets), one MAX all-reduce of
     rows + 2 values, one SUM all-reduce of 2–4 values per row.
     """
     timeout = _timeout(timeout)
@@ -462,7 +462,7 @@ def context_parallel_returns_and_energy(rewards: Any, response_mask: Any, log_pr
     """Gₜ and Wₜ of rows cut along T over the ranks of ``context_group`` (rank c holds columns [t_c, t_{c+1}) of the
     same B rows, consecutive in rank order); the port of :func:`otb_spec.distributed.context_shard_returns_and_energy`.
 
-    One all-gather of 6 integers (the handshake) and one all-gather of the [3, B] row totals (Σmr, Σmρ²w, Σm):
+    One all-gather of 19 integers (the handshake) and one all-gather of the [3, B] row totals (Σmr, Σmρ²w, Σm):
     P_c·3·B float64 values per rank, whatever T.
     """
     timeout = _timeout(timeout)
