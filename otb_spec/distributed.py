@@ -357,7 +357,9 @@ def shard_token_baseline(totals: GroupTotals, group_lengths: GroupLengths, retur
     if zero_tail and leave_one_out:
         raise ValueError("handle_zero_tail: not applicable with leave_one_out=True; leave it unset")
     epsilon = check.epsilon(epsilon)
-    columns = np.minimum(_columns(mask, align, columns_before, valid_before), width - 1)
+    columns = _columns(mask, align, columns_before, valid_before)
+    _checked_width(width, columns, mask)                    # a valid token beyond the grid: the totals do not fit
+    columns = np.minimum(columns, width - 1)                # masked positions only
     numerator = totals.weighted_returns[ids[:, None], columns]
     denominator = totals.energy[ids[:, None], columns]
     if leave_one_out:
