@@ -218,6 +218,18 @@ def flag(name: str, value: Any) -> bool:
     return bool(value)
 
 
+def zero_tail(handle_zero_tail: Any, leave_one_out: bool) -> bool:
+    """verl's zero-tail rule as asked for: None means on for the self-inclusive baseline and off for leave-one-out;
+    asking for it with leave-one-out is an error (no other member valid already gives a 0 baseline there)."""
+    if handle_zero_tail is None:
+        return not leave_one_out
+    handle_zero_tail = flag("handle_zero_tail", handle_zero_tail)
+    if handle_zero_tail and leave_one_out:
+        raise ValueError("handle_zero_tail: not applicable with leave_one_out=True (where no other member is valid the "
+                         "leave-one-out baseline is already 0); leave it unset")
+    return handle_zero_tail
+
+
 def epsilon(value: Any) -> float:
     """The ε of a baseline's denominator: a finite scalar ≥ 0."""
     return scalar("epsilon", value, minimum=0.0)

@@ -353,9 +353,7 @@ def shard_token_baseline(totals: GroupTotals, group_lengths: GroupLengths, retur
         raise ValueError(f"lengths: expected {shape[0]} counts (one per row), got shape {counts.shape}")
     align = _align(align)
     leave_one_out = check.flag("leave_one_out", leave_one_out)
-    zero_tail = (not leave_one_out) if handle_zero_tail is None else check.flag("handle_zero_tail", handle_zero_tail)
-    if zero_tail and leave_one_out:
-        raise ValueError("handle_zero_tail: not applicable with leave_one_out=True; leave it unset")
+    zero_tail = check.zero_tail(handle_zero_tail, leave_one_out)
     epsilon = check.epsilon(epsilon)
     columns = _columns(mask, align, columns_before, valid_before)
     _checked_width(width, columns, mask)                    # a valid token beyond the grid: the totals do not fit

@@ -231,7 +231,7 @@ def exact_norm_token_baseline(
     leave_one_out = check.flag("leave_one_out", leave_one_out)
     return _token_baseline(reward_to_go(rewards64, mask), norms, mask, segments, align=_align(align),
                            leave_one_out=leave_one_out,
-                           handle_zero_tail=_zero_tail_default(handle_zero_tail, leave_one_out),
+                           handle_zero_tail=check.zero_tail(handle_zero_tail, leave_one_out),
                            epsilon=check.epsilon(epsilon))
 
 
@@ -271,7 +271,7 @@ def token_baseline(
     segments = group_segments(group_ids, shape[0])
     leave_one_out = check.flag("leave_one_out", leave_one_out)
     return _token_baseline(returns64, energy, mask, segments, align=_align(align), leave_one_out=leave_one_out,
-                           handle_zero_tail=_zero_tail_default(handle_zero_tail, leave_one_out),
+                           handle_zero_tail=check.zero_tail(handle_zero_tail, leave_one_out),
                            epsilon=check.epsilon(epsilon))
 
 
@@ -291,16 +291,6 @@ def _align(align: Any) -> str:
     if align not in _ALIGNMENTS:
         raise ValueError(f"align: expected one of {_ALIGNMENTS}, got {align!r}")
     return str(align)
-
-
-def _zero_tail_default(handle_zero_tail: Any, leave_one_out: bool) -> bool:
-    if handle_zero_tail is None:
-        return not leave_one_out
-    handle_zero_tail = check.flag("handle_zero_tail", handle_zero_tail)
-    if handle_zero_tail and leave_one_out:
-        raise ValueError("handle_zero_tail: not applicable with leave_one_out=True (where no other member is valid the "
-                         "leave-one-out baseline is already 0); leave it unset")
-    return handle_zero_tail
 
 
 # ----------------------------------------------------------------------------------------------------------------------

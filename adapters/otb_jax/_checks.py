@@ -53,6 +53,21 @@ def batch(name: str, value: Any) -> jax.Array:
     return value
 
 
+TOKEN_NAMES = ("rewards", "response_mask", "log_probs", "sum_pi_squared", "is_weights")
+
+
+def token_batch(rewards: Any, response_mask: Any, log_probs: Any, sum_pi_squared: Any, is_weights: Any,
+                names: tuple[str, str, str, str, str] = TOKEN_NAMES
+                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """The [B, T] token inputs as arrays, each with the first one's shape (metadata only; ``is_weights`` may be
+    None). ``names`` are the caller's argument names, first one first."""
+    first = batch(names[0], rewards)
+    others = [array(name, value, like=first, like_name=names[0])
+              for name, value in zip(names[1:4], (response_mask, log_probs, sum_pi_squared))]
+    weights = None if is_weights is None else array(names[4], is_weights, like=first, like_name=names[0])
+    return first, others[0], others[1], others[2], weights
+
+
 def segments(name: str, segment_ids: Any, num_segments: Any, rows: int, check_values: bool) -> jax.Array:
     """Integer segment ids [B] in [0, num_segments) (checked when concrete).
 
@@ -86,6 +101,7 @@ def output_dtype(reference: jax.Array) -> str:
 
 epsilon = reference_checks.epsilon
 flag = reference_checks.flag
+zero_tail = reference_checks.zero_tail
 
 
 def _slack(value: jax.Array) -> float:

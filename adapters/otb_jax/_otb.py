@@ -55,12 +55,8 @@ def segment_ids(group_ids: Any) -> tuple[np.ndarray, int]:
 def _run(rewards: Any, response_mask: Any, segment_ids: Any, num_segments: int, log_probs: Any, sum_pi_squared: Any,
          is_weights: Any, check_values: bool, *, align: str, leave_one_out: bool, handle_zero_tail: bool,
          epsilon: float) -> AdvantageResult:
-    rewards_a = check.batch("rewards", rewards)
-    mask_a = check.array("response_mask", response_mask, like=rewards_a, like_name="rewards")
-    lp_a = check.array("log_probs", log_probs, like=rewards_a, like_name="rewards")
-    spp_a = check.array("sum_pi_squared", sum_pi_squared, like=rewards_a, like_name="rewards")
-    weights_a = None if is_weights is None else check.array("is_weights", is_weights, like=rewards_a,
-                                                            like_name="rewards")
+    rewards_a, mask_a, lp_a, spp_a, weights_a = check.token_batch(rewards, response_mask, log_probs, sum_pi_squared,
+                                                                  is_weights)
     check_values = check.flag("check_values", check_values)
     ids = check.segments("segment_ids", segment_ids, num_segments, rewards_a.shape[0], check_values)
     check.check_values(check_values, rewards=("rewards", rewards_a), mask=("response_mask", mask_a),
@@ -124,11 +120,7 @@ def _energy_variant(names: tuple[str, str], first: Any, energy: Any, response_ma
     if align not in _ALIGNMENTS:
         raise ValueError(f"align: expected one of {_ALIGNMENTS}, got {align!r}")
     leave_one_out = check.flag("leave_one_out", leave_one_out)
-    if handle_zero_tail is None:
-        handle_zero_tail = not leave_one_out
-    elif check.flag("handle_zero_tail", handle_zero_tail) and leave_one_out:
-        raise ValueError("handle_zero_tail: not applicable with leave_one_out=True (where no other member is valid the "
-                         "leave-one-out baseline is already 0); leave it unset")
+    handle_zero_tail = check.zero_tail(handle_zero_tail, leave_one_out)
     outputs = energy_pipeline_jit(first_a, energy_a, mask_a, ids, check.epsilon(epsilon),
                                   num_segments=int(num_segments), from_rewards=from_rewards, align=align,
                                   leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail,

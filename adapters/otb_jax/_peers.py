@@ -121,12 +121,8 @@ def sequence_optimal_advantage(rewards: Any, response_mask: Any, segment_ids: An
 def proxy_total_power(advantages: Any, response_mask: Any, log_probs: Any, sum_pi_squared: Any, *,
                       is_weights: Any = None, check_values: bool = True) -> jax.Array:
     """Pᵢ = Σₜ mₜρₜ²Aₜ²wₜ [B]; the port of :func:`otb_spec.proxy_total_power`."""
-    advantages_a = check.batch("advantages", advantages)
-    mask_a = check.array("response_mask", response_mask, like=advantages_a, like_name="advantages")
-    lp_a = check.array("log_probs", log_probs, like=advantages_a, like_name="advantages")
-    spp_a = check.array("sum_pi_squared", sum_pi_squared, like=advantages_a, like_name="advantages")
-    weights_a = None if is_weights is None else check.array("is_weights", is_weights, like=advantages_a,
-                                                            like_name="advantages")
+    advantages_a, mask_a, lp_a, spp_a, weights_a = check.token_batch(
+        advantages, response_mask, log_probs, sum_pi_squared, is_weights, ("advantages",) + check.TOKEN_NAMES[1:])
     check.check_values(check_values, rewards=("advantages", advantages_a), mask=("response_mask", mask_a),
                        log_probs=("log_probs", lp_a), sum_pi_squared=("sum_pi_squared", spp_a),
                        is_weights=None if weights_a is None else ("is_weights", weights_a))

@@ -147,10 +147,7 @@ def distributed_token_baseline_local(rewards: jax.Array, response_mask: jax.Arra
     ``group_ids`` are global integers in [0, num_groups); ``context_axis`` (optional) cuts rows into equal column
     blocks in axis order; ``data_axis`` may be a tuple of axis names or None (no data split).
     """
-    if handle_zero_tail is None:
-        handle_zero_tail = not leave_one_out
-    if handle_zero_tail and leave_one_out:
-        raise ValueError("handle_zero_tail: not applicable with leave_one_out=True; leave it unset")
+    handle_zero_tail = check.zero_tail(handle_zero_tail, leave_one_out)
     compute = check.compute_dtype(rewards, log_probs, sum_pi_squared, is_weights)
     m = response_mask.astype(compute)
     masked_rewards = rewards.astype(compute) * m
@@ -241,17 +238,10 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
     """
     if align not in _ALIGNMENTS:
         raise ValueError(f"align: expected one of {_ALIGNMENTS}, got {align!r}")
-    leave_one_out = reference_checks.flag("leave_one_out", leave_one_out)
-    zero_tail = (not leave_one_out) if handle_zero_tail is None else reference_checks.flag("handle_zero_tail",
-                                                                                           handle_zero_tail)
-    if zero_tail and leave_one_out:
-        raise ValueError("handle_zero_tail: not applicable with leave_one_out=True; leave it unset")
-    epsilon = reference_checks.epsilon(epsilon)
-    r = check.batch("rewards", rewards)
-    m = check.array("response_mask", response_mask, like=r, like_name="rewards")
-    lp = check.array("log_probs", log_probs, like=r, like_name="rewards")
-    spp = check.array("sum_pi_squared", sum_pi_squared, like=r, like_name="rewards")
-    w = None if is_weights is None else check.array("is_weights", is_weights, like=r, like_name="rewards")
+    leave_one_out = check.flag("leave_one_out", leave_one_out)
+    zero_tail = check.zero_tail(handle_zero_tail, leave_one_out)
+    epsilon = check.epsilon(epsilon)
+    r, m, lp, spp, w = check.token_batch(rewards, response_mask, log_probs, sum_pi_squared, is_weights)
     if isinstance(num_groups, bool) or not isinstance(num_groups, (int, np.integer)) or num_groups < 1:
         raise ValueError(f"num_groups: expected a positive integer, got {num_groups!r}")
     try:

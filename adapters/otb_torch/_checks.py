@@ -56,6 +56,21 @@ def batch(name: str, value: Any) -> torch.Tensor:
     return value
 
 
+TOKEN_NAMES = ("rewards", "response_mask", "log_probs", "sum_pi_squared", "is_weights")
+
+
+def token_batch(rewards: Any, response_mask: Any, log_probs: Any, sum_pi_squared: Any, is_weights: Any,
+                names: tuple[str, str, str, str, str] = TOKEN_NAMES
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The [B, T] token inputs as detached tensors, each with the first one's shape and device (metadata only;
+    ``is_weights`` may be None). ``names`` are the caller's argument names, first one first."""
+    first = batch(names[0], rewards)
+    others = [tensor(name, value, like=first, like_name=names[0])
+              for name, value in zip(names[1:4], (response_mask, log_probs, sum_pi_squared))]
+    weights = None if is_weights is None else tensor(names[4], is_weights, like=first, like_name=names[0])
+    return first, others[0], others[1], others[2], weights
+
+
 def accumulation_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     """float64 if any floating input is float64, else float32 (half precision is accumulated in float32)."""
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
@@ -170,3 +185,4 @@ def check_values(enabled: bool, *, rewards: Named | None = None, mask: Named | N
 
 epsilon = reference_checks.epsilon
 flag = reference_checks.flag
+zero_tail = reference_checks.zero_tail

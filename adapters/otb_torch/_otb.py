@@ -219,11 +219,9 @@ def _run(names: tuple[str, str, str, str, str, str], rewards: Any, response_mask
     reference's error raised.
     """
     r_name, m_name, g_name, lp_name, spp_name, w_name = names
-    rewards_t = check.batch(r_name, rewards)
-    mask_t = check.tensor(m_name, response_mask, like=rewards_t, like_name=r_name)
-    lp_t = check.tensor(lp_name, log_probs, like=rewards_t, like_name=r_name)
-    spp_t = check.tensor(spp_name, sum_pi_squared, like=rewards_t, like_name=r_name)
-    weights_t = None if is_weights is None else check.tensor(w_name, is_weights, like=rewards_t, like_name=r_name)
+    rewards_t, mask_t, lp_t, spp_t, weights_t = check.token_batch(rewards, response_mask, log_probs, sum_pi_squared,
+                                                                  is_weights, (r_name, m_name, lp_name, spp_name,
+                                                                               w_name))
     segments = _segments(group_ids, rewards_t.shape[0], rewards_t.device, g_name)
     options = dict(align=align, epsilon=check.epsilon(epsilon), need_baselines=need_baselines,
                    compiled=check.flag("compile", compile), check_values=check_values,
@@ -404,11 +402,7 @@ def _energy_variant(names: tuple[str, str, str, str], returns_or_rewards: Any, e
     if align not in _ALIGNMENTS:
         raise ValueError(f"align: expected one of {_ALIGNMENTS}, got {align!r}")
     leave_one_out = check.flag("leave_one_out", leave_one_out)
-    if handle_zero_tail is None:
-        handle_zero_tail = not leave_one_out
-    elif check.flag("handle_zero_tail", handle_zero_tail) and leave_one_out:
-        raise ValueError("handle_zero_tail: not applicable with leave_one_out=True (where no other member is valid the "
-                         "leave-one-out baseline is already 0); leave it unset")
+    handle_zero_tail = check.zero_tail(handle_zero_tail, leave_one_out)
     dtype = check.accumulation_dtype(first, energy_t)
     mask = (mask_t != 0).to(dtype)
     returns = reward_to_go(first.to(dtype), mask) if from_rewards else first.to(dtype)

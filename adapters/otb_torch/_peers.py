@@ -121,12 +121,8 @@ def proxy_total_power(advantages: Any, response_mask: Any, log_probs: Any, sum_p
                       is_weights: Any = None, check_values: bool = True) -> torch.Tensor:
     """Pᵢ = Σₜ mₜρₜ²Aₜ²wₜ per trajectory [B] (logit-space squared norm); the port of
     :func:`otb_spec.proxy_total_power`."""
-    advantages_t = check.batch("advantages", advantages)
-    mask_t = check.tensor("response_mask", response_mask, like=advantages_t, like_name="advantages")
-    lp_t = check.tensor("log_probs", log_probs, like=advantages_t, like_name="advantages")
-    spp_t = check.tensor("sum_pi_squared", sum_pi_squared, like=advantages_t, like_name="advantages")
-    weights_t = None if is_weights is None else check.tensor("is_weights", is_weights, like=advantages_t,
-                                                             like_name="advantages")
+    advantages_t, mask_t, lp_t, spp_t, weights_t = check.token_batch(
+        advantages, response_mask, log_probs, sum_pi_squared, is_weights, ("advantages",) + check.TOKEN_NAMES[1:])
     check.check_values(check_values, rewards=("advantages", advantages_t), mask=("response_mask", mask_t),
                        log_probs=("log_probs", lp_t), sum_pi_squared=("sum_pi_squared", spp_t),
                        is_weights=None if weights_t is None else ("is_weights", weights_t))

@@ -33,7 +33,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from otb_spec import _validation as reference_checks
 from otb_torch import _checks as check
 from otb_torch._logits import (
     TokenStatistics,
@@ -372,12 +371,8 @@ class _Local(NamedTuple):
 
 def _validated(rewards: Any, response_mask: Any, log_probs: Any, sum_pi_squared: Any, is_weights: Any,
                group_ids: Any, num_groups: int | None, check_values: bool) -> _Local:
-    rewards_t = check.batch("rewards", rewards)
-    mask_t = check.tensor("response_mask", response_mask, like=rewards_t, like_name="rewards")
-    lp_t = check.tensor("log_probs", log_probs, like=rewards_t, like_name="rewards")
-    spp_t = check.tensor("sum_pi_squared", sum_pi_squared, like=rewards_t, like_name="rewards")
-    weights_t = None if is_weights is None else check.tensor("is_weights", is_weights, like=rewards_t,
-                                                             like_name="rewards")
+    rewards_t, mask_t, lp_t, spp_t, weights_t = check.token_batch(rewards, response_mask, log_probs, sum_pi_squared,
+                                                                  is_weights)
     exact = not (lp_t.is_floating_point() and spp_t.is_floating_point())
     check.check_values(check_values, rewards=("rewards", rewards_t), mask=("response_mask", mask_t),
                        log_probs=("log_probs", lp_t), sum_pi_squared=("sum_pi_squared", spp_t),
@@ -523,12 +518,8 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
     try:
         if align not in _ALIGNMENTS:
             raise ValueError(f"align: expected one of {_ALIGNMENTS}, got {align!r}")
-        leave_one_out = reference_checks.flag("leave_one_out", leave_one_out)
-        if handle_zero_tail is None:
-            handle_zero_tail = not leave_one_out
-        handle_zero_tail = reference_checks.flag("handle_zero_tail", handle_zero_tail)
-        if handle_zero_tail and leave_one_out:
-            raise ValueError("handle_zero_tail: not applicable with leave_one_out=True; leave it unset")
+        leave_one_out = check.flag("leave_one_out", leave_one_out)
+        handle_zero_tail = check.zero_tail(handle_zero_tail, leave_one_out)
         epsilon = check.epsilon(epsilon)
         options = [_ALIGNMENTS.index(align), int(leave_one_out), int(handle_zero_tail), _float_bits(epsilon)]
         local = _validated(rewards, response_mask, log_probs, sum_pi_squared, is_weights, group_ids, num_groups,
