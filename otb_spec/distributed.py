@@ -43,7 +43,7 @@ from otb_spec._baseline import safe_ratio, validated_otb_inputs
 from otb_spec.groups import group_segments
 from otb_spec.otb import AdvantageResult
 from otb_spec.proxy import _energy
-from otb_spec.trajectory import importance_weights, valid_token_index
+from otb_spec.trajectory import cumulative_energy, importance_weights, reward_to_go, valid_token_index
 
 __all__ = [
     "RowTotals",
@@ -121,15 +121,14 @@ class GroupLengths(NamedTuple):
 
 def _shard_inputs(rewards: Any, response_mask: Any, log_probs: Any, sum_pi_squared: Any, is_weights: Any
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(rewards, mask, per-token energy mₜρₜ²wₜ) of one shard, validated as the single-process reference does."""
+    """(rewards, mask, the shard's own realized energy Σ_{j≤t in the shard} mⱼρⱼ²wⱼ), validated as the single-process
+    reference does."""
     shape = check.batch_shape("rewards", rewards)
     rewards64 = check.float_array("rewards", rewards, shape=shape)
     mask = check.mask_array("response_mask", response_mask, shape, like="rewards")
     log_probs64, spp64 = check.token_statistics(log_probs, sum_pi_squared, mask, shape, like="rewards")
-    per_token = _energy(log_probs64, spp64) * mask
-    if is_weights is not None:
-        per_token = per_token * np.square(importance_weights(is_weights, shape, like="rewards"))
-    return rewards64, mask, per_token
+    weights = None if is_weights is None else importance_weights(is_weights, shape, like="rewards")
+    return rewards64, mask, cumulative_energy(_energy(log_probs64, spp64), mask, weights)
 
 
 def context_shard_totals(rewards: Any, response_mask: Any, log_probs: Any, sum_pi_squared: Any, *,
@@ -143,8 +142,8 @@ def context_shard_totals(rewards: Any, response_mask: Any, log_probs: Any, sum_p
       >>> totals.reward.tolist(), totals.energy.tolist(), totals.valid.tolist()
       ([1.0], [1.0], [2])
     """
-    rewards64, mask, per_token = _shard_inputs(rewards, response_mask, log_probs, sum_pi_squared, is_weights)
-    return RowTotals((rewards64 * mask).sum(axis=-1), per_token.sum(axis=-1), mask.sum(axis=-1).astype(np.int64))
+    rewards64, mask, energy = _shard_inputs(rewards, response_mask, log_probs, sum_pi_squared, is_weights)
+    return RowTotals((rewards64 * mask).sum(axis=-1), energy[:, -1], mask.sum(axis=-1).astype(np.int64))
 
 
 def context_offsets(totals: Sequence[RowTotals], widths: Sequence[int], shard: int) -> ContextOffsets:
@@ -185,12 +184,9 @@ def context_shard_returns_and_energy(rewards: Any, response_mask: Any, log_probs
     Equal to the shard's columns of :func:`otb_spec.returns_to_go` and :func:`otb_spec.realized_energy` on the whole
     rows (masked positions included: G carries the next valid token's return, W the energy so far).
     """
-    rewards64, mask, per_token = _shard_inputs(rewards, response_mask, log_probs, sum_pi_squared, is_weights)
-    masked = rewards64 * mask
-    local_returns = np.flip(np.cumsum(np.flip(masked, axis=-1), axis=-1), axis=-1)
-    returns = local_returns + np.asarray(offsets.return_after, dtype=np.float64)[:, None]
-    energy = np.cumsum(per_token, axis=-1) + np.asarray(offsets.energy_before, dtype=np.float64)[:, None]
-    return np.ascontiguousarray(returns), energy
+    rewards64, mask, energy = _shard_inputs(rewards, response_mask, log_probs, sum_pi_squared, is_weights)
+    returns = reward_to_go(rewards64, mask) + np.asarray(offsets.return_after, dtype=np.float64)[:, None]
+    return returns, energy + np.asarray(offsets.energy_before, dtype=np.float64)[:, None]
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from otb_jax import _checks as check
+from otb_jax._core import realized_energy, reward_to_go, token_energy
 from otb_jax._logits import TokenStatistics
 from otb_jax._otb import AdvantageResult
 from otb_spec import _validation as reference_checks
@@ -150,31 +151,24 @@ def distributed_token_baseline_local(rewards: jax.Array, response_mask: jax.Arra
     handle_zero_tail = check.zero_tail(handle_zero_tail, leave_one_out)
     compute = check.compute_dtype(rewards, log_probs, sum_pi_squared, is_weights)
     m = response_mask.astype(compute)
-    masked_rewards = rewards.astype(compute) * m
-    pi = jnp.exp(jnp.minimum(log_probs.astype(compute), 0.0))
-    per_token = (1.0 - 2.0 * pi + sum_pi_squared.astype(compute)) * m
-    if is_weights is not None:                                  # junk weights at masked positions must not overflow
-        per_token = per_token * jnp.square(jnp.where(m > 0, is_weights.astype(compute), 0.0))
-    prefix = jnp.cumsum(masked_rewards, axis=-1)
-    energy = jnp.cumsum(per_token, axis=-1)
+    returns = reward_to_go(rewards.astype(compute), m)           # this block's rows; whole rows after the scan
+    energy = realized_energy(token_energy(log_probs.astype(compute), sum_pi_squared.astype(compute)), m,
+                             None if is_weights is None else is_weights.astype(compute))
     valid = jnp.sum(m, axis=-1)
     block = m.shape[1]
     if context_axis is None:
-        after = before = jnp.zeros_like(valid)
         valid_before = jnp.zeros(valid.shape, jnp.int32)
         lengths = valid.astype(jnp.int32)
         columns_before, width = 0, block
-    else:
-        gathered = lax.all_gather(jnp.stack([prefix[:, -1], energy[:, -1], valid]), context_axis)   # [P_c, 3, B]
+    else:                                                         # G₀ of a block is its reward total
+        gathered = lax.all_gather(jnp.stack([returns[:, 0], energy[:, -1], valid]), context_axis)   # [P_c, 3, B]
         me = lax.axis_index(context_axis)
         shards = jnp.arange(gathered.shape[0])[:, None]
-        after = jnp.sum(jnp.where(shards > me, gathered[:, 0], 0.0), axis=0)
-        before = jnp.sum(jnp.where(shards < me, gathered[:, 1], 0.0), axis=0)
+        returns = returns + jnp.sum(jnp.where(shards > me, gathered[:, 0], 0.0), axis=0)[:, None]
+        energy = energy + jnp.sum(jnp.where(shards < me, gathered[:, 1], 0.0), axis=0)[:, None]
         valid_before = jnp.sum(jnp.where(shards < me, gathered[:, 2], 0.0), axis=0).astype(jnp.int32)
         lengths = jnp.sum(gathered[:, 2], axis=0).astype(jnp.int32)
         columns_before, width = me * block, gathered.shape[0] * block
-    returns = prefix[:, -1:] - prefix + masked_rewards + after[:, None]
-    energy = energy + before[:, None]
     if align == "position":
         columns = jnp.broadcast_to(columns_before + jnp.arange(block), m.shape)
     else:

@@ -43,6 +43,7 @@ from otb_torch._logits import (
     _out_dtype,
     _row_dot,
 )
+from otb_torch._core import realized_energy, reward_to_go, token_energy
 from otb_torch._otb import AdvantageResult
 
 __all__ = [
@@ -266,15 +267,18 @@ def vocab_parallel_token_statistics(logits_shard: Any, token_ids: Any = None, *,
     dtype, device = _compute_dtype(z), z.device
     flat = z.reshape(-1, width)
     maxima = flat.amax(-1).to(dtype)
-    rank_flag = float(dist.get_rank() + 1)
-    bad_values = bool((torch.isnan(maxima) | (maxima == math.inf)).any()) if check_values else False
     ids_flat = None if ids is None else ids.reshape(-1).to(device=device, dtype=torch.int64)
-    bad_ids = bool(((ids_flat < 0) | (ids_flat >= vocab)).any()) if (check_values and ids_flat is not None) else False
+    # the value checks ride in the MAX all-reduce as two extra entries: (rank + 1) where this rank found bad logits or
+    # ids, else 0 — decided on the device, read once after the reduction
+    no_flag = torch.zeros((), dtype=torch.bool, device=device)
+    bad_values = (torch.isnan(maxima) | (maxima == math.inf)).any() if check_values else no_flag
+    bad_ids = ((ids_flat < 0) | (ids_flat >= vocab)).any() if check_values and ids_flat is not None else no_flag
     stacked = torch.cat([torch.nan_to_num(maxima, nan=-math.inf, posinf=-math.inf),
-                         torch.tensor([rank_flag if bad_values else 0.0, rank_flag if bad_ids else 0.0],
-                                      dtype=dtype, device=device)])
+                         torch.stack([bad_values, bad_ids]).to(dtype) * float(dist.get_rank() + 1)])
     _all_reduce(stacked, dist.ReduceOp.MAX, group, timeout)
-    overall, flags = stacked[:rows], stacked[rows:].cpu().tolist()
+    overall = stacked[:rows]
+    excluded = (overall == -math.inf).any() if check_values and rows else no_flag
+    flags = torch.cat([stacked[rows:], excluded.to(dtype)[None]]).cpu().tolist()    # the one host synchronisation
     if flags[0] or flags[1]:
         which = int(flags[0] or flags[1]) - 1
         if which == dist.get_rank():
@@ -286,7 +290,7 @@ def vocab_parallel_token_statistics(logits_shard: Any, token_ids: Any = None, *,
                              f"at flat index {first}")
         argument = "logits_shard (NaN or +inf)" if flags[0] else "token_ids (outside the vocabulary)"
         raise ValueError(f"{argument}: rejected on rank {which}; nothing was computed on any rank")
-    if check_values and rows and bool((overall == -math.inf).any()):
+    if flags[2]:
         first = int(torch.nonzero(overall == -math.inf)[0, 0])
         raise ValueError(f"logits_shard: every logit is -inf on every rank at flat position {first}; the softmax is "
                          "undefined there")
@@ -398,39 +402,25 @@ def _validated(rewards: Any, response_mask: Any, log_probs: Any, sum_pi_squared:
     return _Local(rewards_t, mask_t, lp_t, spp_t, weights_t, ids)
 
 
-def _row_totals(local: _Local, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """(m·r, m·ρ²·w) [B, T_c] in ``dtype`` and the mask."""
-    m = local.mask.to(dtype)
-    masked_rewards = local.rewards.to(dtype) * m
-    pi = torch.clamp(local.log_probs.to(dtype), max=0.0).exp_()
-    per_token = (local.sum_pi_squared.to(dtype) + 1.0).sub_(pi, alpha=2.0).mul_(m)
-    if local.is_weights is not None:
-        rho = local.is_weights.to(dtype)
-        per_token.mul_(rho).mul_(rho)
-    return masked_rewards, per_token, m
-
-
 def _scan(local: _Local, dtype: torch.dtype, context_group: Any, columns_before: int, timeout: float | None
           ) -> ContextScan:
-    masked_rewards, per_token, m = _row_totals(local, dtype)
-    prefix_rewards = torch.cumsum(masked_rewards, -1)
-    energy = torch.cumsum(per_token, -1)
+    """The block's Gₜ and Wₜ (the port's own kernels), then, with a context group, the other blocks' totals added:
+    the rewards of the later ones, the energy of the earlier ones."""
+    m = local.mask.to(dtype)
+    returns = reward_to_go(local.rewards.to(dtype), m)
+    energy = realized_energy(token_energy(local.log_probs.to(dtype), local.sum_pi_squared.to(dtype), m), None,
+                             None if local.is_weights is None else local.is_weights.to(dtype))
     valid = m.sum(-1)
     if context_group is None:
-        after = torch.zeros_like(valid)
-        before = torch.zeros_like(valid)
-        valid_before = torch.zeros_like(valid, dtype=torch.int64)
-        lengths = valid.to(torch.int64)
-    else:
-        totals = torch.stack([prefix_rewards[:, -1], energy[:, -1], valid]).to(torch.float64)     # [3, B]
-        gathered = _all_gather(totals, context_group, timeout)                                   # [P_c, 3, B]
-        me = dist.get_rank(context_group)
-        after = gathered[me + 1:, 0].sum(0).to(dtype)
-        before = gathered[:me, 1].sum(0).to(dtype)
-        valid_before = gathered[:me, 2].sum(0).to(torch.int64)
-        lengths = gathered[:, 2].sum(0).to(torch.int64)
-    returns = (prefix_rewards[:, -1:] - prefix_rewards).add_(masked_rewards).add_(after[:, None])
-    return ContextScan(returns, energy.add_(before[:, None]), lengths, valid_before, columns_before)
+        return ContextScan(returns, energy, valid.to(torch.int64), torch.zeros_like(valid, dtype=torch.int64),
+                           columns_before)
+    totals = torch.stack([returns[:, 0], energy[:, -1], valid]).to(torch.float64)      # [3, B]; G₀ = the reward total
+    gathered = _all_gather(totals, context_group, timeout)                               # [P_c, 3, B]
+    me = dist.get_rank(context_group)
+    returns.add_(gathered[me + 1:, 0].sum(0).to(dtype)[:, None])
+    energy.add_(gathered[:me, 1].sum(0).to(dtype)[:, None])
+    return ContextScan(returns, energy, gathered[:, 2].sum(0).to(torch.int64),
+                       gathered[:me, 2].sum(0).to(torch.int64), columns_before)
 
 
 def _layout(verdicts: _Verdicts, rows_field: int, width_field: int, ids_field: int | None) -> tuple[int, int]:
