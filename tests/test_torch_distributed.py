@@ -243,6 +243,15 @@ def _errors(outcomes, ranks):
         yield rank, payload[0], payload[1]
 
 
+def test_a_row_excluded_on_every_shard_raises_on_every_rank(pool):
+    """Every logit of a row is −inf on every rank: the softmax is undefined there — an error, not a NaN."""
+    logits = np.array([[0.0, 1.0, 2.0, -1.0], [-np.inf, -np.inf, -np.inf, -np.inf]])
+    pieces = _vocab_split(logits, 2, [2])
+    outcomes = pool.run("vocab_parallel_sum_pi_squared", "two", [dict(logits_shard=p) for p in pieces] + [None] * 2)
+    for _, kind, message in _errors(outcomes, range(2)):
+        assert kind == "ValueError" and "every logit is -inf on every rank" in message, message
+
+
 def test_mismatched_vocab_shapes_raise_on_every_rank(pool):
     pieces = [np.zeros((2, 3, 4)), np.zeros((2, 3, 5)), np.zeros((3, 2, 4)), np.zeros((2, 3, 4))]
     outcomes = pool.run("vocab_parallel_sum_pi_squared", "world", [dict(logits_shard=p) for p in pieces])

@@ -273,7 +273,7 @@ def vocab_parallel_token_statistics(logits_shard: Any, token_ids: Any = None, *,
     no_flag = torch.zeros((), dtype=torch.bool, device=device)
     bad_values = (torch.isnan(maxima) | (maxima == math.inf)).any() if check_values else no_flag
     bad_ids = ((ids_flat < 0) | (ids_flat >= vocab)).any() if check_values and ids_flat is not None else no_flag
-    stacked = torch.cat([torch.nan_to_num(maxima, nan=-math.inf, posinf=-math.inf),
+    stacked = torch.cat([torch.nan_to_num(maxima, nan=-math.inf, posinf=-math.inf, neginf=-math.inf),
                          torch.stack([bad_values, bad_ids]).to(dtype) * float(dist.get_rank() + 1)])
     _all_reduce(stacked, dist.ReduceOp.MAX, group, timeout)
     overall = stacked[:rows]
