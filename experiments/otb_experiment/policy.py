@@ -3,7 +3,7 @@ per-token statistics OTB needs, computed from the model's own logits with otb_to
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -13,7 +13,7 @@ import otb_torch
 
 from otb_experiment.task import EOS, PAD, VOCAB, Prompts
 
-__all__ = ["Policy", "Rollouts", "sample", "teacher_forced", "greedy"]
+__all__ = ["Policy", "Rollouts", "sample", "teacher_forced", "greedy", "token_log_probs", "token_statistics"]
 
 
 class Policy(nn.Module):
@@ -53,11 +53,11 @@ def _prefix_states(policy: Policy, prompts: Prompts) -> tuple[torch.Tensor, torc
 
 
 @torch.no_grad()
-def sample(policy: Policy, prompts: Prompts, samples_per_prompt: int, generator: torch.Generator,
-           max_length: int) -> Rollouts:
-    """N samples per prompt, ancestral sampling until eos or ``max_length`` tokens."""
+def _decode(policy: Policy, prompts: Prompts, rows: np.ndarray, max_length: int,
+            choose: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Responses to ``prompts.tokens[rows]``, one token per step from ``choose(logits)`` until eos or ``max_length``:
+    tokens [len(rows), max_length] (PAD after eos) and lengths [len(rows)]."""
     state, first = _prefix_states(policy, prompts)
-    rows = np.repeat(np.arange(len(prompts.digits)), samples_per_prompt)
     index = torch.from_numpy(rows)
     state, logits = state[:, index].contiguous(), first[index]
     batch = len(rows)
@@ -65,8 +65,7 @@ def sample(policy: Policy, prompts: Prompts, samples_per_prompt: int, generator:
     done = torch.zeros(batch, dtype=torch.bool)
     lengths = torch.full((batch,), max_length, dtype=torch.int64)
     for step in range(max_length):
-        choice = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
-        choice = torch.where(done, torch.full_like(choice, PAD), choice)
+        choice = torch.where(done, torch.full((batch,), PAD, dtype=torch.int64), choose(logits))
         tokens[:, step] = choice
         ended = (~done) & (choice == EOS)
         lengths = torch.where(ended, torch.full_like(lengths, step + 1), lengths)
@@ -75,29 +74,24 @@ def sample(policy: Policy, prompts: Prompts, samples_per_prompt: int, generator:
             break
         out, state = policy(choice[:, None], state)
         logits = out[:, 0]
+    return tokens, lengths
+
+
+def sample(policy: Policy, prompts: Prompts, samples_per_prompt: int, generator: torch.Generator,
+           max_length: int) -> Rollouts:
+    """N samples per prompt, ancestral sampling until eos or ``max_length`` tokens."""
+    rows = np.repeat(np.arange(len(prompts.digits)), samples_per_prompt)
+    tokens, lengths = _decode(policy, prompts, rows, max_length,
+                              lambda logits: torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0])
     mask = (torch.arange(max_length)[None, :] < lengths[:, None]).to(torch.float32)
     return Rollouts(tokens, mask, lengths.numpy(), rows)
 
 
-@torch.no_grad()
 def greedy(policy: Policy, prompts: Prompts, max_length: int) -> tuple[np.ndarray, np.ndarray]:
     """Greedy responses [P, max_length] and their lengths (for held-out accuracy)."""
-    state, logits = _prefix_states(policy, prompts)
-    batch = len(prompts.digits)
-    tokens = np.full((batch, max_length), PAD, np.int64)
-    lengths = np.full(batch, max_length, np.int64)
-    done = np.zeros(batch, bool)
-    for step in range(max_length):
-        choice = logits.argmax(-1)
-        tokens[:, step] = np.where(done, PAD, choice.numpy())
-        ended = ~done & (choice.numpy() == EOS)
-        lengths[ended] = step + 1
-        done |= ended
-        if done.all():
-            break
-        out, state = policy(choice[:, None], state)
-        logits = out[:, 0]
-    return tokens, lengths
+    tokens, lengths = _decode(policy, prompts, np.arange(len(prompts.digits)), max_length,
+                              lambda logits: logits.argmax(-1))
+    return tokens.numpy(), lengths.numpy()
 
 
 def teacher_forced(policy: Policy, prompts: Prompts, rollouts: Rollouts) -> torch.Tensor:
@@ -107,6 +101,11 @@ def teacher_forced(policy: Policy, prompts: Prompts, rollouts: Rollouts) -> torc
     inputs = rollouts.tokens[:, :-1].clamp(max=VOCAB - 1)
     rest, _ = policy(inputs, state[:, index].contiguous())
     return torch.cat([first[index][:, None], rest], dim=1)
+
+
+def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log π(y) [B, L] of ``tokens`` under ``logits`` [B, L, V], with gradients (PAD read as a valid index)."""
+    return torch.log_softmax(logits, -1).gather(-1, tokens.clamp(max=VOCAB - 1)[..., None])[..., 0]
 
 
 def token_statistics(logits: torch.Tensor, tokens: torch.Tensor) -> otb_torch.TokenStatistics:

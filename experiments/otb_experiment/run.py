@@ -30,7 +30,7 @@ import torch
 
 import otb_torch
 from otb_experiment import task
-from otb_experiment.policy import Policy, greedy, sample, teacher_forced, token_statistics
+from otb_experiment.policy import Policy, Rollouts, greedy, sample, teacher_forced, token_log_probs, token_statistics
 
 __all__ = ["ARMS", "UPDATES", "Config", "QUICK", "FULL", "run_experiment", "arm_advantages"]
 
@@ -132,7 +132,6 @@ def warm_start(config: Config, seed: int, train: task.Prompts, test: task.Prompt
             tokens[row, :len(answer)] = torch.from_numpy(answer)
         lengths = np.array([len(answer) for answer in answers])
         mask = (torch.arange(config.max_response)[None, :] < torch.from_numpy(lengths)[:, None]).float()
-        from otb_experiment.policy import Rollouts
         logits = teacher_forced(policy, prompts, Rollouts(tokens, mask, lengths, np.arange(len(rows))))
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, task.VOCAB), tokens.reshape(-1), reduction="none")
         loss = (loss * mask.reshape(-1)).sum() / mask.sum()
@@ -149,8 +148,7 @@ def warm_start(config: Config, seed: int, train: task.Prompts, test: task.Prompt
 
 def _policy_loss(update: str, policy: Policy, prompts: task.Prompts, rollouts, advantages: torch.Tensor,
                  old_log_probs: torch.Tensor | None, rows: slice | None = None) -> torch.Tensor:
-    logits = teacher_forced(policy, prompts, rollouts)
-    log_probs = torch.log_softmax(logits, -1).gather(-1, rollouts.tokens.clamp(max=task.VOCAB - 1)[..., None])[..., 0]
+    log_probs = token_log_probs(teacher_forced(policy, prompts, rollouts), rollouts.tokens)
     mask = rollouts.mask
     if update == "pg":
         return -(advantages * log_probs * mask).sum() / mask.shape[0]
@@ -250,7 +248,7 @@ def proxy_correlation(policy: Policy, train: task.Prompts, config: Config, seed:
         one = one._replace(prompt_rows=np.array([0]))
         logits = teacher_forced(policy, single, one)[0]
         length = int(one.lengths[0])
-        log_probs = torch.log_softmax(logits, -1).gather(-1, one.tokens[0].clamp(max=task.VOCAB - 1)[:, None])[:, 0]
+        log_probs = token_log_probs(logits, one.tokens[0])
         with torch.no_grad():
             pi = log_probs.exp()
             w = 1 - 2 * pi + torch.softmax(logits, -1).square().sum(-1)
@@ -376,10 +374,7 @@ def _one_run(config: Config, update: str, arm: str, seed: int, train: task.Promp
     optimizer = torch.optim.Adam(policy.parameters(), lr=config.learning_rate)
     generator = torch.Generator().manual_seed(seed * 7919 + list(ARMS).index(arm) * 31 + UPDATES.index(update))
     rng = np.random.default_rng([seed, 5, list(ARMS).index(arm)])
-    history = {"step": [0], "tokens": [0], "accuracy": [accuracy(policy, test, config.max_response)],
-               "reward": [], "entropy": [], "loss": []}
-    start, tokens, diverged = 0, 0, False
-    extra: dict = {}
+    diverged = False
     if os.path.exists(checkpoint):
         saved = torch.load(checkpoint, weights_only=False)
         policy.load_state_dict(saved["policy"])
@@ -387,6 +382,10 @@ def _one_run(config: Config, update: str, arm: str, seed: int, train: task.Promp
         generator.set_state(saved["generator"])
         rng.bit_generator.state = saved["rng"]
         history, start, tokens, extra = saved["history"], saved["step"], saved["tokens"], saved["extra"]
+    else:                                                   # the warm start's accuracy: evaluated on a fresh run only
+        history = {"step": [0], "tokens": [0], "accuracy": [accuracy(policy, test, config.max_response)],
+                   "reward": [], "entropy": [], "loss": []}
+        start, tokens, extra = 0, 0, {}
     samples = _samples(config, arm)
     steps = config.steps[arm]
     if start == 0 and update == "pg":
