@@ -465,9 +465,21 @@ def _hidden_error_terms(hidden: np.ndarray, weight: np.ndarray, temperature: flo
 
 def _hidden_units(dtype: Any, accumulation_dtype: Any) -> tuple[float, float]:
     working = machine_epsilon(dtype)
-    accumulation = machine_epsilon(accumulation_dtype if accumulation_dtype is not None else
-                                   ("float64" if _dtype_name(dtype) == "float64" else "float32"))
+    accumulation = machine_epsilon(_accumulation_dtype(dtype, accumulation_dtype))
     return max(working, accumulation), accumulation
+
+
+def _accumulation_dtype(dtype: Any, accumulation_dtype: Any) -> Any:
+    if accumulation_dtype is not None:
+        return accumulation_dtype
+    return "float64" if _dtype_name(dtype) == "float64" else "float32"
+
+
+def _working_underflow(dtype: Any, accumulation_dtype: Any) -> float:
+    """η_w: the smallest normal number of the working precision (the less precise of the two dtypes)."""
+    accumulation = _accumulation_dtype(dtype, accumulation_dtype)
+    working = dtype if machine_epsilon(dtype) >= machine_epsilon(accumulation) else accumulation
+    return smallest_normal(working)
 
 
 def _chunks(n_rows: int, vocab: int) -> list[slice]:
@@ -541,11 +553,17 @@ def hidden_gradient_tolerance(hidden: Any, weight: Any, token_ids: Any, log_prob
 
       D_v = |g_lp|π_vρ_v + |g_H|π_v(ρ_v|log π_v + H| + (1 + ρ_v)(λ_v + ΔH)) + 4ε_w(|g_lp|(δ_vy + π_v) + |g_H|π_v(|log π_v| + H))
 
-    (the last term: forming and storing ∂z in the working precision), and the two matmuls of the backward pass add
-    their sums' errors:
+    (the last term: forming and storing ∂z in the working precision), plus, because π_v = e^{log π_v} and the
+    products forming ∂z may be flushed to zero below η_w, the smallest normal number of the working precision,
 
-      |Δ∂h_k|  ≤ (Σ_v D_v|W_vk| + ((V + 2)ε_a + 2ε_w)Σ_v|∂z_v||W_vk|)/τ + ε_w|∂h_k|
-      |Δ∂W_vk| ≤ (Σₙ Dₙᵥ|hₙₖ| + ((N + 2)ε_a + 2ε_w)Σₙ|∂zₙᵥ||hₙₖ|)/τ + ε_w|∂W_vk|
+      U_v = η_w·(2 + |g_lp| + |g_H|(|log π_v + H| + 1))
+
+    (negligible unless the gradients are returned more precisely than they were computed: a float32 program
+    returning float64 gradients gives 0 where the exact ∂W is π_v·… ≈ 1e-168). The two matmuls of the backward pass
+    add their sums' errors:
+
+      |Δ∂h_k|  ≤ (Σ_v (D_v + U_v)|W_vk| + ((V + 2)ε_a + 2ε_w)Σ_v|∂z_v||W_vk|)/τ + ε_w|∂h_k|
+      |Δ∂W_vk| ≤ (Σₙ (Dₙᵥ + Uₙᵥ)|hₙₖ| + ((N + 2)ε_a + 2ε_w)Σₙ|∂zₙᵥ||hₙₖ|)/τ + ε_w|∂W_vk|
 
     for N tokens, any order of the sums and any chunking. ``log_probs_cotangent`` / ``entropy_cotangent``: [...] or
     None (0).
@@ -560,6 +578,7 @@ def hidden_gradient_tolerance(hidden: Any, weight: Any, token_ids: Any, log_prob
                           _validation.float_array(name, value, shape=inputs.lead_shape, like="token_ids").reshape(-1))
     g_lp, g_h = cotangents
     working, accumulation = _hidden_units(dtype, accumulation_dtype)
+    underflow = _working_underflow(dtype, accumulation_dtype)
     tau = inputs.temperature
     hidden_error = np.empty_like(inputs.hidden)
     weight_error = np.zeros_like(inputs.weight)
@@ -579,7 +598,8 @@ def hidden_gradient_tolerance(hidden: Any, weight: Any, token_ids: Any, log_prob
                           + gh * terms.probs * (relative * centred
                                                 + (1 + relative) * (log_error + terms.entropy_error[:, None]))
                           + 4 * working * (glp * (chosen + terms.probs)
-                                           + gh * terms.probs * (np.abs(terms.log_probs) + terms.entropy[:, None])))
+                                           + gh * terms.probs * (np.abs(terms.log_probs) + terms.entropy[:, None]))
+                          + underflow * (2 + glp + gh * (centred + 1)))
         d_logits = (g_lp[rows, None] * (chosen - terms.probs)
                     - g_h[rows, None] * terms.probs * (terms.log_probs + terms.entropy[:, None]))
         abs_d_logits = np.abs(d_logits)

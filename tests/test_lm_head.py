@@ -231,3 +231,24 @@ def test_the_bounds_grow_with_the_working_precision():
               for dtype in ("float64", "float32", "bfloat16")]
     assert np.all(widths[0] < widths[1]) and np.all(widths[1] < widths[2])
     assert np.all(widths[0] < 1e-9)
+
+
+def test_float32_gradients_returned_in_float64_may_underflow_to_zero():
+    """A float32 program whose π underflows (logits 400 apart: π ≈ 1e-168) returns ∂W = 0 there; returned as float64,
+    no output rounding covers that, so the bound must (U_v, docs/tolerances.md) — verl's FusedLinearForPPO with float64
+    inputs is such a program."""
+    rng = np.random.default_rng(5)
+    hidden = rng.normal(size=(5, 8))
+    weight = rng.normal(size=(45, 8)) * 150.0 / np.sqrt(8)
+    case = _float32_case(otb_st.LMHeadCase(hidden, weight, rng.integers(0, 45, 5), 1.0, rng.normal(size=5),
+                                           rng.normal(size=5)))
+    got = {name: value.detach().double().numpy() for name, value in _float32_unfused(case).items()}
+    gradients = otb.token_statistics_vjp(case.hidden, case.weight, case.token_ids, case.log_probs_cotangent,
+                                         case.entropy_cotangent, temperature=case.temperature)
+    underflowed = (got["weight"] == 0) & (gradients.weight != 0)
+    assert underflowed.any()                            # the case does what it says
+    _, (bound_h, bound_w) = hidden_comparison_tolerances(
+        case.hidden, case.weight, case.token_ids, log_probs_cotangent=case.log_probs_cotangent,
+        entropy_cotangent=case.entropy_cotangent, input_dtype="float32", output_dtype="float64")
+    bound_h.assert_close(got["hidden"], gradients.hidden, "∂hidden")
+    bound_w.assert_close(got["weight"], gradients.weight, "∂weight")
