@@ -560,10 +560,11 @@ def hidden_gradient_tolerance(hidden: Any, weight: Any, token_ids: Any, log_prob
 
     (negligible unless the gradients are returned more precisely than they were computed: a float32 program
     returning float64 gradients gives 0 where the exact ∂W is π_v·… ≈ 1e-168). The two matmuls of the backward pass
-    add their sums' errors:
+    add their sums' errors, and each of their products and partial sums may be flushed to zero below η_a, the smallest
+    normal number of the accumulation precision (XLA's CPU backend flushes subnormals):
 
-      |Δ∂h_k|  ≤ (Σ_v (D_v + U_v)|W_vk| + ((V + 2)ε_a + 2ε_w)Σ_v|∂z_v||W_vk|)/τ + ε_w|∂h_k|
-      |Δ∂W_vk| ≤ (Σₙ (Dₙᵥ + Uₙᵥ)|hₙₖ| + ((N + 2)ε_a + 2ε_w)Σₙ|∂zₙᵥ||hₙₖ|)/τ + ε_w|∂W_vk|
+      |Δ∂h_k|  ≤ (Σ_v (D_v + U_v)|W_vk| + ((V + 2)ε_a + 2ε_w)Σ_v|∂z_v||W_vk|)/τ + ε_w|∂h_k| + (2V + 2)η_a·max(1, 1/τ)
+      |Δ∂W_vk| ≤ (Σₙ (Dₙᵥ + Uₙᵥ)|hₙₖ| + ((N + 2)ε_a + 2ε_w)Σₙ|∂zₙᵥ||hₙₖ|)/τ + ε_w|∂W_vk| + (2N + 2)η_a·max(1, 1/τ)
 
     for N tokens, any order of the sums and any chunking. ``log_probs_cotangent`` / ``entropy_cotangent``: [...] or
     None (0).
@@ -580,6 +581,9 @@ def hidden_gradient_tolerance(hidden: Any, weight: Any, token_ids: Any, log_prob
     working, accumulation = _hidden_units(dtype, accumulation_dtype)
     underflow = _working_underflow(dtype, accumulation_dtype)
     tau = inputs.temperature
+    # a product or partial sum of the two matmuls below η_a may be flushed to zero (XLA's CPU backend flushes
+    # subnormals), and the scaling by 1/τ multiplies what was lost
+    flushed = smallest_normal(_accumulation_dtype(dtype, accumulation_dtype)) * max(1.0, 1.0 / tau)
     hidden_error = np.empty_like(inputs.hidden)
     weight_error = np.zeros_like(inputs.weight)
     weight_gradient = np.zeros_like(inputs.weight)
@@ -606,11 +610,11 @@ def hidden_gradient_tolerance(hidden: Any, weight: Any, token_ids: Any, log_prob
         abs_hidden = np.abs(inputs.hidden[rows])
         hidden_error[rows] = (d_logits_error @ abs_weight
                               + ((vocab + 2) * accumulation + 2 * working) * (abs_d_logits @ abs_weight)) / tau \
-            + working * np.abs(d_logits @ inputs.weight / tau)
+            + working * np.abs(d_logits @ inputs.weight / tau) + (2 * vocab + 2) * flushed
         weight_error += (d_logits_error.T @ abs_hidden
                          + ((n_rows + 2) * accumulation + 2 * working) * (abs_d_logits.T @ abs_hidden)) / tau
         weight_gradient += d_logits.T @ inputs.hidden[rows] / tau
-    weight_error += working * np.abs(weight_gradient)
+    weight_error += working * np.abs(weight_gradient) + (2 * n_rows + 2) * flushed
     where = f"from hidden states given in {_dtype_name(dtype)} (N={n_rows}, V={vocab}, H={inputs.hidden.shape[1]})"
     return (Tolerance(rtol=0.0, atol=hidden_error.reshape(inputs.lead_shape + (inputs.hidden.shape[1],)),
                       reason=f"∂hidden {where}"),

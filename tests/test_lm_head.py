@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import otb_spec as otb
 from otb_spec import strategies as otb_st
-from otb_spec.lm_head import logit_cotangent
+from otb_spec.lm_head import lm_head_logits, logit_cotangent
 from otb_spec.tolerances import (
     hidden_comparison_tolerances,
     hidden_gradient_tolerance,
@@ -252,3 +252,25 @@ def test_float32_gradients_returned_in_float64_may_underflow_to_zero():
         entropy_cotangent=case.entropy_cotangent, input_dtype="float32", output_dtype="float64")
     bound_h.assert_close(got["hidden"], gradients.hidden, "∂hidden")
     bound_w.assert_close(got["weight"], gradients.weight, "∂weight")
+
+
+def test_gradients_on_a_machine_that_flushes_subnormals_are_within_the_bounds():
+    """A float64 program whose matmul flushes products below float64's smallest normal to zero (XLA's CPU backend
+    does): with an LM head of 4e-307 the exact ∂h is 0 (Σ_v ∂z_v = 0 and W's rows are equal) but the surviving
+    products leave ~1e-307 — within the bound's (2V + 2)·η_a term, outside it without (Hypothesis found this on
+    otb_jax's float64 port)."""
+    rng = np.random.default_rng(6)
+    hidden = np.zeros((4, 3))
+    hidden[:, 0] = rng.normal(size=4) * 1e-3
+    weight = np.full((23, 3), 4.26245325e-307)
+    weight[:, 0] = rng.normal(size=23) * 100.0
+    ids, g_lp, g_h = rng.integers(0, 23, 4), rng.normal(size=4), rng.normal(size=4)
+    logits = lm_head_logits(hidden, weight)
+    d_logits = logit_cotangent(logits, ids, g_lp, g_h)
+    products = d_logits[:, :, None] * weight[None, :, :]
+    flushed = np.where(np.abs(products) < np.finfo(np.float64).tiny, 0.0, products).sum(axis=1)
+    exact = otb.token_statistics_vjp(hidden, weight, ids, g_lp, g_h).hidden
+    assert np.any(flushed[:, 1:] != exact[:, 1:])                          # the flush changed the tiny columns
+    _, (bound_h, _) = hidden_comparison_tolerances(hidden, weight, ids, log_probs_cotangent=g_lp,
+                                                   entropy_cotangent=g_h, input_dtype="float64")
+    bound_h.assert_close(flushed, exact, "∂hidden with flushed products")
