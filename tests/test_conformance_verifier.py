@@ -72,7 +72,7 @@ def test_adapters_conform(name, examples):
         pytest.skip(f"{name}: framework not installed")
     report = verify_adapter(name, max_examples=examples)
     assert report.conformant, report.to_text()
-    assert set(report.kinds) == set(KINDS)
+    assert set(report.kinds) == set(KINDS) - {"fused-token-statistics"}    # the protocol has no fused-kernel method
 
 
 def _grouped_reference(kind):

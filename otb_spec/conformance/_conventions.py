@@ -15,6 +15,12 @@ writes a copy-pasteable snippet reproducing a call. Built in:
 * ``jax`` — ``jax.Array`` inputs with integer segment ids and a static count: (rewards, response_mask, segment_ids,
   num_segments, log_probs, sum_pi_squared, *, is_weights, handle_zero_tail, epsilon) → (advantages, returns, …).
 
+The fused-token-statistics kind is called the same way under all three conventions that offer it — ``verl`` (torch
+tensors; gradients by ``torch.autograd.grad``), ``numpy`` (values only) and ``jax`` (gradients by ``jax.vjp``):
+``target(hidden, weight, token_ids, temperature=τ)`` → ``(log_probs, entropy)``, ``(log_probs, entropy,
+sum_pi_squared)`` or an object with those attributes (``otb_spec.conformance._fused``). A target that is a class (verl's
+``FusedLinearForPPO``, a ``torch.nn.Module``) is instantiated once with no arguments and the instance is called.
+
 Add one with :func:`register_convention`. Adapters (``otb_spec.adapters``) are subjects too (:func:`adapter_subject`).
 """
 
@@ -27,7 +33,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from otb_spec.conformance._cases import Case, compute_dtype_for
+from otb_spec.conformance._cases import FUSED, Case, compute_dtype_for
 
 __all__ = ["Outcome", "Subject", "Convention", "CONVENTIONS", "register_convention", "adapter_subject"]
 
@@ -61,6 +67,12 @@ class Subject:
       expressible: ``case → None`` or why this subject cannot take that case (the check is skipped with the reason).
       describe_call: ``case → text`` naming the arguments the target is called with (types, shapes, dtypes, devices
         and options), shown when the target raises.
+      working_dtype: the working precision the tolerance assumes for an input dtype (fused kind: the precision of the
+        logits and per-token values; default the input's dtype).
+      fixed_shapes: generated cases of the fused kind use one shape (a target that compiles per shape compiles once
+        per dtype).
+      notes: lines for the report's header saying how the subject is called and what is checked (e.g. how the
+        gradients are taken, or that they are not).
     """
 
     name: str
@@ -75,6 +87,9 @@ class Subject:
     compute_dtype: Callable[[str], str] = compute_dtype_for
     expressible: Callable[[Case], str | None] = lambda case: None
     describe_call: Callable[[Case], str] = lambda case: ""
+    working_dtype: Callable[[str], str] = lambda dtype: dtype
+    fixed_shapes: bool = False
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -141,28 +156,35 @@ def _literal(name: str, array: np.ndarray | None, dtype: str) -> str:
         return f"{name} = None"
     if array.dtype == object or array.dtype.kind in "USO":
         return f"{name} = np.array({array.tolist()!r}, dtype=object)"
-    if name == "group_ids":
+    if name in ("group_ids", "token_ids"):
         return f"{name} = np.array({array.tolist()!r}, dtype=np.{array.dtype.name})"
-    numpy_dtype = "float64" if dtype == "float64" else "float32"
+    numpy_dtype = "float64" if dtype == "float64" or name.endswith("_cotangent") else "float32"
     return f"{name} = np.array({np.asarray(array, dtype=np.float64).tolist()!r}, dtype=np.{numpy_dtype})"
+
+
+_FUSED_INPUTS = ("hidden", "weight", "token_ids", "log_probs_cotangent", "entropy_cotangent")
 
 
 def _case_source(case: Case) -> str:
     """Code that builds the case's arrays: literals for small cases, the library for large ones."""
-    arrays = ("logits",) if case.kind == "sum-pi-squared" else (
-        "rewards", "response_mask", "group_ids", "log_probs", "sum_pi_squared", "is_weights")
+    arrays = {"sum-pi-squared": ("logits",), "fused-token-statistics": _FUSED_INPUTS}.get(case.kind, (
+        "rewards", "response_mask", "group_ids", "log_probs", "sum_pi_squared", "is_weights"))
     size = sum(np.size(getattr(case, name)) for name in arrays if getattr(case, name) is not None)
+    options = {"sum-pi-squared": None,
+               "fused-token-statistics": ("temperature", f"{case.temperature!r}", "case.temperature")}.get(
+        case.kind, ("handle_zero_tail, epsilon", f"{case.handle_zero_tail!r}, {case.epsilon!r}",
+                    "case.handle_zero_tail, case.epsilon"))
     if case.name == "generated" or size <= 400:
         lines = ["import numpy as np"] + [_literal(name, getattr(case, name), case.dtype) for name in arrays]
-        if case.kind != "sum-pi-squared":
-            lines.append(f"handle_zero_tail, epsilon = {case.handle_zero_tail!r}, {case.epsilon!r}")
+        if options:
+            lines.append(f"{options[0]} = {options[1]}")
         return "\n".join(lines)
     lines = ["import numpy as np",
              "from otb_spec.conformance import find_case",
              f"case = find_case({case.kind!r}, {case.name!r}, {case.dtype!r})"]
     lines += [f"{name} = case.{name}" for name in arrays]
-    if case.kind != "sum-pi-squared":
-        lines.append("handle_zero_tail, epsilon = case.handle_zero_tail, case.epsilon")
+    if options:
+        lines.append(f"{options[0]} = {options[2]}")
     return "\n".join(lines)
 
 
@@ -185,7 +207,10 @@ def _difference_line(case: Case, got_advantages: str, got_returns: str, got_spp:
 
 
 def _import_line(target_spec: str) -> str:
-    """The line binding ``target``: an import for ``module:name`` / ``file.py:name`` (``name`` may be dotted)."""
+    """The line binding ``target``: an import for ``module:name`` / ``file.py:name`` (``name`` may be dotted; a
+    trailing ``()`` — a class the verifier instantiated — instantiates it with no arguments)."""
+    if target_spec.endswith("()"):
+        return _import_line(target_spec[:-2]) + "; target = target()"
     module, _, attribute = target_spec.rpartition(":")
     if "<" in attribute or not module:               # a lambda or nested function passed as an object
         return f"target = ...  # bind `target` to the function you passed to verify() ({target_spec})"
@@ -272,7 +297,15 @@ def _to_host(value: Any) -> tuple[np.ndarray, str, str]:
     return host.astype(np.float64), host.dtype.name, "cpu"
 
 
+def _fused(convention: str, target: Callable, target_spec: str, device: str) -> Subject:
+    from otb_spec.conformance._fused import subject_for   # imports this module: loaded on first use
+
+    return subject_for(convention, target, target_spec, device)
+
+
 def _verl(target: Callable, target_spec: str, kind: str, device: str) -> Subject:
+    if kind == FUSED:
+        return _fused("verl", target, target_spec, device)
     torch = _torch()
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: torch sees no CUDA device on this machine")
@@ -368,6 +401,8 @@ def _group_order(group_ids: np.ndarray) -> tuple[np.ndarray, int] | str:
 
 
 def _numpy(target: Callable, target_spec: str, kind: str, device: str, grouped: bool = False) -> Subject:
+    if kind == FUSED and not grouped:
+        return _fused("numpy", target, target_spec, device)
     def array(values: np.ndarray, dtype: str) -> np.ndarray:
         return np.asarray(values, dtype=np.float32 if dtype != "float64" else np.float64).astype(_numpy_dtype(dtype))
 
@@ -460,6 +495,8 @@ def _numpy(target: Callable, target_spec: str, kind: str, device: str, grouped: 
 
 
 def _jax(target: Callable, target_spec: str, kind: str, device: str) -> Subject:
+    if kind == FUSED:
+        return _fused("jax", target, target_spec, device)
     import jax
     import jax.numpy as jnp
 
@@ -524,15 +561,16 @@ def _jax_device(value: Any) -> str:
 
 
 for _convention in (
-    Convention("verl", "verl 0.9.1: torch tensors, NumPy index, returns (advantages, returns)",
-               ("otb", "tir-otb", "sum-pi-squared"), _verl),
-    Convention("numpy", "the reference's signature on NumPy arrays", ("otb", "tir-otb", "loo-otb", "sum-pi-squared"),
-               _numpy),
+    Convention("verl", "verl 0.9.1: torch tensors, NumPy index, returns (advantages, returns); fused kernels: "
+               "f(hidden, weight, token_ids, temperature=τ), gradients by torch autograd",
+               ("otb", "tir-otb", "sum-pi-squared", FUSED), _verl),
+    Convention("numpy", "the reference's signature on NumPy arrays (fused kernels: values only)",
+               ("otb", "tir-otb", "loo-otb", "sum-pi-squared", FUSED), _numpy),
     Convention("grouped", "contiguous equal-size groups as [G, N, T] NumPy arrays, no ids",
                ("otb", "tir-otb", "loo-otb"),
                lambda target, spec, kind, device: _numpy(target, spec, kind, device, grouped=True)),
-    Convention("jax", "jax.Array inputs with integer segment ids and a static segment count",
-               ("otb", "tir-otb", "loo-otb", "sum-pi-squared"), _jax),
+    Convention("jax", "jax.Array inputs with integer segment ids and a static segment count (fused kernels: "
+               "gradients by jax.vjp)", ("otb", "tir-otb", "loo-otb", "sum-pi-squared", FUSED), _jax),
 ):
     register_convention(_convention)
 
