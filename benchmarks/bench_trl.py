@@ -1,0 +1,197 @@
+"""OTB's cost on top of plain GRPO per training step in TRL 1.16, on CPU (target: ≤ 5 % of the step).
+
+    python benchmarks/bench_trl.py                       # 21 M-parameter Llama, V = 32000, 16 completions × 128
+    python benchmarks/bench_trl.py --steps 4 --completion-length 64 --hidden 128 --layers 2
+
+Runs ``trl.GRPOTrainer`` and ``otb_torch.trl.OTBGRPOTrainer`` (both variants) on the same randomly initialised Llama,
+prompts and seeds, with ``learning_rate=0`` so that every trainer generates exactly the same completions (same weights,
+same random stream) — the step times then differ only by what OTB adds. For each trainer it prints the median
+wall time of a training step (TRL's own ``step_time`` metric: generation, rewards, the loss's forward and backward,
+the optimizer step) over ``--steps`` steps after one warm-up step, and for OTB the median time spent in what it
+adds, measured inside the step:
+
+* ``statistics``: log π, Σπ² of the completions — in TRL's default configuration (one micro-batch per generation,
+  one iteration) taken from the hidden states of the loss's own forward: the LM head once more, without gradient;
+* ``advantages``: rewards at the last valid token, OTB, the ``otb/…`` metrics.
+
+Peak extra memory: the resident-set high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``) during the
+statistics minus the resident set before them, and the analytic bound of the chunked head (16 MiB of float32 logits
++ two 4 MiB buffers + the [B, T] outputs). Linux only for the measured figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+__all__ = ["main"]
+
+
+def _tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocabulary = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
+    vocabulary.update({f"w{index}": index for index in range(3, vocab_size)})
+    core = Tokenizer(models.WordLevel(vocab=vocabulary, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+
+
+def _model(vocab_size: int, hidden: int, layers: int, seed: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=int(hidden * 2.75) // 8 * 8,
+        num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 64),
+        max_position_embeddings=1024, pad_token_id=0, eos_token_id=1, bos_token_id=2))
+
+
+def _reward(completion_ids: list[list[int]], **_: object) -> list[float]:
+    return [sum(1 for token in ids if token < 1000) / max(len(ids), 1) for ids in completion_ids]
+
+
+def _resident() -> tuple[int, int]:
+    """(VmRSS, VmHWM) in bytes from /proc/self/status; (0, 0) where unavailable."""
+    try:
+        with open("/proc/self/status") as status:
+            fields = dict(line.split(":", 1) for line in status if ":" in line)
+        return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 0, 0
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _instrumented(base):
+    """``base`` (an OTBGRPOTrainer class) timing what OTB adds, and the peak resident memory of its statistics."""
+
+    class Timed(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.added = {"statistics": [], "advantages": []}
+            self.peaks: list[int] = []
+
+        def _otb_head_statistics(self, core, hidden, targets):
+            rss, _ = _resident()
+            measured = _reset_peak()
+            start = time.perf_counter()
+            result = super()._otb_head_statistics(core, hidden, targets)
+            self.added["statistics"].append(time.perf_counter() - start)
+            if measured:
+                self.peaks.append(_resident()[1] - rss)
+            return result
+
+        def _otb_forward(self, output):
+            start = time.perf_counter()
+            result = super()._otb_forward(output)
+            self.added.setdefault("forward", []).append(time.perf_counter() - start)
+            return result
+
+        def _otb_complete(self, *args, **kwargs):
+            start = time.perf_counter()
+            result = super()._otb_complete(*args, **kwargs)
+            self.added["advantages"].append(time.perf_counter() - start)
+            return result
+
+    return Timed
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--prompt-length", type=int, default=16)
+    parser.add_argument("--completion-length", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per trainer, after one warm-up step")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--seed", type=int, default=0)
+    options = parser.parse_args(argv)
+
+    import torch
+    from datasets import Dataset
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from otb_torch.trl import OTBGRPOTrainer
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    tokenizer = _tokenizer(options.vocab)
+    words = [" ".join(f"w{3 + (17 * p + 5 * i) % (options.vocab - 3)}" for i in range(options.prompt_length))
+             for p in range(64)]
+    prompts = Dataset.from_dict({"prompt": words})
+    rows = options.prompts * options.generations
+    parameters = sum(p.numel() for p in _model(options.vocab, options.hidden, options.layers, 0).parameters())
+    print(f"Llama {parameters / 1e6:.1f} M parameters (V = {options.vocab}, hidden {options.hidden}, "
+          f"{options.layers} layers); {rows} completions per step ({options.prompts} prompts × {options.generations}) "
+          f"of {options.completion_length} tokens after {options.prompt_length}-token prompts; torch threads "
+          f"{torch.get_num_threads()}; {options.steps} timed steps after 1 warm-up; learning_rate 0")
+
+    results = {}
+    trainers = (("GRPOTrainer", GRPOTrainer, {}),
+                ("OTBGRPOTrainer otb", _instrumented(OTBGRPOTrainer), {"variant": "otb"}),
+                ("OTBGRPOTrainer leave_one_out", _instrumented(OTBGRPOTrainer), {"variant": "leave_one_out"}))
+    for label, trainer_class, extra in trainers:
+        with tempfile.TemporaryDirectory() as scratch:
+            config = GRPOConfig(
+                output_dir=scratch, use_cpu=True, max_steps=options.steps + 1, seed=options.seed,
+                per_device_train_batch_size=rows, num_generations=options.generations,
+                max_completion_length=options.completion_length, learning_rate=0.0, scale_rewards="none",
+                logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, shuffle_dataset=False)
+            trainer = trainer_class(model=_model(options.vocab, options.hidden, options.layers, options.seed),
+                                    reward_funcs=_reward, args=config, train_dataset=prompts,
+                                    processing_class=tokenizer, **extra)
+            trainer.remove_callback(PrinterCallback)
+            trainer.remove_callback(ProgressCallback)
+            steps: list[float] = []
+            lengths: list[float] = []
+            original_log = trainer.log
+
+            def log(logs, *args, _steps=steps, _lengths=lengths, _log=original_log, **kwargs):
+                if "step_time" in logs:
+                    _steps.append(float(logs["step_time"]))
+                    _lengths.append(float(logs["completions/mean_length"]))
+                return _log(logs, *args, **kwargs)
+
+            trainer.log = log
+            trainer.train()
+            results[label] = (trainer, steps[1:], lengths[1:])
+    baseline = statistics.median(results["GRPOTrainer"][1])
+    print(f"\n{'trainer':<30} {'step (median)':>14} {'vs GRPO':>9} {'OTB inside the step':>22} {'share':>7}")
+    for label, (trainer, steps, lengths) in results.items():
+        step = statistics.median(steps)
+        line = f"{label:<30} {step * 1e3:11.0f} ms {100 * (step / baseline - 1):+8.1f}%"
+        if hasattr(trainer, "added"):
+            parts = {name: statistics.median(values[1:] or values) for name, values in trainer.added.items()
+                     if values}
+            added = sum(parts.values())
+            detail = " + ".join(f"{name} {value * 1e3:.0f}" for name, value in parts.items())
+            line += f" {added * 1e3:17.0f} ms {100 * added / baseline:6.1f}%   ({detail} ms)"
+            if trainer.peaks:
+                line += f"; peak extra RSS {max(trainer.peaks) / 2**20:.1f} MiB"
+        print(line + f"   [completion length {statistics.mean(lengths):.0f}]")
+    chunk_rows = max(1, 2**22 // options.vocab)
+    bound = (chunk_rows * options.vocab + 2 * 2**20) * 4 + 3 * rows * options.completion_length * 4
+    print(f"\nanalytic extra memory of the statistics: {bound / 2**20:.1f} MiB "
+          f"({chunk_rows} rows × V float32 logits + two 4 MiB buffers + three [B, T] float32 outputs)")
+
+
+if __name__ == "__main__":
+    main()
