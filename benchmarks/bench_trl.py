@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
     from datasets import Dataset
+    from transformers import TrainerCallback
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -162,15 +163,14 @@ def main(argv: list[str] | None = None) -> None:
             trainer.remove_callback(ProgressCallback)
             steps: list[float] = []
             lengths: list[float] = []
-            original_log = trainer.log
 
-            def log(logs, *args, _steps=steps, _lengths=lengths, _log=original_log, **kwargs):
-                if "step_time" in logs:
-                    _steps.append(float(logs["step_time"]))
-                    _lengths.append(float(logs["completions/mean_length"]))
-                return _log(logs, *args, **kwargs)
+            class Record(TrainerCallback):
+                def on_log(self, args, state, control, logs=None, **kwargs):   # noqa: ANN001 - TRL's signature
+                    if logs and "step_time" in logs:
+                        steps.append(float(logs["step_time"]))
+                        lengths.append(float(logs["completions/mean_length"]))
 
-            trainer.log = log
+            trainer.add_callback(Record())
             trainer.train()
             results[label] = (trainer, steps[1:], lengths[1:])
     baseline = statistics.median(results["GRPOTrainer"][1])
