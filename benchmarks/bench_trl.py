@@ -76,20 +76,22 @@ def _reset_peak() -> bool:
 
 
 def _instrumented(base):
-    """``base`` (an OTBGRPOTrainer class) timing what OTB adds, and the peak resident memory of its statistics."""
+    """``base`` (an OTBGRPOTrainer class) timing what OTB adds per generation batch, and the peak resident memory of
+    its statistics."""
 
     class Timed(base):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.added = {"statistics": [], "advantages": []}
+            self.added: dict[str, list[float]] = {"forward": [], "statistics": [], "advantages": []}
             self.peaks: list[int] = []
+            self._pending = {"forward": 0.0, "statistics": 0.0}
 
         def _otb_head_statistics(self, core, hidden, targets):
             rss, _ = _resident()
             measured = _reset_peak()
             start = time.perf_counter()
             result = super()._otb_head_statistics(core, hidden, targets)
-            self.added["statistics"].append(time.perf_counter() - start)
+            self._pending["statistics"] += time.perf_counter() - start
             if measured:
                 self.peaks.append(_resident()[1] - rss)
             return result
@@ -97,13 +99,16 @@ def _instrumented(base):
         def _otb_forward(self, output):
             start = time.perf_counter()
             result = super()._otb_forward(output)
-            self.added.setdefault("forward", []).append(time.perf_counter() - start)
+            self._pending["forward"] += time.perf_counter() - start
             return result
 
         def _otb_complete(self, *args, **kwargs):
             start = time.perf_counter()
             result = super()._otb_complete(*args, **kwargs)
             self.added["advantages"].append(time.perf_counter() - start)
+            for part in ("forward", "statistics"):
+                self.added[part].append(self._pending[part])
+                self._pending[part] = 0.0
             return result
 
     return Timed
@@ -121,13 +126,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per trainer, after one warm-up step")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--paths", nargs="+", choices=("loss", "own"), default=["loss", "own"],
+                        help="where OTB takes log π and Σπ² (docs/trl.md): 'loss' — TRL's default config, the loss's "
+                             "forward; 'own' — gradient_accumulation_steps=2, one no-grad forward of its own")
     options = parser.parse_args(argv)
 
     import torch
     from datasets import Dataset
-    from transformers import TrainerCallback
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from otb_torch.trl import OTBGRPOTrainer
 
@@ -145,52 +151,75 @@ def main(argv: list[str] | None = None) -> None:
           f"of {options.completion_length} tokens after {options.prompt_length}-token prompts; torch threads "
           f"{torch.get_num_threads()}; {options.steps} timed steps after 1 warm-up; learning_rate 0")
 
-    results = {}
-    trainers = (("GRPOTrainer", GRPOTrainer, {}),
-                ("OTBGRPOTrainer otb", _instrumented(OTBGRPOTrainer), {"variant": "otb"}),
-                ("OTBGRPOTrainer leave_one_out", _instrumented(OTBGRPOTrainer), {"variant": "leave_one_out"}))
-    for label, trainer_class, extra in trainers:
-        with tempfile.TemporaryDirectory() as scratch:
-            config = GRPOConfig(
-                output_dir=scratch, use_cpu=True, max_steps=options.steps + 1, seed=options.seed,
-                per_device_train_batch_size=rows, num_generations=options.generations,
-                max_completion_length=options.completion_length, learning_rate=0.0, scale_rewards="none",
-                logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, shuffle_dataset=False)
-            trainer = trainer_class(model=_model(options.vocab, options.hidden, options.layers, options.seed),
-                                    reward_funcs=_reward, args=config, train_dataset=prompts,
-                                    processing_class=tokenizer, **extra)
-            trainer.remove_callback(PrinterCallback)
-            trainer.remove_callback(ProgressCallback)
-            steps: list[float] = []
-            lengths: list[float] = []
+    configurations = {
+        "loss": dict(per_device_train_batch_size=rows, gradient_accumulation_steps=1),
+        "own": dict(per_device_train_batch_size=rows // 2, gradient_accumulation_steps=2),
+    }
+    for name in options.paths:
+        results = {}
+        trainers = [("GRPOTrainer", GRPOTrainer, {}), ("OTBGRPOTrainer otb", _instrumented(OTBGRPOTrainer),
+                                                       {"variant": "otb"})]
+        if name == "loss":
+            trainers.append(("OTBGRPOTrainer leave_one_out", _instrumented(OTBGRPOTrainer),
+                             {"variant": "leave_one_out"}))
+        for label, trainer_class, extra in trainers:
+            results[label] = _run(trainer_class, extra, configurations[name], options, prompts, tokenizer)
+        _report(name, configurations[name], results, options, rows)
 
-            class Record(TrainerCallback):
-                def on_log(self, args, state, control, logs=None, **kwargs):   # noqa: ANN001 - TRL's signature
-                    if logs and "step_time" in logs:
-                        steps.append(float(logs["step_time"]))
-                        lengths.append(float(logs["completions/mean_length"]))
 
-            trainer.add_callback(Record())
-            trainer.train()
-            results[label] = (trainer, steps[1:], lengths[1:])
+def _run(trainer_class, extra: dict, configuration: dict, options, prompts, tokenizer):
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from trl import GRPOConfig
+
+    with tempfile.TemporaryDirectory() as scratch:
+        config = GRPOConfig(
+            output_dir=scratch, use_cpu=True, max_steps=options.steps + 1, seed=options.seed,
+            num_generations=options.generations, max_completion_length=options.completion_length, learning_rate=0.0,
+            scale_rewards="none", logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True,
+            shuffle_dataset=False, **configuration)
+        trainer = trainer_class(model=_model(options.vocab, options.hidden, options.layers, options.seed),
+                                reward_funcs=_reward, args=config, train_dataset=prompts, processing_class=tokenizer,
+                                **extra)
+        trainer.remove_callback(PrinterCallback)
+        trainer.remove_callback(ProgressCallback)
+        steps: list[float] = []
+        lengths: list[float] = []
+
+        class Record(TrainerCallback):
+            def on_log(self, args, state, control, logs=None, **kwargs):   # noqa: ANN001 - TRL's signature
+                if logs and "step_time" in logs:
+                    steps.append(float(logs["step_time"]))
+                    lengths.append(float(logs["completions/mean_length"]))
+
+        trainer.add_callback(Record())
+        trainer.train()
+    return trainer, steps[1:], lengths[1:]
+
+
+def _report(name: str, configuration: dict, results: dict, options, rows: int) -> None:
     baseline = statistics.median(results["GRPOTrainer"][1])
-    print(f"\n{'trainer':<30} {'step (median)':>14} {'vs GRPO':>9} {'OTB inside the step':>22} {'share':>7}")
+    title = {"loss": "log π, Σπ² from the loss's forward", "own": "log π, Σπ² from one no-grad forward"}[name]
+    print(f"\n{title}: gradient_accumulation_steps={configuration['gradient_accumulation_steps']}, "
+          f"per_device_train_batch_size={configuration['per_device_train_batch_size']}")
+    print(f"{'trainer':<30} {'step (median)':>14} {'vs GRPO':>9} {'OTB inside the step':>22} {'share':>7}")
     for label, (trainer, steps, lengths) in results.items():
         step = statistics.median(steps)
         line = f"{label:<30} {step * 1e3:11.0f} ms {100 * (step / baseline - 1):+8.1f}%"
         if hasattr(trainer, "added"):
-            parts = {name: statistics.median(values[1:] or values) for name, values in trainer.added.items()
-                     if values}
-            added = sum(parts.values())
-            detail = " + ".join(f"{name} {value * 1e3:.0f}" for name, value in parts.items())
+            added_per_step = [max(f, s) + a for f, s, a in zip(*(trainer.added[part][1:] for part in (
+                "forward", "statistics", "advantages")))]     # the statistics run inside the own forward, if any
+            added = statistics.median(added_per_step)
+            parts = {part: statistics.median(values[1:]) for part, values in trainer.added.items() if any(values)}
+            detail = " + ".join(f"{part} {value * 1e3:.0f}" for part, value in parts.items())
             line += f" {added * 1e3:17.0f} ms {100 * added / baseline:6.1f}%   ({detail} ms)"
             if trainer.peaks:
                 line += f"; peak extra RSS {max(trainer.peaks) / 2**20:.1f} MiB"
-        print(line + f"   [completion length {statistics.mean(lengths):.0f}]")
-    chunk_rows = max(1, 2**22 // options.vocab)
+        print(line + f"   [mean completion length {statistics.mean(lengths):.0f}]")
+    chunk_rows = min(max(1, 2**22 // options.vocab), rows * options.completion_length)
     bound = (chunk_rows * options.vocab + 2 * 2**20) * 4 + 3 * rows * options.completion_length * 4
-    print(f"\nanalytic extra memory of the statistics: {bound / 2**20:.1f} MiB "
-          f"({chunk_rows} rows × V float32 logits + two 4 MiB buffers + three [B, T] float32 outputs)")
+    print(f"analytic extra memory of the statistics: {bound / 2**20:.1f} MiB ({chunk_rows} rows × V float32 logits "
+          "+ two 4 MiB buffers + three [B, T] float32 outputs)")
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ class OTBBatch(NamedTuple):
 
 
 # The OTB inputs that travel with TRL's generation output until the loss's forward gives the statistics (TRL shuffles
-# and splits every tensor of the output along the rows, grpo_trainer.py:1538–1547).
+# and splits every tensor of the output along the rows, grpo_trainer.py:1541–1545).
 _PENDING_KEYS = ("otb_rewards", "otb_response_mask", "otb_group_ids", "otb_row_ids", "otb_is_weights")
 
 
@@ -404,8 +404,8 @@ class OTBGRPOTrainer(GRPOTrainer):
 
     def _otb_loss_sees_the_generation(self, mode: str) -> bool:
         """Whether TRL's loss forward runs once on the whole generation batch at the sampling weights: in training,
-        one micro-batch per generation (``steps_per_generation`` = 1, the batch split in one piece, :1538–1547) used
-        once (``num_iterations`` = 1); in evaluation always (the batch goes to the loss as generated, :1548–1550)."""
+        one micro-batch per generation (``steps_per_generation`` = 1, the batch split in one piece, :1539–1546) used
+        once (``num_iterations`` = 1); in evaluation always (the batch goes to the loss as generated, :1547–1550)."""
         return mode == "eval" or (self.args.steps_per_generation == 1 and self.num_iterations == 1)
 
     def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> torch.Tensor:
