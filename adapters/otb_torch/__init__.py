@@ -26,6 +26,7 @@ imported on demand, so ``otb_torch`` never imports verl (docs/verl.md).
 """
 
 from otb_torch._core import Segments, segments_from_index
+from otb_torch._fused import fused_linear_token_statistics
 from otb_torch._logits import (
     ShardPartials,
     TokenStatistics,
@@ -77,6 +78,7 @@ __all__ = [
     "sum_pi_squared",
     "TokenStatistics",
     "token_statistics_from_logits",
+    "fused_linear_token_statistics",
     "ShardPartials",
     "vocab_shard_partials",
     "combine_vocab_shards",
