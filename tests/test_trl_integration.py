@@ -44,7 +44,13 @@ import otb_spec  # noqa: E402
 import otb_torch  # noqa: E402
 import otb_torch.trl as otb_trl  # noqa: E402
 import trl_tiny  # noqa: E402
-from otb_spec.tolerances import otb_comparison_tolerance, otb_tolerance, output_rounding, port_tolerance  # noqa: E402
+from otb_spec.tolerances import (  # noqa: E402
+    hidden_comparison_tolerances,
+    otb_comparison_tolerance,
+    otb_tolerance,
+    output_rounding,
+    port_tolerance,
+)
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -144,8 +150,8 @@ def _check_run(run, variant: str, align: str) -> dict[str, int]:
         seen = fields["advantages"].astype(np.float64)
         tolerance.assert_close(seen, reference.advantages, f"advantages in _compute_loss, generation {index}")
         assert not seen[~valid].any(), "advantages are exactly 0 off the mask"
-        if "old_per_token_logps" in fields:                     # TRL's old log-probs are the log π OTB used
-            np.testing.assert_array_equal(fields["old_per_token_logps"][valid], batch.log_probs.numpy()[order][valid])
+        if "old_per_token_logps" in fields:                     # TRL's old log-probs, from the same forward, its own
+            port.assert_close(fields["old_per_token_logps"][valid], independent_lp[valid], "TRL's old log π")
         # metrics: mean realized energy W, advantage statistics, over valid trajectories and tokens
         metrics = generation["metrics"]
         per_token = otb_spec.token_energy(np.where(valid, log_probs, 0.0), np.where(valid, sum_pi_squared, 1.0))
@@ -319,8 +325,9 @@ def _float32(array: np.ndarray) -> torch.Tensor:
 
 
 def test_hidden_state_statistics_match_trls_kernel_and_the_reference(monkeypatch):
-    """log π, entropy and Σπ² from hidden states and the LM head (bias, logit scale, softcap, temperature), through
-    chunks of at most max(1, budget/V) rows, equal TRL's own fused kernel and the float64 reference."""
+    """log π, entropy and Σπ² from hidden states and the LM head with a bias, logit scale, softcap and temperature:
+    through chunks of at most max(1, budget/V) rows of logits, equal to TRL's own fused kernel and to the float64
+    reference."""
     from trl.kernels import ChunkedLogProbFunction
 
     generator = torch.Generator().manual_seed(3)
@@ -355,6 +362,32 @@ def test_hidden_state_statistics_match_trls_kernel_and_the_reference(monkeypatch
     port.assert_close(ours.log_probs.numpy(), trl_log_probs.numpy(), "log π vs TRL's kernel")
     port.assert_close(ours.entropy.numpy(), trl_entropy.numpy(), "entropy vs TRL's kernel")
     port.assert_close(ours.sum_pi_squared.numpy(), trl_log_spp.exp().numpy(), "Σπ² vs TRL's kernel")
+
+
+def test_a_plain_temperature_head_goes_through_the_fused_kernel(monkeypatch):
+    """No bias, no softcap: otb_torch.fused_linear_token_statistics at temperature τ/scale, no logits formed; the
+    result within the derived bounds of the float64 reference (hidden_comparison_tolerances)."""
+    generator = torch.Generator().manual_seed(4)
+    hidden = torch.randn(200, 16, generator=generator)
+    weight = torch.randn(500, 16, generator=generator) / 2
+    targets = torch.randint(0, 500, (200,), generator=generator)
+    calls = []
+    fused = otb_torch.fused_linear_token_statistics
+
+    def recording_fused(*args, **kwargs):
+        calls.append(kwargs["temperature"])
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(otb_torch, "fused_linear_token_statistics", recording_fused)
+    monkeypatch.setattr(torch.nn.functional, "linear", None)            # no logits may be formed
+    ours = otb_trl._token_statistics_from_hidden(hidden, weight, None, targets,
+                                                 otb_trl._LogitTransform(scale=2.0, temperature=0.7))
+    monkeypatch.undo()
+    assert calls == [0.35]
+    reference = otb_spec.token_statistics_from_hidden(hidden.numpy(), weight.numpy(), targets.numpy(), temperature=0.35)
+    bounds, _ = hidden_comparison_tolerances(hidden.numpy(), weight.numpy(), targets.numpy(), temperature=0.35)
+    for name in ("log_probs", "entropy", "sum_pi_squared"):
+        getattr(bounds, name).assert_close(getattr(ours, name).numpy(), getattr(reference, name), name)
 
 
 def test_logit_transform_reads_the_config_as_trl_does():

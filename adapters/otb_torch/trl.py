@@ -20,11 +20,12 @@ How TRL 1.16.0 is entered (line numbers of the installed ``trl/trainer/grpo_trai
 * ``_compute_loss`` unsqueezes only 1-D advantages (:3055–3059), so the [B, T] advantages that
   ``_generate_and_score_completions`` (:2324) returns in ``output["advantages"]`` reach the loss per token.
 * ``_calculate_rewards`` (:1579) returns the rewards of every process (gathered, :1679–1681); the override keeps them.
-* ``_get_per_token_logps_and_entropies`` (:1419) is the policy forward TRL runs without gradient for
-  ``old_per_token_logps`` (:2634–2657). When TRL runs it, the override serves that same forward: the policy's
-  backbone runs once, and log π(yₜ), entropy and Σπ²ₜ come out of the hidden states and the LM head chunk by chunk —
-  TRL's old log-probs *are* the log π that OTB uses. When TRL computes no old log-probs (the default: one iteration,
-  generation aligned with the optimizer step) the trainer runs that forward itself, once, without gradient.
+* ``_get_per_token_logps_and_entropies`` (:1419) runs the policy (TRL's fused LM head, never the logits). log π(yₜ)
+  and Σπ²ₜ of the sampling policy come from the hidden states of one of its forwards (a hook on the backbone) and the
+  LM-head weight, through ``otb_torch.fused_linear_token_statistics``: TRL's no-grad old-log-prob forward (:2634–2657)
+  when TRL runs one; otherwise TRL's loss forward when it sees the whole generation batch at the sampling weights
+  (one micro-batch per generation, one iteration — TRL's defaults), the advantages being put into the inputs before
+  ``_compute_loss`` reads them (:3054); otherwise one no-grad forward of the trainer's own.
 * With several processes, the rows of a prompt group sit on different processes (TRL slices the gathered batch with
   ``process_slice``, :2812–2818): :func:`otb_torch.distributed.distributed_token_baseline` over the default process
   group (accelerate's) gives every process exactly the advantages one process would compute for its rows.
@@ -38,7 +39,7 @@ import contextlib
 import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -86,7 +87,8 @@ _REJECTED_LOSS_TYPES = {
 }
 
 _LOGITS_CHUNK_ELEMENTS = 2**22
-"""Logits materialised at once by the hidden-state path: at most max(1, 2²²/V) rows × V (16 MiB of float32)."""
+"""Logits materialised at once where the fused kernel does not apply (a bias or a softcap on the LM head): at most
+max(1, 2²²/V) rows × V (16 MiB of float32)."""
 
 # Keyword arguments of GRPOTrainer._get_per_token_logps_and_entropies that carry multimodal inputs; the trainer passes
 # them from the generation output as TRL's _compute_loss does (grpo_trainer.py:3030–3047).
@@ -171,15 +173,16 @@ def _token_statistics_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, bi
     """log π(y), entropy and Σπ² of softmax(transform(hidden·Wᵀ + b)) for [N, H] hidden states and [N] token ids,
     never holding more than a bounded chunk of the [N, V] logits.
 
-    The seam between the two kernels: ``otb_torch.fused_linear_token_statistics`` (no logits materialised) when this
-    otb_torch has it and the transform is a pure temperature (scale·z/T = z/(T/scale), no bias, no softcap);
-    otherwise row chunks of max(1, 2²²/V) rows: logits = hidden·Wᵀ + b in the ambient precision (TRL's autocast), cast
-    to float32, transformed in place, then ``otb_torch.token_statistics_from_logits``. Extra memory: the float32 chunk
-    (16 MiB) plus that function's two 4 MiB buffers, whatever N.
+    The seam between the two kernels: ``otb_torch.fused_linear_token_statistics`` (no logits materialised; two fixed
+    block buffers, 32 MiB on CPU, 512 MiB on CUDA) when the transform is a pure temperature (scale·z/T = z/(T/scale):
+    no bias, no softcap), run outside autocast because it accumulates in float32 itself; otherwise row chunks of
+    max(1, 2²²/V) rows: logits = hidden·Wᵀ + b in the ambient precision (TRL's autocast, as TRL's own head), cast to
+    float32 (16 MiB), transformed in place, then ``otb_torch.token_statistics_from_logits`` (two 4 MiB buffers).
     """
-    fused: Callable | None = getattr(otb_torch, "fused_linear_token_statistics", None)
-    if fused is not None and bias is None and transform.softcap is None and transform.scale > 0:
-        return fused(hidden, weight, token_ids, temperature=transform.temperature / transform.scale)
+    if bias is None and transform.softcap is None and transform.scale > 0:
+        with torch.autocast(hidden.device.type, enabled=False):
+            return otb_torch.fused_linear_token_statistics(hidden, weight, token_ids,
+                                                           temperature=transform.temperature / transform.scale)
     rows, vocab = hidden.shape[0], weight.shape[0]
     step = max(1, _LOGITS_CHUNK_ELEMENTS // vocab)
     log_probs = torch.empty(rows, dtype=torch.float32, device=hidden.device)
@@ -213,11 +216,11 @@ class _StatisticsCapture:
     call and computes log π, entropy and Σπ² of the completion tokens from them (without gradient) — inside the
     forward, where TRL computes its own head, so sharded LM-head weights are gathered as TRL gathers them.
 
-    ``model`` None (no-grad forwards: TRL's old-log-prob forward, or the trainer's own): the policy runs with its LM
-    head restricted to the last position (``logits_to_keep=1``; TRL's fused head when the model lacks that argument),
-    and the call returns these statistics as the outputs — TRL's old log-probs are then OTB's log π.
-    ``model`` given (the loss's forward, with gradient): TRL's own call runs unchanged and its outputs are returned;
-    the statistics are only recorded."""
+    ``model`` given (TRL's old-log-prob forward, or the loss's forward): TRL's own call runs unchanged and its outputs
+    are returned — TRL's log-probabilities stay its own, bit for bit — and the statistics are recorded.
+    ``model`` None (the trainer's own no-grad forward): the policy runs with its LM head restricted to the last position
+    (``logits_to_keep=1``; TRL's fused head when the model lacks that argument), and the call returns the statistics
+    as the outputs."""
 
     trainer: "OTBGRPOTrainer"
     logits_to_keep: int
@@ -435,7 +438,7 @@ class OTBGRPOTrainer(GRPOTrainer):
         if torch.is_grad_enabled() or args or kwargs.get("compute_entropy") or kwargs.get("compute_aux_loss"):
             raise RuntimeError("otb_torch.trl: the old-log-prob forward of trl 1.16 runs without gradient, entropy or "
                                "auxiliary loss; this trl calls it differently")
-        capture = _StatisticsCapture(self, logits_to_keep)
+        capture = _StatisticsCapture(self, logits_to_keep, model=model)
         result = super()._get_per_token_logps_and_entropies(capture, input_ids, attention_mask, logits_to_keep,
                                                             **kwargs)
         generation.statistics = capture.result()
