@@ -1,6 +1,6 @@
 """OTB's cost on top of plain GRPO per training step in TRL 1.16, on CPU (target: ≤ 5 % of the step).
 
-    python benchmarks/bench_trl.py                       # 21 M-parameter Llama, V = 32000, 16 completions × 128
+    python benchmarks/bench_trl.py --threads 1           # 19.6 M-parameter Llama, V = 32000, 16 completions × 128
     python benchmarks/bench_trl.py --steps 4 --completion-length 64 --hidden 128 --layers 2
 
 Runs ``trl.GRPOTrainer`` and ``otb_torch.trl.OTBGRPOTrainer`` (both variants) on the same randomly initialised Llama,
@@ -10,13 +10,17 @@ wall time of a training step (TRL's own ``step_time`` metric: generation, reward
 the optimizer step) over ``--steps`` steps after one warm-up step, and for OTB the median time spent in what it
 adds, measured inside the step:
 
-* ``statistics``: log π, Σπ² of the completions — in TRL's default configuration (one micro-batch per generation,
-  one iteration) taken from the hidden states of the loss's own forward: the LM head once more, without gradient;
-* ``advantages``: rewards at the last valid token, OTB, the ``otb/…`` metrics.
+* ``statistics``: log π, Σπ² of the completions from the hidden states (the LM head once more, without gradient) —
+  in TRL's default configuration (``gradient_accumulation_steps=1``: one micro-batch per generation, one iteration)
+  those of the loss's own forward (``--paths loss``); with ``gradient_accumulation_steps=2`` those of one no-grad
+  forward of the trainer's own (``--paths own``: ``forward`` includes the statistics);
+* ``advantages``: OTB and the ``otb/…`` metrics.
 
-Peak extra memory: the resident-set high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``) during the
-statistics minus the resident set before them, and the analytic bound of the chunked head (16 MiB of float32 logits
-+ two 4 MiB buffers + the [B, T] outputs). Linux only for the measured figure.
+Peak extra memory: the peak of torch's CPU allocations (the profiler's memory records) while the statistics of one
+generation batch run, and while OTB runs on it, each alone after training; and the analytic bound of
+``otb_torch.fused_linear_token_statistics`` (two block buffers of at most 2²² float32 values = 32 MiB on CPU, five
+floats per token) plus the [B, T] outputs. It also times one LM-head pass, no gradient, over the step's completion
+tokens: TRL's fused kernel, the same with log Σπ² requested, and otb_torch's.
 """
 
 from __future__ import annotations
@@ -56,23 +60,20 @@ def _reward(completion_ids: list[list[int]], **_: object) -> list[float]:
     return [sum(1 for token in ids if token < 1000) / max(len(ids), 1) for ids in completion_ids]
 
 
-def _resident() -> tuple[int, int]:
-    """(VmRSS, VmHWM) in bytes from /proc/self/status; (0, 0) where unavailable."""
-    try:
-        with open("/proc/self/status") as status:
-            fields = dict(line.split(":", 1) for line in status if ":" in line)
-        return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return 0, 0
+def _peak_allocated(function) -> int:
+    """Peak bytes allocated by torch on the CPU while ``function`` runs, above what was allocated before (the
+    profiler's memory records, replayed in time order)."""
+    from torch.profiler import ProfilerActivity, profile
 
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as clear:
-            clear.write("5")
-        return True
-    except OSError:
-        return False
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        function()
+    records = sorted((event.start_ns(), event.nbytes()) for event in profiler.profiler.kineto_results.events()
+                     if event.name() == "[memory]")
+    level = peak = 0
+    for _, change in records:
+        level += change
+        peak = max(peak, level)
+    return peak
 
 
 def _instrumented(base):
@@ -83,18 +84,31 @@ def _instrumented(base):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.added: dict[str, list[float]] = {"forward": [], "statistics": [], "advantages": []}
-            self.peaks: list[int] = []
             self._pending = {"forward": 0.0, "statistics": 0.0}
 
         def _otb_head_statistics(self, core, hidden, targets):
-            rss, _ = _resident()
-            measured = _reset_peak()
             start = time.perf_counter()
             result = super()._otb_head_statistics(core, hidden, targets)
             self._pending["statistics"] += time.perf_counter() - start
-            if measured:
-                self.peaks.append(_resident()[1] - rss)
             return result
+
+        def peak_memory(self) -> tuple[int, int]:
+            """Peak extra bytes of the statistics of one generation batch (B × T completion tokens, from hidden states
+            of the step's shape) and of OTB on the last batch, each measured alone, after training."""
+            import torch
+
+            batch = self.otb_batch
+            core, _ = self._otb_policy_modules()
+            rows, positions = batch.rewards.shape
+            hidden = torch.randn(rows, positions, core.config.hidden_size)
+            targets = torch.randint(0, core.config.vocab_size, (rows, positions))
+            inputs = {"otb_rewards": batch.rewards, "otb_response_mask": batch.response_mask,
+                      "otb_group_ids": batch.group_ids, "otb_row_ids": batch.row_ids}
+            with torch.no_grad():
+                statistics_peak = _peak_allocated(lambda: self._otb_head_statistics(core, hidden, targets))
+                otb_peak = _peak_allocated(lambda: base._otb_complete(self, inputs, batch.log_probs,
+                                                                      batch.sum_pi_squared))
+            return statistics_peak, otb_peak
 
         def _otb_forward(self, output):
             start = time.perf_counter()
@@ -151,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
           f"of {options.completion_length} tokens after {options.prompt_length}-token prompts; torch threads "
           f"{torch.get_num_threads()}; {options.steps} timed steps after 1 warm-up; learning_rate 0")
 
+    _head_passes(options, rows)
     configurations = {
         "loss": dict(per_device_train_batch_size=rows, gradient_accumulation_steps=1),
         "own": dict(per_device_train_batch_size=rows // 2, gradient_accumulation_steps=2),
@@ -165,6 +180,41 @@ def main(argv: list[str] | None = None) -> None:
         for label, trainer_class, extra in trainers:
             results[label] = _run(trainer_class, extra, configurations[name], options, prompts, tokenizer)
         _report(name, configurations[name], results, options, rows)
+
+
+def _head_passes(options, rows: int) -> None:
+    """One LM-head pass over the step's completion tokens, no gradient: TRL's fused kernel as GRPOTrainer runs it
+    (log π, entropy), the same with log Σπ² requested too, and otb_torch.fused_linear_token_statistics (what
+    OTBGRPOTrainer adds to the step in the loss-forward path). Median of 5 after one warm-up."""
+    import torch
+    from trl.kernels import ChunkedLogProbFunction
+
+    import otb_torch
+
+    tokens = rows * options.completion_length
+    generator = torch.Generator().manual_seed(options.seed)
+    hidden = torch.randn(tokens, options.hidden, generator=generator)
+    weight = torch.randn(options.vocab, options.hidden, generator=generator) / options.hidden ** 0.5
+    ids = torch.randint(0, options.vocab, (tokens,), generator=generator)
+
+    def timed(function) -> float:
+        with torch.no_grad():
+            function()
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                function()
+                times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    trl_head = timed(lambda: ChunkedLogProbFunction.apply(hidden, weight, None, ids, 1.0, 32768, None, 1.0,
+                                                          ("entropy",)))
+    trl_with_spp = timed(lambda: ChunkedLogProbFunction.apply(hidden, weight, None, ids, 1.0, 32768, None, 1.0,
+                                                              ("entropy", "log_sum_sq_probs")))
+    ours = timed(lambda: otb_torch.fused_linear_token_statistics(hidden, weight, ids))
+    print(f"\none LM-head pass over {tokens} completion tokens (H = {options.hidden}, V = {options.vocab}), no "
+          f"gradient: TRL's fused kernel (log π, entropy) {trl_head * 1e3:.0f} ms; with log Σπ² requested too "
+          f"{trl_with_spp * 1e3:.0f} ms; otb_torch.fused_linear_token_statistics {ours * 1e3:.0f} ms")
 
 
 def _run(trainer_class, extra: dict, configuration: dict, options, prompts, tokenizer):
@@ -213,13 +263,14 @@ def _report(name: str, configuration: dict, results: dict, options, rows: int) -
             parts = {part: statistics.median(values[1:]) for part, values in trainer.added.items() if any(values)}
             detail = " + ".join(f"{part} {value * 1e3:.0f}" for part, value in parts.items())
             line += f" {added * 1e3:17.0f} ms {100 * added / baseline:6.1f}%   ({detail} ms)"
-            if trainer.peaks:
-                line += f"; peak extra RSS {max(trainer.peaks) / 2**20:.1f} MiB"
+            statistics_peak, otb_peak = trainer.peak_memory()
+            line += (f"; peak extra memory: statistics {statistics_peak / 2**20:.2f} MiB, "
+                     f"advantages {otb_peak / 2**20:.2f} MiB")
         print(line + f"   [mean completion length {statistics.mean(lengths):.0f}]")
-    chunk_rows = min(max(1, 2**22 // options.vocab), rows * options.completion_length)
-    bound = (chunk_rows * options.vocab + 2 * 2**20) * 4 + 3 * rows * options.completion_length * 4
-    print(f"analytic extra memory of the statistics: {bound / 2**20:.1f} MiB ({chunk_rows} rows × V float32 logits "
-          "+ two 4 MiB buffers + three [B, T] float32 outputs)")
+    tokens = rows * options.completion_length
+    bound = (2 * min(2**22, tokens * options.vocab) + 5 * tokens + 3 * tokens) * 4
+    print(f"analytic extra memory of the statistics: {bound / 2**20:.1f} MiB (otb_torch.fused_linear_token_statistics: "
+          "two block buffers of at most 2²² float32 values, five floats per token; three [B, T] float32 outputs)")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -225,6 +226,23 @@ def test_training_steps_send_the_reference_advantages_to_the_loss(name, tmp_path
         assert all("importance_sampling_ratio" in inputs for inputs in run.loss_inputs)
 
 
+def test_evaluation_computes_otb_on_the_evaluation_batch(tmp_path):
+    """``trainer.evaluate()``: TRL's prediction_step generates and scores the batch and computes the loss in one go
+    (grpo_trainer.py:1547–1550, :3294–3300); the advantages come from that loss's forward, with the eval metrics."""
+    trainer = otb_trl.OTBGRPOTrainer(
+        model=trl_tiny.model(), reward_funcs=[trl_tiny.reward_a, trl_tiny.reward_parity],
+        args=trl_tiny.config(str(tmp_path), per_device_eval_batch_size=8), train_dataset=trl_tiny.dataset(),
+        processing_class=trl_tiny.tokenizer(), variant="leave_one_out")
+    metrics = trainer.evaluate(eval_dataset=trl_tiny.dataset(4))
+    assert math.isfinite(metrics["eval_loss"]) and math.isfinite(metrics["eval_otb/advantages/mean"])
+    batch = trainer.otb_batch
+    arrays = [getattr(batch, name).double().numpy() for name in ("rewards", "response_mask", "group_ids", "log_probs",
+                                                                 "sum_pi_squared")]
+    reference = otb_spec.leave_one_out_token_baseline(*arrays)
+    tolerance, _ = otb_comparison_tolerance(*arrays, leave_one_out=True)
+    tolerance.assert_close(batch.advantages.double().numpy(), reference.advantages, "evaluation advantages")
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # two processes
 
@@ -248,9 +266,16 @@ def test_two_processes_give_the_single_process_advantages(tmp_path):
                "--main_process_port", str(_free_port()), os.path.join(TESTS_DIR, "trl_tiny.py"),
                "--worker", str(tmp_path)]
     started = time.monotonic()
-    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"the two processes failed after {time.monotonic() - started:.0f} s:\n" \
-                                 f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    launcher = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    try:
+        stdout, stderr = launcher.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)            # the launcher and the two ranks it started
+        stdout, stderr = launcher.communicate()
+        pytest.fail(f"the two processes did not finish within 300 s:\n{stderr[-6000:]}")
+    assert launcher.returncode == 0, f"the two processes failed after {time.monotonic() - started:.0f} s:\n" \
+                                     f"{stdout[-3000:]}\n{stderr[-6000:]}"
     for name, variant, align in (("otb", "otb", "position"), ("loo", "leave_one_out", "valid_token")):
         ranks = [dict(np.load(tmp_path / f"{name}_rank{rank}.npz")) for rank in range(2)]
         assert all(int(rank["num_processes"]) == 2 for rank in ranks)
