@@ -268,9 +268,9 @@ def _report(name: str, configuration: dict, results: dict, options, rows: int) -
                      f"advantages {otb_peak / 2**20:.2f} MiB")
         print(line + f"   [mean completion length {statistics.mean(lengths):.0f}]")
     tokens = rows * options.completion_length
-    bound = (2 * min(2**22, tokens * options.vocab) + 5 * tokens + 3 * tokens) * 4
-    print(f"analytic extra memory of the statistics: {bound / 2**20:.1f} MiB (otb_torch.fused_linear_token_statistics: "
-          "two block buffers of at most 2²² float32 values, five floats per token; three [B, T] float32 outputs)")
+    bound = (2 * min(2**22, tokens * options.vocab) + 5 * tokens) * 4
+    print(f"analytic extra memory of the statistics: {bound / 2**20:.2f} MiB (otb_torch.fused_linear_token_statistics: "
+          "two block buffers of at most 2²² float32 values, five floats per token)")
 
 
 if __name__ == "__main__":

@@ -11,12 +11,13 @@ are checked against a float64 computation from the full logits of the same polic
 
 What runs where (TRL 1.16.0 line numbers, grpo_trainer.py):
 
-* plain runs: TRL's ``transformers`` generation (``_generate_single_turn``, :1763), no old log-probs — the trainer's own
-  no-grad forward; with ``num_iterations=2`` TRL's old-log-prob forward (:2641–2657), which the trainer serves;
+* plain runs: TRL's ``transformers`` generation (``_generate_single_turn``, :1763); log π and Σπ² from the loss's
+  forward (TRL's defaults), from the trainer's own no-grad forward (``gradient_accumulation_steps=2``), or from TRL's
+  old-log-prob forward (``num_iterations=2``, :2642–2657) — the three paths of docs/trl.md;
 * tool holes: TRL's ``rollout_func`` hook (:2200–2217) with ``env_mask`` → TRL's ``tool_mask`` (:2270–2272), padded
   and multiplied into the loss mask by TRL (:2479–2497, :3027). TRL's ``_tool_call_loop`` (:1945) itself is not run:
   a random tiny model emits no parseable tool calls;
-* IS weights: TRL's vLLM importance-sampling code (:2641–2708, ratio in the loss :3146–3147) with the rollout's
+* IS weights: TRL's vLLM importance-sampling code (:2642–2707, ratio in the loss :3146–3147) with the rollout's
   sampler log-probs in place of vLLM's: ``use_vllm`` is switched on after construction and vLLM's weight sync is a
   no-op (trl_tiny.use_rollout_importance_sampling). vLLM's engine is not run (it needs a GPU);
 * two processes: ``accelerate launch`` (torchrun, gloo on CPU) of tests/trl_tiny.py, groups straddling the processes.
@@ -57,6 +58,16 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS_DIR)
 FLOAT32 = np.float32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The tiny model's matrices are too small for two threads to help; on a busy machine they contend (the linear
+    layers ran ~10× slower with two). Restored after the module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Everything is built in-process, with no download: a character-level tokenizer (``tokenizers`` WordLevel), a randomly
 initialised two-layer Llama from a ``transformers`` config, a dataset of distinct prompts, two reward functions of the
-completion token ids (one of them sometimes returns None, so some completions are left unscored), and a
+completion token ids (each sometimes returns None; where both do, the completion is left unscored), and a
 ``rollout_func`` — TRL's documented hook for custom generation (grpo_trainer.py:2200–2217) — that samples from the
 policy itself at its own temperature, returns the sampler's log-probabilities as vLLM does, and splices a tool
 response into every other completion with ``env_mask`` = 0 over it (TRL turns ``env_mask`` into its ``tool_mask``,
@@ -92,9 +92,10 @@ def sequence_reward(completion_ids: list[int]) -> float | None:
 
 
 class ToolRollout:
-    """TRL ``rollout_func``: sample each completion from the policy at ``temperature`` token by token (full forward,
-    tiny model), return the sampler's log π of each sampled token (0.0 on tool tokens, as TRL's tool loop does),
-    and in every other completion splice the tool response after 2–4 sampled tokens, with ``env_mask`` 0 over it."""
+    """TRL ``rollout_func``: sample each completion from the policy at ``temperature``, all rows at once token by token
+    (full forward of the left-padded batch with its position ids, tiny model), return the sampler's log π of each
+    sampled token (0.0 on tool tokens, as TRL's tool loop does), and in every other completion splice the tool
+    response after 2–4 sampled tokens, with ``env_mask`` 0 over it."""
 
     def __init__(self, temperature: float, seed: int = 0) -> None:
         self.temperature = temperature
@@ -111,28 +112,35 @@ class ToolRollout:
         self.calls += 1
         tool_id = tok.convert_tokens_to_ids(TOOL_TEXT)
         prompt_ids = [list(ids) for ids in tok(text=prompts)["input_ids"]]
-        completions, logprobs, env_masks = [], [], []
-        for row, ids in enumerate(prompt_ids):
-            completion, row_logprobs, row_mask = [], [], []
-            splice_at = 2 + row % 3 if row % 2 == 0 else None
-            while len(completion) < MAX_COMPLETION_LENGTH:
-                if splice_at is not None and len(completion) == splice_at:
-                    completion.append(tool_id)
-                    row_logprobs.append(0.0)
-                    row_mask.append(0)
-                    continue
-                with torch.no_grad():
-                    logits = policy(input_ids=torch.tensor([ids + completion])).logits[0, -1].double()
-                log_p = torch.log_softmax(logits / self.temperature, dim=-1)
-                token = int(torch.multinomial(log_p.exp(), 1, generator=generator))
-                completion.append(token)
-                row_logprobs.append(float(log_p[token]))
-                row_mask.append(1)
-                if token == tok.eos_token_id:
-                    break
-            completions.append(completion)
-            logprobs.append(row_logprobs)
-            env_masks.append(row_mask)
+        rows = len(prompt_ids)
+        completions: list[list[int]] = [[] for _ in range(rows)]
+        logprobs: list[list[float]] = [[] for _ in range(rows)]
+        env_masks: list[list[int]] = [[] for _ in range(rows)]
+        splice_at = [2 + row % 3 if row % 2 == 0 else None for row in range(rows)]
+        active = [True] * rows
+        while any(active):
+            for row in range(rows):                     # the tool response is spliced in, not sampled
+                if active[row] and splice_at[row] is not None and len(completions[row]) == splice_at[row]:
+                    completions[row].append(tool_id)
+                    logprobs[row].append(0.0)
+                    env_masks[row].append(0)
+            sampling = [row for row in range(rows) if active[row]]
+            sequences = [prompt_ids[row] + completions[row] for row in sampling]
+            width = max(len(sequence) for sequence in sequences)
+            input_ids = torch.tensor([[tok.pad_token_id] * (width - len(q)) + q for q in sequences])
+            attention = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in sequences])
+            positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+            with torch.no_grad():
+                logits = policy(input_ids=input_ids, attention_mask=attention, position_ids=positions).logits
+            log_p = torch.log_softmax(logits[:, -1].double() / self.temperature, dim=-1)
+            tokens = torch.multinomial(log_p.exp(), 1, generator=generator)[:, 0]
+            for index, row in enumerate(sampling):
+                token = int(tokens[index])
+                completions[row].append(token)
+                logprobs[row].append(float(log_p[index, token]))
+                env_masks[row].append(1)
+                if token == tok.eos_token_id or len(completions[row]) >= MAX_COMPLETION_LENGTH:
+                    active[row] = False
         return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": logprobs, "env_mask": env_masks}
 
 

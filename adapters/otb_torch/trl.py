@@ -175,13 +175,15 @@ def _token_statistics_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, bi
 
     The seam between the two kernels: ``otb_torch.fused_linear_token_statistics`` (no logits materialised; two fixed
     block buffers, 32 MiB on CPU, 512 MiB on CUDA) when the transform is a pure temperature (scale·z/T = z/(T/scale):
-    no bias, no softcap), run outside autocast because it accumulates in float32 itself; otherwise row chunks of
+    no bias, no softcap), run outside autocast because it accumulates in float32 itself, and without its value scan
+    of the whole weight on every call (non-finite hidden states or weights give non-finite log π or Σπ², which OTB's
+    own input check rejects, naming them); otherwise row chunks of
     max(1, 2²²/V) rows: logits = hidden·Wᵀ + b in the ambient precision (TRL's autocast, as TRL's own head), cast to
     float32 (16 MiB), transformed in place, then ``otb_torch.token_statistics_from_logits`` (two 4 MiB buffers).
     """
     if bias is None and transform.softcap is None and transform.scale > 0:
         with torch.autocast(hidden.device.type, enabled=False):
-            return otb_torch.fused_linear_token_statistics(hidden, weight, token_ids,
+            return otb_torch.fused_linear_token_statistics(hidden, weight, token_ids, check_values=False,
                                                            temperature=transform.temperature / transform.scale)
     rows, vocab = hidden.shape[0], weight.shape[0]
     step = max(1, _LOGITS_CHUNK_ELEMENTS // vocab)
