@@ -23,6 +23,9 @@ OTB for batches split over data- and context-parallel ranks (docs/distributed.md
 To make verl 0.9.1 itself call the port, ``import otb_torch.verl`` and ``otb_torch.verl.install()`` (or
 ``install(variant="leave_one_out")`` for the unbiased estimator under verl's OTB names; ``uninstall()`` undoes it) —
 imported on demand, so ``otb_torch`` never imports verl (docs/verl.md).
+
+For TRL 1.16, ``from otb_torch.trl import OTBGRPOTrainer`` — ``trl.GRPOTrainer`` with per-token OTB advantages
+(imported on demand too; needs the ``trl`` extra; docs/trl.md).
 """
 
 from otb_torch._core import Segments, segments_from_index

@@ -232,8 +232,8 @@ def fused_linear_token_statistics(hidden: torch.Tensor, weight: torch.Tensor, to
       chunk_size: tokens per block (default: a fixed budget of values per block divided by its columns).
       vocab_chunk_size: vocabulary columns per block (default V, or what keeps a float32 copy of a chunk of a
         half-precision W within 64 MiB).
-      check_values: reject NaN/±inf in hidden or weight and ids outside [0, V) (one host synchronisation). Shapes,
-        dtypes, devices and τ are always checked.
+      check_values: reject NaN/±inf in hidden or weight (from each one's minimum and maximum: one read of each, no
+        temporary) and ids outside [0, V) (one host synchronisation). Shapes, dtypes, devices and τ are always checked.
 
     Returns:
       :class:`TokenStatistics` (log_probs, entropy, sum_pi_squared), each [...] in float32 (float64 for float64
@@ -262,9 +262,10 @@ def fused_linear_token_statistics(hidden: torch.Tensor, weight: torch.Tensor, to
     lead = tuple(hidden.shape[:-1])
     vocab = weight.shape[0]
     ids = checked_token_ids(token_ids, lead, vocab, hidden.device, check_values, source="hidden").reshape(-1)
-    if check_values:
-        flags = torch.stack([~torch.isfinite(hidden.detach()).all(), ~torch.isfinite(weight.detach()).all()])
-        if bool(flags.any()):
+    if check_values:                 # min and max of each input: NaN or ±inf shows there, with no temporary of its size
+        extremes = torch.stack([torch.stack(torch.aminmax(value.detach())).to(torch.float64) for value in
+                                (hidden, weight) if value.numel()]) if hidden.numel() else None
+        if extremes is not None and not bool(torch.isfinite(extremes).all()):
             _first_bad("hidden", hidden)
             _first_bad("weight", weight)
     dtype = _compute_dtype(hidden, weight)
