@@ -233,6 +233,10 @@ def _arguments(**change):
     (dict(token_ids=jnp.asarray([0.0, 1.0])), TypeError, "token_ids: expected integer token ids"),
     (dict(hidden=jnp.asarray([[0.0, jnp.nan, 0.0, 0.0]] * 2)), ValueError, r"hidden: contains NaN or ±inf"),
     (dict(weight=jnp.full((6, 4), jnp.inf)), ValueError, r"weight: contains NaN or ±inf"),
+    (dict(weight=jnp.ones((4096, 4)).at[3000, 2].set(jnp.nan)), ValueError,        # a head large enough for XLA to
+     r"weight: contains NaN or ±inf \(first at index \(3000, 2\)"),                # vectorise its reduction
+    (dict(hidden=jnp.ones((2, 4), jnp.bfloat16).at[1, 3].set(-jnp.inf)), ValueError,
+     r"hidden: contains NaN or ±inf \(first at index \(1, 3\)"),
     (dict(temperature=0.0), ValueError, "temperature: must be finite and > 0"),
     (dict(temperature=-2.0), ValueError, "temperature: must be finite and > 0"),
     (dict(temperature=jnp.asarray(float("inf"))), ValueError, "temperature: must be finite and > 0"),

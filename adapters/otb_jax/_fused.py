@@ -25,7 +25,8 @@ so τ may be a traced value and still gets its exact gradient. Σπ² gets no gr
 Peak extra memory (beyond inputs and outputs): forward — the padded hidden states ([N_pad, H], a copy of hidden
 when N is not a multiple of the chunk), about three [rows, columns] blocks in the compute dtype (default 2²² values
 per block: 16 MiB each in float32), a [columns, H] slice of W (in float32 for half-precision weights, at most 2²⁴
-values = 64 MiB) and a few floats per token; backward — the same blocks, plus float32 (float64) accumulators for ∂W
+values = 64 MiB) and a few floats per token (the value check is one compiled reduction per input, with no
+temporary of the inputs' size); backward — the same blocks, plus float32 (float64) accumulators for ∂W
 [V, H] and ∂h [N_pad, H], which become the returned gradients (cast to the inputs' dtypes: for bfloat16/float16
 inputs the float32 accumulators are twice their size). Nothing grows with N·V: no [N, V] array exists in the forward
 or the backward pass (tests/test_jax_fused.py inspects the traced program).
@@ -309,11 +310,20 @@ def fused_linear_token_statistics(hidden: Any, weight: Any, token_ids: Any, *, t
     return TokenStatistics(log_probs.reshape(lead), entropy.reshape(lead), jax.lax.stop_gradient(spp).reshape(lead))
 
 
+@partial(jax.jit, static_argnums=3)
+def _value_flags(hidden: jax.Array, weight: jax.Array, ids: jax.Array, vocab: int) -> jax.Array:
+    """Whether any value is bad. Σ x·0 is NaN exactly when some element is NaN or ±inf, and XLA fuses it into one
+    reduction (``all(isfinite(x))`` allocates a boolean array of the LM head's size first; a max does not propagate
+    NaN on XLA's CPU backend)."""
+    def finite(values: jax.Array) -> jax.Array:
+        return jnp.isfinite(jnp.sum(values * 0))
+
+    return ~finite(hidden) | ~finite(weight) | jnp.any((ids < 0) | (ids >= vocab))
+
+
 def _check_values(hidden: jax.Array, weight: jax.Array, ids: jax.Array, vocab: int) -> None:
     """One synchronisation; on failure the host copies give the reference's message with the first bad index."""
-    flags = jnp.stack([~jnp.all(jnp.isfinite(hidden)), ~jnp.all(jnp.isfinite(weight)),
-                       jnp.any((ids < 0) | (ids >= vocab))])
-    if not bool(jnp.any(flags)):
+    if not bool(_value_flags(hidden, weight, ids, vocab)):
         return
     for name, value in (("hidden", hidden), ("weight", weight)):
         reference_checks.check_finite(name, check._host(value))
