@@ -256,18 +256,23 @@ def _record(norms, entropy, accuracy, numerically=False):
 
 
 def test_stability_definitions():
-    config = dataclasses.replace(experiment.MAIN, spike_window=4, spike_factor=10.0)
+    config = dataclasses.replace(experiment.MAIN, spike_window=4, spike_factor=10.0, collapse_accuracy=0.5)
     calm = experiment.stability(_record([1.0] * 10, [0.5] * 10, [0.2, 0.5]), config)
     assert calm == {"spike_steps": [], "spikes": 0, "max_norm_ratio": 1.0, "final_entropy": 0.5, "collapsed": False,
                     "diverged": False}
-    # against the running median (not the mean: a spike does not hide the next one), strictly above 10×
+    # against the median of all earlier steps (a spike does not hide the next one), strictly above 10×
     spiky = experiment.stability(_record([1.0] * 5 + [10.5, 1.0, 10.4, 9.9, 10.0], [0.5] * 10, [0.2, 0.5]), config)
     assert spiky["spike_steps"] == [5, 7] and spiky["max_norm_ratio"] == pytest.approx(10.5)
     assert experiment.stability(_record([1.0] * 5 + [10.0] + [1.0] * 4, [0.5] * 10, [0.2, 0.5]), config)["spikes"] == 0
+    # a quiet stretch near convergence does not lower the scale: the median of all earlier norms stays 1
+    quiet = experiment.stability(_record([1.0] * 9 + [0.01] * 6 + [5.0], [0.5] * 16, [0.2, 0.99]), config)
+    assert quiet["spikes"] == 0 and quiet["max_norm_ratio"] == pytest.approx(5.0)
+    assert experiment.stability(_record([1.0] * 4, [0.5] * 4, [0.2, 0.5]), config)["max_norm_ratio"] is None
     collapsed = experiment.stability(_record([1.0] * 10, [0.5] * 6 + [0.001] * 4, [0.2, 0.3]), config)
     assert collapsed["collapsed"] and not collapsed["diverged"]
-    converged = experiment.stability(_record([1.0] * 10, [0.001] * 10, [0.2, 0.95]), config)
+    converged = experiment.stability(_record([1.0] * 10, [0.001] * 10, [0.2, 0.6]), config)
     assert not converged["collapsed"]
     dropped = experiment.stability(_record([1.0] * 10, [0.5] * 10, [0.3, 0.19]), config)
-    assert dropped["diverged"]
+    assert dropped["diverged"] and not experiment.stability(_record([1.0] * 10, [0.5] * 10, [0.3, 0.2]),
+                                                            config)["diverged"]
     assert experiment.stability(_record([1.0, float("nan")], [0.5, 0.5], [0.3], numerically=True), config)["diverged"]

@@ -86,7 +86,7 @@ class Config:
     spike_factor: float = 10.0
     spike_window: int = 50
     collapse_entropy: float = 0.01
-    collapse_accuracy: float = 0.9
+    collapse_accuracy: float = 0.5
     divergence_drop: float = 0.10
     samples_override: int | None = None          # N for every N = 4 arm (tests; N < 2 is rejected)
 
@@ -512,33 +512,37 @@ def _one_run(config: Config, update: str, arm: str, seed: int, test: task.Prompt
 
 
 def stability(record: dict, config: Config) -> dict:
-    """The pre-registered stability measures of one run (docs/experiment.md):
+    """The pre-registered stability measures of one run (docs/experiment.md), w = ``spike_window``:
 
-    * gradient-norm spike: a step t ≥ w (w = ``spike_window``) whose gradient norm exceeds ``spike_factor`` × the
-      median of the previous w steps' norms (median > 0);
-    * entropy collapse: the mean token entropy of the last w steps' samples is below ``collapse_entropy`` nats while
-      the final held-out accuracy is below ``collapse_accuracy`` (confidently wrong, not converged);
+    * gradient-norm spike: a step t > w whose gradient norm exceeds ``spike_factor`` × the median of all earlier
+      steps' norms (the run's typical scale so far; a running window would call every failed batch of a nearly
+      converged run a spike, since most of its groups then have zero advantage);
+    * entropy collapse: the mean token entropy of the last w steps' samples is below ``collapse_entropy`` nats
+      while the final held-out accuracy is below ``collapse_accuracy`` (confidently wrong, not converged);
     * divergence: a non-finite loss or gradient, or a final held-out accuracy more than ``divergence_drop`` below the
       warm start's.
     """
     norms = np.asarray(record["history"]["grad_norm"], dtype=float)
-    window = config.spike_window
-    spikes = [t for t in range(window, len(norms))
-              if (median := float(np.median(norms[t - window:t]))) > 0 and norms[t] > config.spike_factor * median]
-    entropy = record["history"]["entropy"][-window:]
+    ratios = _norm_ratios(norms, config.spike_window)
+    spikes = [t for t, ratio in ratios if ratio > config.spike_factor]
+    entropy = record["history"]["entropy"][-config.spike_window:]
     accuracy = record["history"]["accuracy"]
     final_entropy = float(np.mean(entropy)) if entropy else float("nan")
     collapsed = bool(entropy and final_entropy < config.collapse_entropy and accuracy[-1] < config.collapse_accuracy)
     diverged = bool(record["diverged_numerically"] or accuracy[-1] < accuracy[0] - config.divergence_drop)
-    return {"spike_steps": spikes, "spikes": len(spikes), "max_norm_ratio": _max_norm_ratio(norms, window),
+    return {"spike_steps": spikes, "spikes": len(spikes),
+            "max_norm_ratio": max((ratio for _, ratio in ratios), default=None),
             "final_entropy": final_entropy, "collapsed": collapsed, "diverged": diverged}
 
 
-def _max_norm_ratio(norms: np.ndarray, window: int) -> float | None:
-    """The largest ‖g_t‖ / median(‖g_{t−w}‖ … ‖g_{t−1}‖) over the run (None when the run is shorter than w)."""
-    ratios = [norms[t] / median for t in range(window, len(norms))
-              if (median := float(np.median(norms[t - window:t]))) > 0]
-    return float(max(ratios)) if ratios else None
+def _norm_ratios(norms: np.ndarray, window: int) -> list[tuple[int, float]]:
+    """(t, ‖g_t‖ / median(‖g_0‖ … ‖g_{t−1}‖)) for every step t ≥ w with a positive finite median (t from 0)."""
+    out = []
+    for t in range(window, len(norms)):
+        median = float(np.median(norms[:t]))
+        if median > 0 and math.isfinite(median) and math.isfinite(norms[t]):
+            out.append((t, float(norms[t] / median)))
+    return out
 
 
 def _mean_se(values: list[float]) -> dict:
