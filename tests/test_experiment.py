@@ -215,9 +215,11 @@ def test_advantages_are_the_reference_on_the_policys_batches(arm):
 
 def _arms(differences: dict[str, list[float]], gain: float = 0.3) -> dict:
     seeds = len(next(iter(differences.values())))
-    arms = {"pg/gm32": {"seeds": list(range(seeds)), "gain": {"mean": gain}, "difference_from_gm32": [0.0] * seeds}}
+    arms = {"pg/gm32": {"seeds": list(range(seeds)), "gain": {"mean": gain}, "difference_from_gm32": [0.0] * seeds,
+                        "mean_accuracy_over_run": [0.5] * seeds}}
     for arm, values in differences.items():
-        arms[f"pg/{arm}"] = {"seeds": list(range(seeds)), "difference_from_gm32": values}
+        arms[f"pg/{arm}"] = {"seeds": list(range(seeds)), "difference_from_gm32": values,
+                             "mean_accuracy_over_run": [0.5] * seeds}
     return arms
 
 
@@ -239,6 +241,21 @@ _WIDE_AT_ZERO = [0.1, -0.1, 0.08, -0.08]          # mean 0 ≥ −δ, but the in
 def test_decision_rule_as_pre_registered(differences, gain, claim):
     result = experiment.decision(_arms(differences, gain), "pg", _CONFIG)
     assert result["claim"].startswith(claim), result["claim"]
+
+
+def test_secondary_learning_speed_is_paired_by_seed():
+    arms = _arms({"otb4": _MATCH, "gm4": _SHORT, "rloo4": _SHORT, "loo4": _MATCH})
+    speeds = {"otb4": [0.5, 0.6, 0.7, 0.8], "gm4": [0.4, 0.5, 0.6, 0.7], "rloo4": [0.6, 0.7, 0.8, 0.9],
+              "loo4": [0.45, 0.7, 0.65, 0.8]}
+    for arm, values in speeds.items():
+        arms[f"pg/{arm}"]["mean_accuracy_over_run"] = values
+    arms["pg/gm4"]["seeds"] = [3, 2, 1, 0]                            # pairing goes by seed, not by position
+    arms["pg/gm4"]["mean_accuracy_over_run"] = speeds["gm4"][::-1]
+    secondary = experiment.decision(arms, "pg", _CONFIG)["secondary"]
+    assert secondary["otb4 - gm4"]["verdict"] == "otb4 faster"
+    assert secondary["otb4 - gm4"]["difference"]["mean"] == pytest.approx(0.1)
+    assert secondary["otb4 - rloo4"]["verdict"] == "otb4 slower"
+    assert secondary["otb4 - loo4"]["verdict"] == "not resolved"
 
 
 def test_decision_intervals_are_student_t():

@@ -41,6 +41,12 @@ def _decision_lines(name: str, update: str, decision: dict) -> list[str]:
         interval = "—" if math.isnan(d["low"]) else f"[{d['low']:+.3f}, {d['high']:+.3f}]"
         lines.append(f"* {arm}: D = {d['mean']:+.3f} ± {d['se']:.3f}, interval {interval} over {d['n']} seeds — "
                      f"**{entry['verdict']}**")
+    if decision.get("secondary"):
+        lines += ["", "Secondary (learning speed: mean held-out accuracy over a run's evaluations, paired by seed):", ""]
+        for pair, entry in decision["secondary"].items():
+            d = entry["difference"]
+            interval = "—" if math.isnan(d["low"]) else f"[{d['low']:+.3f}, {d['high']:+.3f}]"
+            lines.append(f"* {pair}: {d['mean']:+.3f} ± {d['se']:.3f}, interval {interval} — {entry['verdict']}")
     return lines + [""]
 
 

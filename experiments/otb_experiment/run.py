@@ -584,6 +584,7 @@ def summarize(config: Config, runs_dir: str) -> dict:
                 "difference_from_gm32": [r["history"]["accuracy"][-1] - g["history"]["accuracy"][-1]
                                          for r, g in paired],
                 "first_reach_fraction": [_tokens_to_reach(r, g) for r, g in paired],
+                "mean_accuracy_over_run": [float(np.mean(r["history"]["accuracy"][1:])) for r in records],
                 "spikes": [r["stability"]["spikes"] for r in records],
                 "max_norm_ratio": [r["stability"]["max_norm_ratio"] for r in records],
                 "final_entropy": _mean_se([r["stability"]["final_entropy"] for r in records]),
@@ -675,6 +676,27 @@ def decision(arms: dict, update: str, config: Config) -> dict:
     else:
         claim = "undecided"
     out["claim"] = claim
+    out["secondary"] = _learning_speed(arms, update, config)
+    return out
+
+
+def _learning_speed(arms: dict, update: str, config: Config) -> dict:
+    """Secondary, pre-registered: otb4 against each other N = 4 arm on the mean held-out accuracy over the run's
+    evaluations (the area under its accuracy-vs-tokens curve over the common budget, divided by the budget), paired by
+    seed: *otb4 faster* if the t-interval of the mean difference lies above 0, *slower* if below, else *not
+    resolved*."""
+    base = arms.get(f"{update}/otb4")
+    out = {}
+    for other in ("gm4", "rloo4", "loo4"):
+        entry = arms.get(f"{update}/{other}")
+        if base is None or entry is None:
+            continue
+        mine = dict(zip(base["seeds"], base["mean_accuracy_over_run"]))
+        theirs = dict(zip(entry["seeds"], entry["mean_accuracy_over_run"]))
+        interval = _interval([mine[s] - theirs[s] for s in mine if s in theirs], config.confidence)
+        verdict = ("otb4 faster" if interval["low"] > 0 else "otb4 slower" if interval["high"] < 0
+                   else "not resolved")
+        out[f"otb4 - {other}"] = {"difference": interval, "verdict": verdict}
     return out
 
 
