@@ -31,6 +31,8 @@ def test_quick_command_writes_results_report_and_plot(tmp_path, capsys):
     assert main(["experiment", "--quick", "--out", str(out), "--no-progress"]) == 0
     assert (out / "accuracy_vs_tokens.png").stat().st_size > 0
     report = (out / "report.md").read_text()
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"main", "long"} and "training" not in summary["main"]["arms"]["pg/otb4"]
     for setup in ("main", "long"):
         results = json.loads((out / setup / "results.json").read_text())
         assert f"## Set-up `{setup}`" in report

@@ -604,6 +604,12 @@ def summarize(config: Config, runs_dir: str) -> dict:
     return summary
 
 
+def _compact(results: dict) -> dict:
+    """The results without the per-step training series (for docs/experiment-results.json; the curves stay)."""
+    return {**results, "arms": {key: {k: v for k, v in entry.items() if k != "training"}
+                                for key, entry in results["arms"].items()}}
+
+
 def _tokens_to_reach(record: dict, reference: dict) -> float | None:
     """Tokens this run needed to first reach the reference (gm32) run's final accuracy, as a fraction of the
     reference's tokens; None when it never did (secondary: the decision uses the accuracy at the budget)."""
@@ -702,8 +708,9 @@ def _learning_speed(arms: dict, update: str, config: Config) -> dict:
 
 def run_all(configs: list[Config] | tuple[Config, ...], out_dir: str, *, progress: bool = True,
             train: bool = True) -> dict[str, dict]:
-    """Run (or resume) every set-up into ``out_dir/<name>/``, then write ``out_dir/report.md`` and
-    ``out_dir/accuracy_vs_tokens.png`` from all the finished runs. With ``train=False`` nothing is trained: the
+    """Run (or resume) every set-up into ``out_dir/<name>/``, then write ``out_dir/report.md``,
+    ``out_dir/accuracy_vs_tokens.png`` and ``out_dir/summary.json`` (the results less the per-step series) from all
+    the finished runs. With ``train=False`` nothing is trained: the
     finished runs are summarized as they are (a partial report says so). Returns {name: results}."""
     from otb_experiment import report
 
@@ -733,6 +740,7 @@ def run_all(configs: list[Config] | tuple[Config, ...], out_dir: str, *, progres
         bar.stream.write("\n" if not bar.line_mode else "")
     with open(os.path.join(out_dir, "report.md"), "w", encoding="utf-8") as handle:
         handle.write(report.markdown(results))
+    _write_json(os.path.join(out_dir, "summary.json"), {name: _compact(result) for name, result in results.items()})
     if any(result["arms"] for result in results.values()):
         report.plot(results, os.path.join(out_dir, "accuracy_vs_tokens.png"))
     return results
