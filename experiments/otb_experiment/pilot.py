@@ -41,6 +41,9 @@ VARIANTS = {
     # stage 3: every arm where gm32 nears its plateau — the seed-to-seed spread of the paired differences (power)
     "all-T500": (BASE, dict(seeds=(100, 101, 102, 103), arms=_ALL, learning_rate=1e-3, reference_steps=500,
                             evaluations=10)),
+    # stage 4: the long-response set-up — does the warm start reach its foothold, where does gm32 learn, the cost?
+    "long-gm32-T200": (BASE, dict(name="long", seeds=(100,), arms=_GM32, min_digits=96, max_digits=160,
+                                  test_prompts=2048, reference_steps=200, evaluations=8, proxy_sequences=4)),
 }
 
 

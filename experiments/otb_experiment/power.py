@@ -90,6 +90,20 @@ def main(argv: list[str] | None = None) -> int:
         cells = [" / ".join(f"{arms[arm][v]:.2f}" for v in ("matches", "falls short", "undecided")) for arm in _ARMS]
         print(f"| {seeds} | " + " | ".join(cells) + " | "
               + " / ".join(f"{claim[v]:.2f}" for v in ("supported", "not supported", "undecided")) + " |")
+    speeds = {arm: dict(zip(results["arms"][f"pg/{arm}"]["seeds"],
+                             results["arms"][f"pg/{arm}"]["mean_accuracy_over_run"])) for arm in _ARMS}
+    print("\nSecondary (learning speed, otb4 minus the other arm; the interval must exclude 0): P(resolved) if the "
+          "pilot means are the truth\n")
+    print("| pair | pilot mean | pilot SD | SD used | " + " | ".join(f"{s} seeds" for s in args.seeds) + " |")
+    print("|---|---|---|---|" + "---|" * len(args.seeds))
+    for other in ("gm4", "rloo4", "loo4"):
+        values = np.array([speeds["otb4"][s] - speeds[other][s] for s in speeds["otb4"] if s in speeds[other]])
+        mu, sd_used = float(values.mean()), _upper_sigma(values)
+        cells = []
+        for seeds in args.seeds:
+            p = verdict_probabilities(abs(mu), sd_used, seeds, 0.0, confidence)
+            cells.append(f"{p['matches']:.2f}")
+        print(f"| otb4 − {other} | {mu:+.3f} | {values.std(ddof=1):.3f} | {sd_used:.3f} | " + " | ".join(cells) + " |")
     sigma = max(s for _, s in model.values())
     print(f"\nDistance |μ + δ| from the margin at which one arm's verdict is decisive with probability 0.9 "
           f"(σ = {sigma:.3f}, the largest used):\n")

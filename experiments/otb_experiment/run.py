@@ -559,6 +559,7 @@ def summarize(config: Config, runs_dir: str) -> dict:
         if name.endswith(".json"):
             with open(os.path.join(runs_dir, name), encoding="utf-8") as handle:
                 record = json.load(handle)
+            record["stability"] = stability(record, config)     # the definitions of the config, applied afresh
             runs[(record["update"], record["arm"], record["seed"])] = record
     summary: dict = {"config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()},
                      "arms": {}, "decision": {}, "complete": True}
@@ -675,8 +676,9 @@ def decision(arms: dict, update: str, config: Config) -> dict:
         claim = "not supported (otb4 falls short of gm32)"
     elif verdicts["gm4"] == "matches" or verdicts["rloo4"] == "matches":
         which = " and ".join(arm for arm in ("gm4", "rloo4") if verdicts[arm] == "matches")
-        claim = (f"not supported ({which} also matches gm32: N = 4 suffices without OTB)" if verdicts["otb4"] ==
-                 "matches" else f"not supported ({which} matches gm32, otb4 undecided)")
+        verb = "match" if " and " in which else "matches"
+        claim = (f"not supported ({which} also {verb} gm32: N = 4 suffices without OTB)" if verdicts["otb4"] ==
+                 "matches" else f"not supported ({which} {verb} gm32, otb4 undecided)")
     elif verdicts["otb4"] == "matches" and verdicts["gm4"] == "falls short" and verdicts["rloo4"] == "falls short":
         claim = "supported"
     else:
