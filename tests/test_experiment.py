@@ -23,6 +23,16 @@ from otb_spec.cli import main  # noqa: E402
 from otb_spec.tolerances import otb_comparison_tolerance, port_tolerance, summation_tolerance  # noqa: E402
 
 QUICK = experiment.QUICK_MAIN
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The experiment runs on one thread (run_experiment sets it); the direct calls here do too, and the caller's
+    setting is restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 SMALL = dataclasses.replace(QUICK, arms=("gm32", "otb4"), reference_steps=2, checkpoint_every=2, sft_steps_max=20)
 
 
@@ -118,6 +128,23 @@ def test_interrupted_run_resumes_to_the_same_result(tmp_path, monkeypatch):
 def test_bad_input_is_named(tmp_path, capsys, arguments, message):
     assert main(["experiment", "--quick", "--out", str(tmp_path / "x"), "--no-progress", *arguments]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bad_warm_start_measure_is_named(tmp_path):
+    with pytest.raises(ValueError, match="sft_measure: 'greedy' or 'sampled', got 'best'"):
+        experiment.check_config(dataclasses.replace(QUICK, sft_measure="best"), str(tmp_path))
+
+
+def test_sampled_warm_start_stops_on_sampled_accuracy():
+    config = dataclasses.replace(QUICK, sft_measure="sampled", sft_target_accuracy=0.1, sft_check_every=10,
+                                 sft_steps_max=40)
+    validation, _ = experiment.splits(config, 0)
+    state, summary = experiment.warm_start(config, 0, validation)
+    policy = Policy()
+    policy.load_state_dict(state)
+    assert summary["sft_measure"] == "sampled" and summary["sft_steps"] % 10 == 0
+    assert summary["sft_validation_accuracy"] == experiment.sampled_accuracy(policy, validation, 20_000)
+    assert summary["sft_validation_accuracy"] >= 0.1 or summary["sft_steps"] == 40
 
 
 def test_unwritable_output_is_named(tmp_path, capsys):

@@ -44,6 +44,11 @@ VARIANTS = {
     # stage 4: the long-response set-up — does the warm start reach its foothold, where does gm32 learn, the cost?
     "long-gm32-T200": (BASE, dict(name="long", seeds=(100,), arms=_GM32, min_digits=96, max_digits=160,
                                   test_prompts=2048, reference_steps=200, evaluations=8, proxy_sequences=4)),
+    # stage 4b: the same with a foothold the sampled policy can stand on (sampled validation accuracy 0.05, about the
+    # main warm start's)
+    "long-sampled-gm32-T200": (BASE, dict(name="long", seeds=(100,), arms=_GM32, min_digits=96, max_digits=160,
+                                          test_prompts=2048, reference_steps=200, evaluations=8, proxy_sequences=4,
+                                          sft_measure="sampled", sft_target_accuracy=0.05)),
 }
 
 

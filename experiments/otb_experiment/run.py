@@ -59,8 +59,10 @@ class Config:
     min_digits: int = 8
     max_digits: int = 32
     hidden: int = 64
-    # supervised warm start: Adam at sft_learning_rate on batches of sft_batch targets until greedy accuracy on the
-    # validation split reaches sft_target_accuracy (checked every sft_check_every steps) or sft_steps_max
+    # supervised warm start: Adam at sft_learning_rate on batches of sft_batch targets until the validation split's
+    # accuracy (greedy, or of one temperature-1 sample per prompt: sft_measure) reaches sft_target_accuracy (checked
+    # every sft_check_every steps) or sft_steps_max
+    sft_measure: str = "greedy"
     sft_learning_rate: float = 3e-3
     sft_batch: int = 64
     sft_check_every: int = 10
@@ -176,14 +178,20 @@ def _new_policy(config: Config) -> Policy:
 
 def warm_start(config: Config, seed: int, validation: task.Prompts,
                report: Callable[[str], None] | None = None) -> tuple[dict, dict]:
-    """Supervised fine-tuning on targets until greedy accuracy on the validation split reaches
-    ``sft_target_accuracy`` (checked every ``sft_check_every`` steps) or ``sft_steps_max``; returns (state dict,
-    summary)."""
+    """Supervised fine-tuning on targets until the validation split's accuracy (``sft_measure``: greedy, or one
+    temperature-1 sample per prompt from a fixed generator) reaches ``sft_target_accuracy`` (checked every
+    ``sft_check_every`` steps) or ``sft_steps_max``; returns (state dict, summary)."""
     torch.manual_seed(seed)
     policy = _new_policy(config)
     optimizer = torch.optim.Adam(policy.parameters(), lr=config.sft_learning_rate)
     rng = np.random.default_rng([seed, 2])
-    reached, step = greedy_accuracy(policy, validation), 0
+
+    def measure() -> float:
+        if config.sft_measure == "sampled":
+            return sampled_accuracy(policy, validation, 20_000 + seed)
+        return greedy_accuracy(policy, validation)
+
+    reached, step = measure(), 0
     while step < config.sft_steps_max and reached < config.sft_target_accuracy:
         prompts = task.make_prompts(rng, config.sft_batch, config.min_digits, config.max_digits)
         answers = torch.from_numpy(task.targets(prompts))
@@ -198,10 +206,11 @@ def warm_start(config: Config, seed: int, validation: task.Prompts,
         optimizer.step()
         step += 1
         if step % config.sft_check_every == 0:
-            reached = greedy_accuracy(policy, validation)
+            reached = measure()
             if report is not None:
                 report(f"{config.name} warm start seed {seed}: step {step}, accuracy {reached:.2f}")
-    return policy.state_dict(), {"sft_steps": step, "sft_validation_accuracy": reached}
+    return policy.state_dict(), {"sft_steps": step, "sft_validation_accuracy": reached,
+                                 "sft_measure": config.sft_measure}
 
 
 def _policy_loss(update: str, policy: Policy, prompts: task.Prompts, rollouts: Rollouts, advantages: torch.Tensor,
@@ -386,6 +395,8 @@ def check_config(config: Config, out_dir: str) -> None:
         raise ValueError(f"samples: N must be at least 2 (a group needs another member), got {config.samples_override}")
     if not config.seeds:
         raise ValueError("seeds: need at least one seed")
+    if config.sft_measure not in ("greedy", "sampled"):
+        raise ValueError(f"sft_measure: 'greedy' or 'sampled', got {config.sft_measure!r}")
     try:
         os.makedirs(out_dir, exist_ok=True)
         probe = os.path.join(out_dir, ".write-test")
