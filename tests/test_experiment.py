@@ -18,7 +18,8 @@ pytest.importorskip("matplotlib")
 import otb_spec as otb  # noqa: E402
 from otb_experiment import task  # noqa: E402
 from otb_experiment import run as experiment  # noqa: E402
-from otb_experiment.policy import Policy, greedy, sample, teacher_forced, token_log_probs, token_statistics  # noqa: E402
+from otb_experiment.policy import (Policy, greedy, sample, teacher_forced, token_log_probs,  # noqa: E402
+                                   token_statistics)
 from otb_spec.cli import main  # noqa: E402
 from otb_spec.tolerances import otb_comparison_tolerance, port_tolerance, summation_tolerance  # noqa: E402
 

@@ -42,7 +42,8 @@ def _decision_lines(name: str, update: str, decision: dict) -> list[str]:
         lines.append(f"* {arm}: D = {d['mean']:+.3f} ± {d['se']:.3f}, interval {interval} over {d['n']} seeds — "
                      f"**{entry['verdict']}**")
     if decision.get("secondary"):
-        lines += ["", "Secondary (learning speed: mean held-out accuracy over a run's evaluations, paired by seed):", ""]
+        lines += ["", "Secondary (learning speed: mean held-out accuracy over a run's evaluations, paired by seed):",
+                  ""]
         for pair, entry in decision["secondary"].items():
             d = entry["difference"]
             interval = "—" if math.isnan(d["low"]) else f"[{d['low']:+.3f}, {d['high']:+.3f}]"
@@ -63,7 +64,8 @@ def _arm_table(results: dict) -> list[str]:
              "se": float(np.std(difference, ddof=1) / math.sqrt(len(difference))) if len(difference) > 1
              else float("nan")})
         lines.append(f"| {key} | {_pm(entry['start_accuracy'])} | {_pm(entry['final_accuracy'])} | "
-                     f"{_pm(entry['gain'])} | {_pm(entry['final_sampled_accuracy'])} | {entry['tokens']['mean']:,.0f} | "
+                     f"{_pm(entry['gain'])} | {_pm(entry['final_sampled_accuracy'])} | "
+                     f"{entry['tokens']['mean']:,.0f} | "
                      f"{np.mean(fractions):.3f} | {d} | {_fractions(entry['first_reach_fraction'])} |")
     return lines + [""]
 
