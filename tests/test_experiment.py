@@ -59,6 +59,24 @@ def test_quick_command_writes_results_report_and_plot(tmp_path, capsys):
     assert "pre-registered claim:" in capsys.readouterr().out
 
 
+def test_publish_copies_the_report_into_the_docs(tmp_path):
+    from otb_experiment import report
+
+    out, docs = tmp_path / "run", tmp_path / "docs"
+    experiment.run_all([SMALL], str(out), progress=False)
+    docs.mkdir()
+    (docs / "experiment.md").write_text("# E\n\n## Pre-registration\n\nrule\n\n## Outcome\n\nNone yet.\n\n"
+                                        "## Running it\n\ncommands\n")
+    report.publish(str(out), str(docs))
+    text = (docs / "experiment.md").read_text()
+    assert text.startswith("# E\n\n## Pre-registration\n\nrule\n\n## Outcome\n\n") and "None yet" not in text
+    assert "### Set-up `main`" in text and text.endswith("## Running it\n\ncommands\n")
+    assert "Draft README sentences (generated): In the pre-registered run (1 seeds)" in text
+    summary = json.loads((out / "summary.json").read_text())
+    assert json.loads((docs / "experiment-results.json").read_text()) == summary
+    assert (docs / "experiment-accuracy-vs-tokens.png").read_bytes() == (out / "accuracy_vs_tokens.png").read_bytes()
+
+
 def test_report_only_summarizes_without_training(tmp_path):
     out = tmp_path / "partial"
     experiment.run_all([SMALL], str(out), progress=False)

@@ -3,6 +3,7 @@ the pre-registered rule, tables with standard errors, stability, gradient varian
 ``accuracy_vs_tokens.png`` (the curves). docs/experiment.md's outcome is this report, copied.
 
     otb-spec experiment --report-only --out DIR     # rewrite DIR/report.md and the plot from DIR/<setup>/runs
+    python -m otb_experiment.report DIR docs         # copy it into docs/experiment.md's outcome, with the files
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 
 import numpy as np
 
-__all__ = ["markdown", "plot"]
+__all__ = ["markdown", "plot", "readme_sentences", "publish", "main"]
 
 
 def _pm(entry: dict, digits: int = 3) -> str:
@@ -19,6 +20,11 @@ def _pm(entry: dict, digits: int = 3) -> str:
     if isinstance(se, float) and math.isnan(se):
         return f"{entry['mean']:.{digits}f}"
     return f"{entry['mean']:.{digits}f} ± {se:.{digits}f}"
+
+
+def _over_seeds(values: list[float]) -> dict:
+    se = float(np.std(values, ddof=1) / math.sqrt(len(values))) if len(values) > 1 else float("nan")
+    return {"mean": float(np.mean(values)), "se": se}
 
 
 def _fractions(values: list) -> str:
@@ -71,8 +77,8 @@ def _arm_table(results: dict) -> list[str]:
 
 
 def _stability_table(results: dict) -> list[str]:
-    lines = ["| update / arm | runs with a gradient-norm spike | spikes (all runs) | median of the runs' largest "
-             "‖g‖ / running median | final token entropy (nats) | entropy collapse | divergence |",
+    lines = ["| update / arm | runs with a gradient-norm spike | spikes (all runs) | median over runs of the largest "
+             "‖g‖ / median of the earlier norms | final token entropy (nats) | entropy collapse | divergence |",
              "|---|---|---|---|---|---|---|"]
     for key, entry in results["arms"].items():
         runs = len(entry["seeds"])
@@ -109,8 +115,7 @@ def _variance_table(results: dict) -> list[str]:
     for kind, label in (("token", "proxy wₜ vs exact ‖∇θ log π(yₜ)‖²"),
                         ("cumulative", "realized energy Wₜ vs exact ‖Sₜ‖²")):
         values = {m: [p[kind][m] for p in reference["proxy_start"]] for m in ("pearson", "spearman")}
-        text = ", ".join(f"{m.capitalize()} {_pm({'mean': float(np.mean(v)), 'se': float(np.std(v, ddof=1) / math.sqrt(len(v))) if len(v) > 1 else float('nan')})}"  # noqa: E501
-                         for m, v in values.items())
+        text = ", ".join(f"{m.capitalize()} {_pm(_over_seeds(v))}" for m, v in values.items())
         lines.append(f"* {label} (warm start, sampled responses): {text}.")
     return lines + [""]
 
@@ -147,8 +152,9 @@ def markdown(results_by_setup: dict[str, dict]) -> str:
 
 
 def plot(results_by_setup: dict[str, dict], path: str) -> None:
-    """Held-out accuracy vs tokens (mean ± SE over seeds per arm; top row) and the median gradient norm over the
-    seeds vs the fraction of the run (bottom row), one column per set-up and update rule."""
+    """Held-out greedy accuracy (top row) and sampled accuracy (middle row) vs tokens, mean ± SE over seeds per arm,
+    and the median gradient norm over the seeds vs the fraction of the run (bottom row); one column per set-up and
+    update rule."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -157,7 +163,7 @@ def plot(results_by_setup: dict[str, dict], path: str) -> None:
     panels = [(name, update) for name, results in results_by_setup.items()
               for update in sorted({key.split("/")[0] for key in results["arms"]})]
     columns = max(len(panels), 1)
-    figure, axes = plt.subplots(2, columns, figsize=(6 * columns, 8), squeeze=False)
+    figure, axes = plt.subplots(3, columns, figsize=(6 * columns, 12), squeeze=False)
     for column, (name, update) in enumerate(panels):
         arms = {key.split("/")[1]: entry for key, entry in results_by_setup[name]["arms"].items()
                 if key.startswith(update + "/")}
@@ -165,25 +171,110 @@ def plot(results_by_setup: dict[str, dict], path: str) -> None:
             curves = entry["curves"]
             length = min(len(c["tokens"]) for c in curves)
             tokens = np.mean([c["tokens"][:length] for c in curves], axis=0)
-            values = np.array([c["accuracy"][:length] for c in curves])
-            mean = values.mean(0)
-            se = values.std(0, ddof=1) / math.sqrt(len(values)) if len(values) > 1 else np.zeros_like(mean)
-            axes[0, column].plot(tokens, mean, label=arm)
-            axes[0, column].fill_between(tokens, mean - se, mean + se, alpha=0.2)
+            for row, key in ((0, "accuracy"), (1, "sampled_accuracy")):
+                values = np.array([c[key][:length] for c in curves])
+                mean = values.mean(0)
+                se = values.std(0, ddof=1) / math.sqrt(len(values)) if len(values) > 1 else np.zeros_like(mean)
+                axes[row, column].plot(tokens, mean, label=arm)
+                axes[row, column].fill_between(tokens, mean - se, mean + se, alpha=0.2)
             norms = [np.asarray(t["grad_norm"]) for t in entry["training"]]
             length = min(len(n) for n in norms)
             median = np.median(np.stack([n[:length] for n in norms]), axis=0)
-            axes[1, column].plot(np.arange(1, length + 1) / length, median, label=arm, linewidth=0.8)
-        axes[0, column].set_xlabel("response tokens consumed")
-        axes[0, column].set_ylabel("held-out greedy exact-match accuracy")
-        axes[0, column].set_title(f"{name} / {update}: accuracy (mean ± SE over seeds)")
-        axes[0, column].legend()
-        axes[1, column].set_xlabel("fraction of the run (steps)")
-        axes[1, column].set_ylabel("‖∇θ loss‖₂ (median over seeds)")
-        if any(line.get_ydata().max(initial=0) > 0 for line in axes[1, column].get_lines()):
-            axes[1, column].set_yscale("log")
-        axes[1, column].set_title(f"{name} / {update}: gradient norm per step")
-        axes[1, column].legend()
+            axes[2, column].plot(np.arange(1, length + 1) / length, median, label=arm, linewidth=0.8)
+        for row, label in ((0, "held-out greedy exact-match accuracy"), (1, "held-out sampled exact-match accuracy")):
+            axes[row, column].set_xlabel("response tokens consumed")
+            axes[row, column].set_ylabel(label)
+            axes[row, column].set_title(f"{name} / {update}: {label.split(' exact')[0]} (mean ± SE over seeds)")
+            axes[row, column].legend()
+        axes[2, column].set_xlabel("fraction of the run (steps)")
+        axes[2, column].set_ylabel("‖∇θ loss‖₂ (median over seeds)")
+        if any(line.get_ydata().max(initial=0) > 0 for line in axes[2, column].get_lines()):
+            axes[2, column].set_yscale("log")
+        axes[2, column].set_title(f"{name} / {update}: gradient norm per step")
+        axes[2, column].legend()
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+def readme_sentences(results_by_setup: dict[str, dict]) -> str:
+    """Two sentences for the README, made from the main set-up's decision and the stability counts (a draft: the
+    outcome's author checks and may reword them, never the numbers)."""
+    main = results_by_setup.get("main")
+    if main is None or "pg" not in main["decision"]:
+        return ""
+    decision = main["decision"]["pg"]
+    seeds = len(main["config"]["seeds"])
+    parts = []
+    for arm in ("otb4", "loo4", "gm4", "rloo4"):
+        entry = decision["arms"].get(arm)
+        if entry is not None:
+            d = entry["difference"]
+            parts.append(f"{arm} {entry['verdict']} ({d['mean']:+.3f} ± {d['se']:.3f})")
+    first = (f"In the pre-registered run ({seeds} seeds), with 35 % of GM(32)'s tokens against its "
+             f"{main['arms']['pg/gm32']['final_accuracy']['mean']:.3f} final held-out accuracy: "
+             + ", ".join(parts) + f" — the claim is {decision['claim']}.")
+    unstable = []
+    for name, results in results_by_setup.items():
+        for key, entry in results["arms"].items():
+            runs = len(entry["seeds"])
+            spiked = sum(1 for s in entry["spikes"] if s > 0)
+            if spiked or entry["collapsed"] or entry["diverged"]:
+                unstable.append(f"{name} {key.split('/')[1]}: spikes in {spiked}/{runs} runs, "
+                                f"{entry['collapsed']} collapsed, {entry['diverged']} diverged")
+    second = ("No arm of either set-up (responses of 8–32 and 96–160 tokens) had a gradient-norm spike, an entropy "
+              "collapse or a divergence." if not unstable else
+              "Stability (pre-registered definitions): " + "; ".join(unstable) + "; every other arm of both set-ups "
+              "had none.")
+    return first + " " + second
+
+
+def publish(out_dir: str, docs_dir: str) -> None:
+    """Copy a finished run's report into the docs: ``summary.json`` → ``experiment-results.json``, the plot →
+    ``experiment-accuracy-vs-tokens.png``, and the report's set-up sections (headings one level down) into
+    ``experiment.md`` between "## Outcome" and "## Running it", under a paragraph left for what the result means,
+    with the README sentences drafted at its end."""
+    import json
+    import os
+    import shutil
+
+    shutil.copyfile(os.path.join(out_dir, "summary.json"), os.path.join(docs_dir, "experiment-results.json"))
+    shutil.copyfile(os.path.join(out_dir, "accuracy_vs_tokens.png"),
+                    os.path.join(docs_dir, "experiment-accuracy-vs-tokens.png"))
+    with open(os.path.join(out_dir, "summary.json"), encoding="utf-8") as handle:
+        results = json.load(handle)
+    with open(os.path.join(out_dir, "report.md"), encoding="utf-8") as handle:
+        report = handle.read()
+    body = report[report.index("## Set-up"):].replace("\n## ", "\n### ")
+    body = "#" + body if body.startswith("## ") else body
+    partial = any(not r.get("complete", True) for r in results.values())
+    section = ("## Outcome\n\n"
+               + ("**PARTIAL: not every run has finished; nothing below is the outcome.**\n\n" if partial else "")
+               + "What this means for a user choosing between OTB, leave-one-out OTB and the group mean: (to be "
+                 "written from the tables below).\n\n"
+               + body.rstrip() + "\n\nThe curves: [experiment-accuracy-vs-tokens.png]"
+                 "(experiment-accuracy-vs-tokens.png); all numbers: [experiment-results.json](experiment-results.json)."
+                 "\n\n"
+               + "Draft README sentences (generated): " + readme_sentences(results) + "\n\n")
+    path = os.path.join(docs_dir, "experiment.md")
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    start, end = text.index("## Outcome"), text.index("## Running it")
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text[:start] + section + text[end:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m otb_experiment.report OUT DOCS``: :func:`publish` a finished run's report into the docs."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m otb_experiment.report", description=main.__doc__)
+    parser.add_argument("out", help="the run's output directory (with report.md, summary.json and the plot)")
+    parser.add_argument("docs", help="the docs directory (experiment.md is edited in place)")
+    args = parser.parse_args(argv)
+    publish(args.out, args.docs)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
