@@ -134,18 +134,23 @@ def build_parser() -> argparse.ArgumentParser:
     vectors.set_defaults(run=_run_vectors)
 
     experiment = commands.add_parser(
-        "experiment", help="a reproducible RL run on CPU: OTB at N = 4 vs the group mean at N = 32, per token "
-                           "(needs torch and matplotlib; docs/experiment.md)")
+        "experiment", help="a reproducible RL run on CPU: OTB at N = 4 vs the group mean at N = 32, per token, and a "
+                           "long-horizon stability set-up (needs torch and matplotlib; docs/experiment.md)")
     experiment.add_argument("--quick", action="store_true",
-                            help="a pipeline check in well under 2 minutes (1 seed, pg only, a few steps)")
+                            help="a pipeline check in seconds (1 seed, tiny set-ups, a few steps)")
     experiment.add_argument("--out", default="experiment-output", metavar="DIR",
-                            help="results, runs and checkpoints go here; an interrupted run resumes from it "
-                                 "(default experiment-output)")
-    experiment.add_argument("--seed", type=int, action="append", metavar="S", help="seeds (repeatable; default 0–4)")
+                            help="results, runs, checkpoints and the report go here; an interrupted run resumes "
+                                 "from it (default experiment-output)")
+    experiment.add_argument("--setup", action="append", choices=["main", "long"],
+                            help="set-ups (repeatable; default both: main, then long)")
+    experiment.add_argument("--seed", type=int, action="append", metavar="S",
+                            help="seeds (repeatable; default the set-up's pre-registered seeds)")
     experiment.add_argument("--arm", action="append", metavar="NAME",
                             help="arms (repeatable; default all: gm32 otb4 loo4 gm4 rloo4)")
-    experiment.add_argument("--update", action="append", metavar="RULE", help="update rules: pg, ppo (default both)")
+    experiment.add_argument("--update", action="append", metavar="RULE", help="update rules: pg, ppo (default pg)")
     experiment.add_argument("--samples", type=int, metavar="N", help="N for the N = 4 arms (at least 2)")
+    experiment.add_argument("--report-only", action="store_true",
+                            help="train nothing: summarize the finished runs in DIR and rewrite the report and plot")
     experiment.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     experiment.set_defaults(run=_run_experiment)
     return parser
@@ -327,23 +332,25 @@ def _run_vectors(args: argparse.Namespace) -> int:
 def _run_experiment(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from otb_experiment import FULL, QUICK, run_experiment   # imported here: torch is needed only for this command
+    from otb_experiment import QUICK_SETUPS, SETUPS, run_all   # imported here: torch is needed only for this command
 
-    config = QUICK if args.quick else FULL
+    setups = [config for config in (QUICK_SETUPS if args.quick else SETUPS)
+              if args.setup is None or config.name in args.setup]
     changes = {name: tuple(value) for name, value in (("seeds", args.seed), ("arms", args.arm),
                                                      ("updates", args.update)) if value}
     if args.samples is not None:
         changes["samples_override"] = args.samples
-    results = run_experiment(dataclasses.replace(config, **changes), args.out, progress=not args.no_progress)
-    for key, entry in results["arms"].items():
-        final, tokens = entry["final_accuracy"], entry["tokens"]
-        print(f"{key:12s} final accuracy {final['mean']:.3f} ± {final['se']:.3f}   tokens {tokens['mean']:.0f}")
-    for update, decision in results["decision"].items():
-        verdict = decision["claim_supported"] if decision["valid"] else "inconclusive (gm32 did not learn)"
-        print(f"{update}: pre-registered claim supported: {verdict} "
-              f"(runs within 35 % of gm32's tokens: {decision['successes_within_35_percent']}, "
-              f"needed {decision['needed']})")
-    print(f"wrote {args.out}/results.json and {args.out}/accuracy_vs_tokens.png")
+    configs = [dataclasses.replace(config, **changes) for config in setups]
+    results = run_all(configs, args.out, progress=not args.no_progress, train=not args.report_only)
+    for name, summary in results.items():
+        for key, entry in summary["arms"].items():
+            final, tokens = entry["final_accuracy"], entry["tokens"]
+            print(f"{name:5s} {key:10s} final accuracy {final['mean']:.3f} ± {final['se']:.3f}   "
+                  f"tokens {tokens['mean']:.0f}")
+        for update, decision in summary["decision"].items():
+            verdicts = ", ".join(f"{arm} {entry['verdict']}" for arm, entry in decision["arms"].items())
+            print(f"{name} {update}: pre-registered claim: {decision['claim']} ({verdicts})")
+    print(f"wrote {args.out}/report.md and {args.out}/accuracy_vs_tokens.png")
     return 0
 
 
