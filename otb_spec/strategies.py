@@ -321,7 +321,8 @@ def _lm_head_inputs(draw: Any, shapes: list[tuple[int, ...]], low_h: int, high_h
     n_hidden = draw(st.integers(low_h, high_h), label="hidden size H")
     vocab = draw(st.integers(low_v, high_v), label="vocabulary size V")
     temperature = draw(st.one_of(st.just(1.0), st.floats(0.25, 4.0)), label="temperature")
-    scale = 10.0 ** draw(st.floats(-3.0, 0.0), label="log10 logit scale")
+    # log-uniform over [1e-3, 1], through the bit-portable exponential (the same example on every machine)
+    scale = float(portable.exp(draw(st.floats(-3.0, 0.0), label="log10 logit scale") * float(portable.log(10.0))))
     hidden = _values(draw, lead + (n_hidden,), -1.0, 1.0, "hidden")
     weight = _values(draw, (vocab, n_hidden), -1.0, 1.0, "weight")
     # z_v = Σₖ hₖW_vk/τ with uniform entries has standard deviation ≈ c·√H/(3τ) for W ∈ [−c, c]: aim at a standard
