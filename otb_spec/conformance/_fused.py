@@ -25,8 +25,8 @@ from typing import Any, Callable
 import numpy as np
 
 from otb_spec.conformance._cases import Case
-from otb_spec.conformance._conventions import (Outcome, Subject, _bind_problem, _case_source, _import_line, _jax_device,
-                                               _numpy_dtype, _outcome, _Shown, _torch, _torch_dtype)
+from otb_spec.conformance._subjects import (Outcome, Subject, _bind_problem, _case_source, _import_line, _jax_device,
+                                            _numpy_dtype, _outcome, _Shown, _torch, _torch_dtype)
 
 __all__: list[str] = []
 
