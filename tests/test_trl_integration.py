@@ -459,8 +459,11 @@ def test_log_pi_and_sum_pi_squared_from_trls_head_within_the_derived_bounds(name
         peft_module = pytest.importorskip("peft", reason="peft is not installed")
         extra["peft_config"] = peft_module.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
                                                       init_lora_weights=False)
+    model = trl_tiny.model(vocab_size=257)
+    with torch.no_grad():                   # logits of std ≈ 1.3 at τ = 0.7 rather than the initialisation's ≈ 0.16:
+        model.lm_head.weight.mul_(8.0)      # a distribution far from uniform, Σπ² well above 1/V
     trainer = otb_trl.OTBGRPOTrainer(
-        model=trl_tiny.model(vocab_size=257), reward_funcs=[trl_tiny.reward_a, trl_tiny.reward_parity],
+        model=model, reward_funcs=[trl_tiny.reward_a, trl_tiny.reward_parity],
         args=trl_tiny.config(str(tmp_path), bf16=bf16, cast_lm_head_to_fp32=fp32_head),
         train_dataset=trl_tiny.dataset(), processing_class=trl_tiny.tokenizer(), **extra)
     policy = trainer.model.get_base_model() if peft else trainer.model
