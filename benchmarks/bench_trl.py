@@ -8,8 +8,10 @@ prompts and seeds, with ``learning_rate=0`` so that every trainer generates exac
 same random stream) — the step times then differ only by what OTB adds. TRL's defaults otherwise (``bf16=True``:
 accelerate's bf16 autocast, on CPU too). For each trainer it prints the median wall time of a training step (TRL's own
 ``step_time`` metric: generation, rewards, the loss's forward and backward, the optimizer step) over ``--steps`` steps
-after one warm-up step, and the median time per step inside TRL's fused LM-head kernel (its forward passes, timed
-around ``ChunkedLogProbFunction.apply``). OTBGRPOTrainer reads log π and Σπ² off a forward TRL runs anyway, so what
+after one warm-up step, the median CPU time of the process per step (``time.process_time`` between TRL's per-step
+logs: with one torch thread, what the step computed, less sensitive than wall time to other processes on the
+machine), and the median time per step inside TRL's fused LM-head kernel (its forward passes, timed around
+``ChunkedLogProbFunction.apply``). OTBGRPOTrainer reads log π and Σπ² off a forward TRL runs anyway, so what
 it adds is:
 
 * ``log Σπ²``: TRL's kernel accumulating Σ_v e^{2(z_v−m)} in its tiles beside log π and the entropy, on every pass of
@@ -257,10 +259,12 @@ def _run(trainer_class, extra: dict, configuration: dict, options, prompts, toke
         steps: list[float] = []
         lengths: list[float] = []
         kernel: list[float] = []
+        processor: list[float] = []
 
         class Record(TrainerCallback):
             def __init__(self) -> None:
                 self.kernel_before = _KernelClock.total
+                self.processor_before = time.process_time()
 
             def on_log(self, args, state, control, logs=None, **kwargs):   # noqa: ANN001 - TRL's signature
                 if logs and "step_time" in logs:
@@ -268,25 +272,28 @@ def _run(trainer_class, extra: dict, configuration: dict, options, prompts, toke
                     lengths.append(float(logs["completions/mean_length"]))
                     kernel.append(_KernelClock.total - self.kernel_before)
                     self.kernel_before = _KernelClock.total
+                    processor.append(time.process_time() - self.processor_before)
+                    self.processor_before = time.process_time()
 
         trainer.add_callback(Record())
         trainer.train()
-    return trainer, steps[1:], lengths[1:], kernel[1:]
+    return trainer, steps[1:], lengths[1:], kernel[1:], processor[1:]
 
 
 def _report(name: str, configuration: dict, results: dict, head: dict[str, float]) -> None:
     baseline = statistics.median(results["GRPOTrainer"][1])
     baseline_kernel = statistics.median(results["GRPOTrainer"][3])
+    baseline_processor = statistics.median(results["GRPOTrainer"][4])
     title = {"loss": "log π, Σπ² from the loss's forward",
              "own": "log π, Σπ² from one no-grad forward of its own"}[name]
     print(f"\n{title}: gradient_accumulation_steps={configuration['gradient_accumulation_steps']}, "
           f"per_device_train_batch_size={configuration['per_device_train_batch_size']}")
-    print(f"{'trainer':<30} {'step (median)':>14} {'vs GRPO':>9} {'head kernel':>12} {'OTB inside the step':>21} "
-          f"{'share':>7}")
-    for label, (trainer, steps, lengths, kernel) in results.items():
-        step = statistics.median(steps)
-        line = (f"{label:<30} {step * 1e3:11.0f} ms {100 * (step / baseline - 1):+8.1f}% "
-                f"{statistics.median(kernel) * 1e3:9.0f} ms")
+    print(f"{'trainer':<30} {'step (median)':>14} {'vs GRPO':>9} {'CPU time':>11} {'vs GRPO':>9} {'head kernel':>12} "
+          f"{'OTB inside the step':>21} {'share':>7}")
+    for label, (trainer, steps, lengths, kernel, processor) in results.items():
+        step, cpu = statistics.median(steps), statistics.median(processor)
+        line = (f"{label:<30} {step * 1e3:11.0f} ms {100 * (step / baseline - 1):+8.1f}% {cpu * 1e3:8.0f} ms "
+                f"{100 * (cpu / baseline_processor - 1):+8.1f}% {statistics.median(kernel) * 1e3:9.0f} ms")
         if hasattr(trainer, "added"):
             parts = {part: statistics.median(values[1:]) for part, values in trainer.added.items()}
             parts["log Σπ²"] = head["extra"]
