@@ -32,6 +32,7 @@ of that pass with and without log Σπ², and of OTB on the last batch, after tr
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import tempfile
@@ -153,9 +154,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-length", type=int, default=16)
     parser.add_argument("--completion-length", type=int, default=128)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per trainer, after one warm-up step")
-    parser.add_argument("--head-repeats", type=int, default=7, help="isolated head passes of each kind (median)")
+    parser.add_argument("--head-repeats", type=int, default=7, help="isolated head passes of each kind (median; 0 skips them)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trainers", nargs="+", choices=("grpo", "otb", "leave_one_out"),
+                        default=["grpo", "otb", "leave_one_out"],
+                        help="which trainers to run (e.g. one per process, run side by side on a shared machine)")
     parser.add_argument("--paths", nargs="+", choices=("loss", "own"), default=["loss", "own"],
                         help="where OTB takes log π and Σπ² (docs/trl.md): 'loss' — TRL's default config, the loss's "
                              "forward; 'own' — gradient_accumulation_steps=2, one no-grad forward of its own")
@@ -184,7 +188,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{torch.get_num_threads()}; {options.steps} timed steps after 1 warm-up; learning_rate 0; "
           f"{'bf16 autocast' if bf16 else 'float32'} (TRL's default)")
 
-    head = _head_passes(options, rows, bf16)
+    head = _head_passes(options, rows, bf16) if options.head_repeats > 0 else {"extra": math.nan, "pass": math.nan,
+                                                                              "peak_extra": math.nan}
     _KernelClock.install()
     configurations = {
         "loss": dict(per_device_train_batch_size=rows, gradient_accumulation_steps=1),
@@ -192,12 +197,14 @@ def main(argv: list[str] | None = None) -> None:
     }
     for name in options.paths:
         results = {}
-        trainers = [("GRPOTrainer", GRPOTrainer, {}), ("OTBGRPOTrainer otb", _instrumented(OTBGRPOTrainer),
-                                                       {"variant": "otb"})]
+        trainers = [("grpo", "GRPOTrainer", GRPOTrainer, {}),
+                    ("otb", "OTBGRPOTrainer otb", _instrumented(OTBGRPOTrainer), {"variant": "otb"})]
         if name == "loss":
-            trainers.append(("OTBGRPOTrainer leave_one_out", _instrumented(OTBGRPOTrainer),
+            trainers.append(("leave_one_out", "OTBGRPOTrainer leave_one_out", _instrumented(OTBGRPOTrainer),
                              {"variant": "leave_one_out"}))
-        for label, trainer_class, extra in trainers:
+        for key, label, trainer_class, extra in trainers:
+            if key not in options.trainers:
+                continue
             results[label] = _run(trainer_class, extra, configurations[name], options, prompts, tokenizer)
         _report(name, configurations[name], results, head)
 
@@ -281,9 +288,9 @@ def _run(trainer_class, extra: dict, configuration: dict, options, prompts, toke
 
 
 def _report(name: str, configuration: dict, results: dict, head: dict[str, float]) -> None:
-    baseline = statistics.median(results["GRPOTrainer"][1])
-    baseline_kernel = statistics.median(results["GRPOTrainer"][3])
-    baseline_processor = statistics.median(results["GRPOTrainer"][4])
+    grpo = results.get("GRPOTrainer")      # absent with --trainers otb …: the ratios are then nan
+    baseline, baseline_kernel, baseline_processor = (
+        (statistics.median(grpo[index]) for index in (1, 3, 4)) if grpo else (math.nan,) * 3)
     title = {"loss": "log π, Σπ² from the loss's forward",
              "own": "log π, Σπ² from one no-grad forward of its own"}[name]
     print(f"\n{title}: gradient_accumulation_steps={configuration['gradient_accumulation_steps']}, "
@@ -303,6 +310,8 @@ def _report(name: str, configuration: dict, results: dict, head: dict[str, float
                      f"{(statistics.median(kernel) - baseline_kernel) * 1e3:+.0f} ms); peak extra memory: log Σπ² "
                      f"{head['peak_extra'] / 2**20:.2f} MiB, advantages {trainer.peak_memory() / 2**20:.2f} MiB")
         print(line + f"   [mean completion length {statistics.mean(lengths):.0f}]")
+        print(f"{'':<30} per step: wall {' '.join(f'{value:.2f}' for value in steps)} s; CPU "
+              f"{' '.join(f'{value:.2f}' for value in processor)} s")
 
 
 if __name__ == "__main__":

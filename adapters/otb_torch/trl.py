@@ -152,8 +152,8 @@ def _trl_fused_forward_closure(forward: Any) -> dict[str, Any] | None:
     return {name: cell.cell_contents for name, cell in zip(code.co_freevars, function.__closure__)}
 
 
-def _request_log_sum_sq_probs(policy: Any) -> tuple[str, ...]:
-    """Re-install TRL's fused LM head on ``policy`` with log Σπ² among its outputs; returns the new outputs.
+def _request_log_sum_sq_probs(policy: Any) -> None:
+    """Re-install TRL's fused LM head on ``policy`` with log Σπ² among its outputs.
 
     GRPOTrainer (grpo_trainer.py:1068–1073) patches the policy with ``add_fused_lm_head(..., outputs=("log_probs",
     "entropy"))``, which sets an instance ``forward`` closing over those outputs (trainer/utils.py:1548–1688). TRL's
@@ -181,7 +181,6 @@ def _request_log_sum_sq_probs(policy: Any) -> tuple[str, ...]:
         outputs += (_LOG_SUM_SQ_PROBS,)
     add_fused_lm_head(policy, temperature=settings["temperature"],
                       cast_lm_head_to_fp32=settings["cast_lm_head_to_fp32"], outputs=outputs)
-    return outputs
 
 
 @dataclass
@@ -306,7 +305,7 @@ class OTBGRPOTrainer(GRPOTrainer):
         # the policy's fused LM head also returns log Σπ², from the tiles of its log π (grpo_trainer.py:1068–1073 patch
         # the PEFT base model, as here)
         policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
-        self._otb_head_outputs = _request_log_sum_sq_probs(policy)
+        _request_log_sum_sq_probs(policy)
 
     # -- TRL's methods ------------------------------------------------------------------------------------------------
 
