@@ -1,6 +1,8 @@
 """OTB's cost on top of plain GRPO per training step in TRL 1.16, on CPU (target: ≤ 5 % of the step).
 
-    python benchmarks/bench_trl.py --threads 1           # 19.6 M-parameter Llama, V = 32000, 16 completions × 128
+    python benchmarks/bench_trl.py --steps 8 --threads 1     # 19.6 M-parameter Llama, V = 32000, 16 completions × 128
+    python benchmarks/bench_trl.py --steps 8 --threads 1 --head-repeats 0 --paths loss --trainers grpo &
+    python benchmarks/bench_trl.py --steps 8 --threads 1 --head-repeats 0 --paths loss --trainers otb   # side by side
     python benchmarks/bench_trl.py --steps 4 --completion-length 64 --hidden 128 --layers 2
 
 Runs ``trl.GRPOTrainer`` and ``otb_torch.trl.OTBGRPOTrainer`` (both variants) on the same randomly initialised Llama,
@@ -154,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-length", type=int, default=16)
     parser.add_argument("--completion-length", type=int, default=128)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per trainer, after one warm-up step")
-    parser.add_argument("--head-repeats", type=int, default=7, help="isolated head passes of each kind (median; 0 skips them)")
+    parser.add_argument("--head-repeats", type=int, default=7,
+                        help="isolated head passes of each kind (median; 0 skips them)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trainers", nargs="+", choices=("grpo", "otb", "leave_one_out"),
