@@ -46,6 +46,7 @@ import otb_spec  # noqa: E402
 import otb_torch  # noqa: E402
 import otb_torch.trl as otb_trl  # noqa: E402
 import trl_tiny  # noqa: E402
+from trl.trainer import utils as trl_utils  # noqa: E402
 from otb_spec.tolerances import (  # noqa: E402
     hidden_comparison_tolerances,
     otb_comparison_tolerance,
@@ -162,8 +163,10 @@ def _check_run(run, variant: str, align: str) -> dict[str, int]:
         seen = fields["advantages"].astype(np.float64)
         tolerance.assert_close(seen, reference.advantages, f"advantages in _compute_loss, generation {index}")
         assert not seen[~valid].any(), "advantages are exactly 0 off the mask"
-        if "old_per_token_logps" in fields:                     # TRL's old log-probs, from the same forward, its own
+        if "old_per_token_logps" in fields:                     # TRL's old log-probs: OTB's log π is that very output
             port.assert_close(fields["old_per_token_logps"][valid], independent_lp[valid], "TRL's old log π")
+            np.testing.assert_array_equal(log_probs[valid], fields["old_per_token_logps"][valid].astype(np.float64),
+                                          err_msg="OTB's log π is TRL's old log π of the same forward")
         # metrics: mean realized energy W, advantage statistics, over valid trajectories and tokens
         metrics = generation["metrics"]
         per_token = otb_spec.token_energy(np.where(valid, log_probs, 0.0), np.where(valid, sum_pi_squared, 1.0))
@@ -218,6 +221,16 @@ def test_training_steps_send_the_reference_advantages_to_the_loss(name, tmp_path
         return own_forward(output)
 
     monkeypatch.setattr(run, "_otb_forward", counted)
+    head_passes = []                                 # every pass of TRL's fused LM head: the outputs it was asked for
+    kernel = trl_utils._ChunkedLogProbFunction
+
+    class CountedKernel:
+        @staticmethod
+        def apply(*args):
+            head_passes.append(args[-1])
+            return kernel.apply(*args)
+
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", CountedKernel)
     before = [p.detach().clone() for p in run.model.parameters()]
     run.train()
     assert run.state.global_step == 2
@@ -230,6 +243,12 @@ def test_training_steps_send_the_reference_advantages_to_the_loss(name, tmp_path
     old = source == "TRL's old-log-prob forward"
     assert all(("old_per_token_logps" in inputs) == old for inputs in run.loss_inputs)
     assert forwards["own forward"] == (exercised["generations"] if source == "own forward" else 0)
+    # no LM-head pass besides TRL's own (one per loss call, plus its old-log-prob forward in chunks of the per-device
+    # batch) and, only where TRL runs none at the sampling weights, the trainer's own forward in the same chunks
+    chunks = -(-exercised["rows"] // exercised["generations"] // run.args.per_device_train_batch_size)
+    extra = exercised["generations"] * chunks if source != "loss forward" else 0
+    assert len(head_passes) == len(run.loss_inputs) + extra
+    assert all(outputs == ("log_probs", "entropy", "log_sum_sq_probs") for outputs in head_passes)
     if tools:
         assert exercised["holes"] > 0, "tool holes reached the loss mask"
     if sampling is not None:
@@ -357,84 +376,117 @@ def _float32(array: np.ndarray) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# the hidden-state statistics
+# log π and Σπ² from TRL's fused LM head
 
 
-def test_hidden_state_statistics_match_trls_kernel_and_the_reference(monkeypatch):
-    """log π, entropy and Σπ² from hidden states and the LM head with a bias, logit scale, softcap and temperature:
-    through chunks of at most max(1, budget/V) rows of logits, equal to TRL's own fused kernel and to the float64
-    reference."""
-    from trl.kernels import ChunkedLogProbFunction
-
-    generator = torch.Generator().manual_seed(3)
-    rows, hidden_size, vocab = 300, 16, 700
-    hidden = torch.randn(rows, hidden_size, generator=generator)
-    weight = torch.randn(vocab, hidden_size, generator=generator) / 2
-    bias = torch.randn(vocab, generator=generator)
-    targets = torch.randint(0, vocab, (rows,), generator=generator)
-    transform = otb_trl._LogitTransform(scale=0.5, softcap=3.0, temperature=0.7)
-    monkeypatch.setattr(otb_trl, "_LOGITS_CHUNK_ELEMENTS", 64 * vocab)
-    widths = []
-    linear = torch.nn.functional.linear
-
-    def recording_linear(*args, **kwargs):
-        out = linear(*args, **kwargs)
-        widths.append(out.shape[0])
-        return out
-
-    monkeypatch.setattr(torch.nn.functional, "linear", recording_linear)
-    ours = otb_trl._token_statistics_from_hidden(hidden, weight, bias, targets, transform)
-    monkeypatch.setattr(torch.nn.functional, "linear", linear)
-    assert max(widths) == 64 and sum(widths) == rows, "logits are formed 64 rows at a time"
-    logits = (hidden.double() @ weight.double().T + bias.double()) * 0.5
-    logits = 3.0 * torch.tanh(logits / 3.0) / 0.7
-    reference = otb_spec.token_statistics_from_logits(logits.numpy(), targets.numpy())
-    port = port_tolerance(FLOAT32)
-    port.assert_close(ours.log_probs.numpy(), reference.log_probs, "log π")
-    port.assert_close(ours.entropy.numpy(), reference.entropy, "entropy")
-    port.assert_close(ours.sum_pi_squared.numpy(), reference.sum_pi_squared, "Σπ²")
-    trl_log_probs, trl_entropy, trl_log_spp, _, _ = ChunkedLogProbFunction.apply(
-        hidden, weight, bias, targets, 0.7, 256, 3.0, 0.5, ("entropy", "log_sum_sq_probs"))
-    port.assert_close(ours.log_probs.numpy(), trl_log_probs.numpy(), "log π vs TRL's kernel")
-    port.assert_close(ours.entropy.numpy(), trl_entropy.numpy(), "entropy vs TRL's kernel")
-    port.assert_close(ours.sum_pi_squared.numpy(), trl_log_spp.exp().numpy(), "Σπ² vs TRL's kernel")
+def _fused_layers(policy) -> list[dict]:
+    """The TRL fused forwards installed on ``policy``, outermost first (each as the variables its closure holds)."""
+    layers = []
+    closure = otb_trl._trl_fused_forward_closure(vars(policy).get("forward"))
+    while closure is not None:
+        layers.append(closure)
+        closure = otb_trl._trl_fused_forward_closure(closure["original_forward"])
+    return layers
 
 
-def test_a_plain_temperature_head_goes_through_the_fused_kernel(monkeypatch):
-    """No bias, no softcap: otb_torch.fused_linear_token_statistics at temperature τ/scale, no logits formed; the
-    result within the derived bounds of the float64 reference (hidden_comparison_tolerances)."""
-    generator = torch.Generator().manual_seed(4)
-    hidden = torch.randn(200, 16, generator=generator)
-    weight = torch.randn(500, 16, generator=generator) / 2
-    targets = torch.randint(0, 500, (200,), generator=generator)
-    calls = []
-    fused = otb_torch.fused_linear_token_statistics
-
-    def recording_fused(*args, **kwargs):
-        calls.append(kwargs["temperature"])
-        return fused(*args, **kwargs)
-
-    monkeypatch.setattr(otb_torch, "fused_linear_token_statistics", recording_fused)
-    monkeypatch.setattr(torch.nn.functional, "linear", None)            # no logits may be formed
-    ours = otb_trl._token_statistics_from_hidden(hidden, weight, None, targets,
-                                                 otb_trl._LogitTransform(scale=2.0, temperature=0.7))
-    monkeypatch.undo()
-    assert calls == [0.35]
-    reference = otb_spec.token_statistics_from_hidden(hidden.numpy(), weight.numpy(), targets.numpy(), temperature=0.35)
-    bounds, _ = hidden_comparison_tolerances(hidden.numpy(), weight.numpy(), targets.numpy(), temperature=0.35)
-    for name in ("log_probs", "entropy", "sum_pi_squared"):
-        getattr(bounds, name).assert_close(getattr(ours, name).numpy(), getattr(reference, name), name)
+def _completion_batch(vocab_size: int, seed: int) -> dict[str, torch.Tensor]:
+    """A generation output as TRL builds it: left-padded prompts, right-padded completions (one of them empty)."""
+    generator = torch.Generator().manual_seed(seed)
+    rows, prompt_width, completion_width = 6, 5, 7
+    prompt_ids = torch.randint(4, vocab_size, (rows, prompt_width), generator=generator)
+    prompt_mask = (torch.arange(prompt_width) >= torch.tensor([0, 1, 2, 0, 3, 1])[:, None]).long()
+    completion_ids = torch.randint(4, vocab_size, (rows, completion_width), generator=generator)
+    completion_mask = (torch.arange(completion_width) < torch.tensor([7, 3, 5, 0, 6, 1])[:, None]).long()
+    return {"prompt_ids": prompt_ids.masked_fill(prompt_mask == 0, 0), "prompt_mask": prompt_mask,
+            "completion_ids": completion_ids.masked_fill(completion_mask == 0, 0), "completion_mask": completion_mask}
 
 
-def test_logit_transform_reads_the_config_as_trl_does():
-    from transformers import Gemma2Config, LlamaConfig
+def test_the_policy_head_is_trls_with_log_sum_sq_probs_installed_once(tmp_path):
+    """After construction the policy's forward is TRL's fused head (``add_fused_lm_head``) with TRL's temperature, TRL's
+    fp32 setting and TRL's outputs plus ``log_sum_sq_probs``, wrapping the model's own forward once — also when the
+    same model is given to a second trainer. Its log π and entropy are bit for bit those of the head GRPOTrainer
+    installs (``outputs=("log_probs", "entropy")``), and its plain forward (generation) is the model's."""
+    from trl.trainer.utils import add_fused_lm_head
 
-    assert otb_trl._logit_transform(LlamaConfig(), 0.9) == otb_trl._LogitTransform(1.0, None, 0.9)
-    gemma = Gemma2Config(final_logit_softcapping=30.0)
-    assert otb_trl._logit_transform(gemma, 1.0) == otb_trl._LogitTransform(1.0, 30.0, 1.0)
-    scaled = LlamaConfig()
-    scaled.logits_scaling = 4.0
-    assert otb_trl._logit_transform(scaled, 1.0).scale == 0.25
+    policy = trl_tiny.model(vocab_size=257)
+    as_trl_installs = trl_tiny.model(vocab_size=257)
+    add_fused_lm_head(as_trl_installs, temperature=0.7, outputs=("log_probs", "entropy"))
+    for _ in range(2):
+        otb_trl.OTBGRPOTrainer(model=policy, reward_funcs=[trl_tiny.reward_a, trl_tiny.reward_parity],
+                               args=trl_tiny.config(str(tmp_path)),
+                               train_dataset=trl_tiny.dataset(), processing_class=trl_tiny.tokenizer())
+        layers = _fused_layers(policy)
+        assert len(layers) == 1, "the policy is wrapped by one fused head"
+        assert layers[0]["outputs"] == ("log_probs", "entropy", "log_sum_sq_probs")
+        assert (layers[0]["temperature"], layers[0]["cast_lm_head_to_fp32"]) == (0.7, False)
+        assert layers[0]["original_forward"].__func__ is type(policy).forward
+    batch = _completion_batch(257, seed=5)
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    with torch.no_grad():
+        ours = policy(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+        trls = as_trl_installs(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+        plain = policy(input_ids=input_ids, attention_mask=attention_mask).logits
+        plain_trl = as_trl_installs(input_ids=input_ids, attention_mask=attention_mask).logits
+    assert trls.log_sum_sq_probs is None and ours.log_sum_sq_probs is not None
+    torch.testing.assert_close(ours.log_probs, trls.log_probs, rtol=0, atol=0)
+    torch.testing.assert_close(ours.entropy, trls.entropy, rtol=0, atol=0)
+    torch.testing.assert_close(plain, plain_trl, rtol=0, atol=0)
+
+
+PRECISIONS = {
+    # name: (GRPOConfig.bf16 — TRL's default, accelerate's bf16 autocast around TRL's forward —, cast_lm_head_to_fp32,
+    #        PEFT, the dtype TRL's kernel forms its logit tiles in)
+    "float32": (False, False, False, "float32"),
+    "bfloat16": (True, False, False, "bfloat16"),
+    "bfloat16-fp32-head": (True, True, False, "float32"),
+    "float32-peft": (False, False, True, "float32"),
+}
+
+
+@pytest.mark.parametrize("name", list(PRECISIONS))
+def test_log_pi_and_sum_pi_squared_from_trls_head_within_the_derived_bounds(name, tmp_path):
+    """The trainer's forward (TRL's chunked helper, TRL's fused head) gives log π(yₜ) and Σπ²ₜ of each completion token
+    within the derived bounds of the float64 computation from the full logits z = h·Wᵀ/τ of the same hidden states
+    (``hidden_comparison_tolerances``: the matmul's error propagated through each statistic, plus, for Σπ²,
+    ``sum_pi_squared_tolerance`` in the working dtype of TRL's tiles — bfloat16 under the trainer's bf16 autocast,
+    float32 with ``cast_lm_head_to_fp32`` or without mixed precision); exactly 0 off the completion mask. With PEFT
+    (LoRA), through the base model's head, as TRL patches it."""
+    bf16, fp32_head, peft, working = PRECISIONS[name]
+    extra = {}
+    if peft:
+        peft_module = pytest.importorskip("peft", reason="peft is not installed")
+        extra["peft_config"] = peft_module.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                                                      init_lora_weights=False)
+    model = trl_tiny.model(vocab_size=257)
+    with torch.no_grad():                   # logits of std ≈ 1.3 at τ = 0.7 rather than the initialisation's ≈ 0.16:
+        model.lm_head.weight.mul_(8.0)      # a distribution far from uniform, Σπ² well above 1/V
+    trainer = otb_trl.OTBGRPOTrainer(
+        model=model, reward_funcs=[trl_tiny.reward_a, trl_tiny.reward_parity],
+        args=trl_tiny.config(str(tmp_path), bf16=bf16, cast_lm_head_to_fp32=fp32_head),
+        train_dataset=trl_tiny.dataset(), processing_class=trl_tiny.tokenizer(), **extra)
+    policy = trainer.model.get_base_model() if peft else trainer.model
+    hidden_states = []
+    hook = policy.model.register_forward_hook(
+        lambda module, args, output: hidden_states.append(output.last_hidden_state.detach().float()))
+    batch = _completion_batch(257, seed=6)
+    try:
+        log_probs, sum_pi_squared = trainer._otb_forward(batch)
+    finally:
+        hook.remove()
+    assert len(hidden_states) == 1, "one forward of the policy's backbone"
+    k = batch["completion_ids"].shape[1]
+    valid = batch["completion_mask"].numpy() == 1
+    hidden = hidden_states[0][:, -k - 1:-1].numpy()[valid]
+    weight = policy.lm_head.weight.detach().float().numpy()
+    targets = batch["completion_ids"].numpy()[valid]
+    reference = otb_spec.token_statistics_from_hidden(hidden.astype(np.float64), weight.astype(np.float64), targets,
+                                                      temperature=0.7)
+    bounds, _ = hidden_comparison_tolerances(hidden, weight, targets, temperature=0.7, input_dtype=working)
+    bounds.log_probs.assert_close(log_probs.numpy()[valid], reference.log_probs, f"log π ({name})")
+    bounds.sum_pi_squared.assert_close(sum_pi_squared.numpy()[valid], reference.sum_pi_squared, f"Σπ² ({name})")
+    assert not log_probs.numpy()[~valid].any() and not sum_pi_squared.numpy()[~valid].any()
 
 
 # ----------------------------------------------------------------------------------------------------------------------

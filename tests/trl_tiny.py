@@ -228,13 +228,15 @@ def recording_trainer_class():
 
 
 def config(output_dir: str, **overrides: Any):
-    """GRPOConfig for the tiny runs: CPU, 2 prompts × 4 completions per process, no saving or reporting."""
+    """GRPOConfig for the tiny runs: CPU, 2 prompts × 4 completions per process, no saving or reporting; float32
+    (``bf16=False``: TRL defaults to bf16 autocast, which would put the policy's log π and Σπ² in bfloat16 tiles while
+    the tests compare them with a float32 forward — the bf16 head is checked on its own, within its derived bounds)."""
     from trl import GRPOConfig
 
     options = dict(output_dir=output_dir, use_cpu=True, per_device_train_batch_size=8, num_generations=4,
                    max_completion_length=MAX_COMPLETION_LENGTH, max_steps=2, learning_rate=5e-3, logging_steps=1,
                    report_to=[], save_strategy="no", scale_rewards="none", temperature=0.7, seed=0,
-                   reward_weights=list(REWARD_WEIGHTS), disable_tqdm=True, dataloader_num_workers=0)
+                   reward_weights=list(REWARD_WEIGHTS), disable_tqdm=True, dataloader_num_workers=0, bf16=False)
     options.update(overrides)
     return GRPOConfig(**options)
 

@@ -20,12 +20,14 @@ How TRL 1.16.0 is entered (line numbers of the installed ``trl/trainer/grpo_trai
 * ``_compute_loss`` unsqueezes only 1-D advantages (:3055–3059), so the [B, T] advantages that
   ``_generate_and_score_completions`` (:2324) returns in ``output["advantages"]`` reach the loss per token.
 * ``_calculate_rewards`` (:1579) returns the rewards of every process (gathered, :1679–1681); the override keeps them.
-* ``_get_per_token_logps_and_entropies`` (:1419) runs the policy (TRL's fused LM head, never the logits). log π(yₜ)
-  and Σπ²ₜ of the sampling policy come from the hidden states of one of its forwards (a hook on the backbone) and the
-  LM-head weight, through ``otb_torch.fused_linear_token_statistics``: TRL's no-grad old-log-prob forward (:2634–2657)
-  when TRL runs one; otherwise TRL's loss forward when it sees the whole generation batch at the sampling weights
-  (one micro-batch per generation, one iteration — TRL's defaults), the advantages being put into the inputs before
-  ``_compute_loss`` reads them (:3054); otherwise one no-grad forward of the trainer's own.
+* ``_get_per_token_logps_and_entropies`` (:1419) runs the policy through TRL's fused LM head (never the logits),
+  which the trainer re-installs with ``log_sum_sq_probs`` among its outputs (TRL's kernel accumulates Σ_v e^{2(z_v−m)}
+  in the tiles of log π; trainer/utils.py:1548). log π(yₜ) and Σπ²ₜ of the sampling policy are then the
+  ``log_probs`` and exp(``log_sum_sq_probs``) of one of TRL's own forwards: its no-grad old-log-prob forward
+  (:2634–2657) when TRL runs one; otherwise its loss forward when that sees the whole generation batch at the sampling
+  weights (one micro-batch per generation, one iteration — TRL's defaults), the advantages being put into the inputs
+  before ``_compute_loss`` reads them (:3054); otherwise one no-grad call of the same fused forward by the trainer.
+  No LM-head pass is added in the first two cases.
 * With several processes, the rows of a prompt group sit on different processes (TRL slices the gathered batch with
   ``process_slice``, :2812–2818): :func:`otb_torch.distributed.distributed_token_baseline` over the default process
   group (accelerate's) gives every process exactly the advantages one process would compute for its rows.
@@ -35,7 +37,6 @@ How TRL 1.16.0 is entered (line numbers of the installed ``trl/trainer/grpo_trai
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
 from dataclasses import dataclass, field
@@ -48,9 +49,10 @@ from otb_spec import _validation as reference_checks
 
 try:
     import trl
+    from accelerate.utils import is_peft_model
     from trl import GRPOConfig, GRPOTrainer
     from trl.models.utils import disable_gradient_checkpointing
-    from trl.trainer.utils import maybe_gather_lm_head_ctx
+    from trl.trainer.utils import add_fused_lm_head
 except ImportError as _exc:  # pragma: no cover - exercised by tests/test_trl_integration.py in a subprocess
     raise ModuleNotFoundError(
         f"otb_torch.trl needs trl 1.16.x ({_exc}); install it with: pip install \"otb-spec[trl]\"",
@@ -132,148 +134,85 @@ _PENDING_KEYS = ("otb_rewards", "otb_response_mask", "otb_group_ids", "otb_row_i
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# log π, entropy and Σπ² from hidden states and the LM head
+# log π and Σπ² from TRL's fused LM head
 
 
-@dataclass(frozen=True)
-class _LogitTransform:
-    """z ↦ softcap·tanh(scale·z / softcap) / temperature (softcap only when set), the map TRL's fused LM head applies
-    to hidden·Wᵀ + b (trl/kernels/chunked_logprob.py:66–75; the constants read at trainer/utils.py:1576–1590)."""
-
-    scale: float = 1.0
-    softcap: float | None = None
-    temperature: float = 1.0
-
-    def apply_(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.scale != 1.0:
-            logits.mul_(self.scale)
-        if self.softcap is not None:
-            logits.div_(self.softcap).tanh_().mul_(self.softcap)
-        if self.temperature != 1.0:
-            logits.div_(self.temperature)
-        return logits
+_LOG_SUM_SQ_PROBS = "log_sum_sq_probs"
+"""The field of TRL's ``FusedCausalLMOutput`` that carries log Σ_v π_v² per token (trainer/utils.py:1541)."""
 
 
-def _logit_transform(config: Any, temperature: float) -> _LogitTransform:
-    """The logit scaling of a transformers config, as TRL's ``add_fused_lm_head`` reads it."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    scale = getattr(text, "logit_scale", None)
-    for name in ("output_multiplier", "lm_head_multiplier"):
-        if scale is None:
-            scale = getattr(text, name, None)
-    if scale is None and getattr(text, "logits_scaling", None) is not None:
-        scale = text.logits_scaling if getattr(text, "model_type", None) == "hyperclovax" else 1.0 / text.logits_scaling
-    softcap = getattr(text, "final_logit_softcapping", None)
-    return _LogitTransform(scale=1.0 if scale is None else float(scale),
-                           softcap=None if softcap is None else float(softcap), temperature=float(temperature))
+def _trl_fused_forward_closure(forward: Any) -> dict[str, Any] | None:
+    """The variables that TRL's fused forward closes over (``original_forward``, ``temperature``,
+    ``cast_lm_head_to_fp32``, ``outputs``, …), or None when ``forward`` is not a forward made by
+    ``trl.trainer.utils.add_fused_lm_head`` (its ``_fused_forward``, bound to the model as an instance attribute)."""
+    function = getattr(forward, "__func__", None)
+    code = getattr(function, "__code__", None)
+    if code is None or code not in add_fused_lm_head.__code__.co_consts or function.__closure__ is None:
+        return None
+    return {name: cell.cell_contents for name, cell in zip(code.co_freevars, function.__closure__)}
 
 
-def _token_statistics_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                                  token_ids: torch.Tensor, transform: _LogitTransform) -> otb_torch.TokenStatistics:
-    """log π(y), entropy and Σπ² of softmax(transform(hidden·Wᵀ + b)) for [N, H] hidden states and [N] token ids,
-    never holding more than a bounded chunk of the [N, V] logits.
+def _request_log_sum_sq_probs(policy: Any) -> None:
+    """Re-install TRL's fused LM head on ``policy`` with log Σπ² among its outputs.
 
-    The seam between the two kernels: ``otb_torch.fused_linear_token_statistics`` (no logits materialised; two fixed
-    block buffers, 32 MiB on CPU, 512 MiB on CUDA) when the transform is a pure temperature (scale·z/T = z/(T/scale):
-    no bias, no softcap), run outside autocast because it accumulates in float32 itself, and without its value scan
-    of the whole weight on every call (non-finite hidden states or weights give non-finite log π or Σπ², which OTB's
-    own input check rejects, naming them); otherwise row chunks of
-    max(1, 2²²/V) rows: logits = hidden·Wᵀ + b in the ambient precision (TRL's autocast, as TRL's own head), cast to
-    float32 (16 MiB), transformed in place, then ``otb_torch.token_statistics_from_logits`` (two 4 MiB buffers).
-    """
-    if bias is None and transform.softcap is None and transform.scale > 0:
-        with torch.autocast(hidden.device.type, enabled=False):
-            return otb_torch.fused_linear_token_statistics(hidden, weight, token_ids, check_values=False,
-                                                           temperature=transform.temperature / transform.scale)
-    rows, vocab = hidden.shape[0], weight.shape[0]
-    step = max(1, _LOGITS_CHUNK_ELEMENTS // vocab)
-    log_probs = torch.empty(rows, dtype=torch.float32, device=hidden.device)
-    entropy = torch.empty_like(log_probs)
-    sum_pi_squared = torch.empty_like(log_probs)
-    for start in range(0, rows, step):
-        stop = min(start + step, rows)
-        logits = torch.nn.functional.linear(hidden[start:stop], weight, bias).float()
-        chunk = otb_torch.token_statistics_from_logits(transform.apply_(logits), token_ids[start:stop],
-                                                       check_values=False)
-        log_probs[start:stop] = chunk.log_probs
-        entropy[start:stop] = chunk.entropy
-        sum_pi_squared[start:stop] = chunk.sum_pi_squared
-        del logits, chunk
-    return otb_torch.TokenStatistics(log_probs, entropy, sum_pi_squared)
-
-
-class _FusedOutputs(NamedTuple):
-    """The fields of TRL's ``FusedCausalLMOutput`` that ``_get_per_token_logps_and_entropies`` reads (:1499–1503)."""
-
-    log_probs: torch.Tensor
-    entropy: torch.Tensor
-    aux_loss: None = None
+    GRPOTrainer (grpo_trainer.py:1068–1073) patches the policy with ``add_fused_lm_head(..., outputs=("log_probs",
+    "entropy"))``, which sets an instance ``forward`` closing over those outputs (trainer/utils.py:1548–1688). TRL's
+    kernel accumulates S₂ = Σ_v e^{2(z_v − m)} beside S₁ = Σ_v e^{z_v − m} in the same tiles when asked
+    (``log_sum_sq_probs`` = log S₂ − 2·log S₁ = log Σπ², kernels/chunked_logprob.py). Every fused forward TRL installed
+    is removed (a policy reused by a second trainer carries one per construction), the forward they wrapped restored,
+    and the head installed once more with TRL's own temperature and ``cast_lm_head_to_fp32`` and TRL's outputs plus
+    ``log_sum_sq_probs`` — so the policy is wrapped once, and TRL's log π and entropy are computed as before."""
+    closure = _trl_fused_forward_closure(vars(policy).get("forward"))
+    if closure is None:
+        raise RuntimeError(
+            f"otb_torch.trl: the forward of the policy ({type(policy).__name__}) is not the fused LM head that trl "
+            f"1.16's GRPOTrainer installs (trl.trainer.utils.add_fused_lm_head); something replaced it, so Σπ² cannot "
+            "be requested from TRL's head")
+    settings = closure
+    while closure is not None:                      # unwrap every fused forward TRL installed
+        del policy.forward
+        original = closure["original_forward"]
+        if not (getattr(original, "__func__", None) is type(policy).forward
+                and getattr(original, "__self__", None) is policy):
+            policy.forward = original               # a forward that was not the class's: TRL wrapped it; keep it
+        closure = _trl_fused_forward_closure(vars(policy).get("forward"))
+    outputs = tuple(settings["outputs"])
+    if _LOG_SUM_SQ_PROBS not in outputs:
+        outputs += (_LOG_SUM_SQ_PROBS,)
+    add_fused_lm_head(policy, temperature=settings["temperature"],
+                      cast_lm_head_to_fp32=settings["cast_lm_head_to_fp32"], outputs=outputs)
 
 
 @dataclass
 class _StatisticsCapture:
     """Stands in for the policy inside TRL's ``_get_per_token_logps_and_entropies``, which calls
     ``model(**inputs, labels=labels, fused_lm_head=True)`` once per row chunk (grpo_trainer.py:1497–1498) and keeps
-    ``outputs.log_probs[:, -logits_to_keep:]``. A forward hook on the policy's backbone takes the hidden states of each
-    call and computes log π, entropy and Σπ² of the completion tokens from them (without gradient) — inside the
-    forward, where TRL computes its own head, so sharded LM-head weights are gathered as TRL gathers them.
+    ``outputs.log_probs[:, -logits_to_keep:]``. Each call runs ``model`` exactly as TRL would and returns TRL's outputs
+    unchanged; it records, detached, log π(yₜ) = ``outputs.log_probs`` and Σπ²ₜ = exp(``outputs.log_sum_sq_probs``) of
+    the completion tokens — both from the same tiles of TRL's fused head in that call (0 where TRL scores nothing)."""
 
-    ``model`` given (TRL's old-log-prob forward, or the loss's forward): TRL's own call runs unchanged and its outputs
-    are returned — TRL's log-probabilities stay its own, bit for bit — and the statistics are recorded.
-    ``model`` None (the trainer's own no-grad forward): the policy runs with its LM head restricted to the last position
-    (``logits_to_keep=1``; TRL's fused head when the model lacks that argument), and the call returns the statistics
-    as the outputs."""
-
-    trainer: "OTBGRPOTrainer"
+    model: Any
     logits_to_keep: int
-    model: Any = None
     log_probs: list[torch.Tensor] = field(default_factory=list)
     sum_pi_squared: list[torch.Tensor] = field(default_factory=list)
 
     def __call__(self, *args: Any, labels: torch.Tensor | None = None, fused_lm_head: bool = False,
                  **inputs: Any) -> Any:
-        if args or labels is None or fused_lm_head is not True or "input_ids" not in inputs:
+        if args or labels is None or fused_lm_head is not True:
             raise RuntimeError("otb_torch.trl: GRPOTrainer._get_per_token_logps_and_entropies called the policy in a "
                                "way trl 1.16 does not (model(**inputs, labels=..., fused_lm_head=True) expected)")
-        trainer, k = self.trainer, self.logits_to_keep
-        core, backbone = trainer._otb_policy_modules()
-        input_ids = inputs["input_ids"]
-        targets = input_ids[:, -k:]
-        found: dict[str, otb_torch.TokenStatistics] = {}
-
-        def take_hidden_states(module: Any, module_args: Any, output: Any) -> None:
-            if "statistics" in found:       # one backbone pass per call
-                return
-            hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
-            with torch.no_grad():
-                found["statistics"] = trainer._otb_head_statistics(core, hidden.detach()[:, -k - 1:-1], targets)
-
-        handle = backbone.register_forward_hook(take_hidden_states)
-        try:
-            if self.model is not None:
-                outputs = self.model(**inputs, labels=labels, fused_lm_head=True)
-            elif trainer._otb_logits_to_keep:
-                outputs = trainer.model(**inputs, use_cache=False, logits_to_keep=1)
-            else:
-                outputs = trainer.model(**inputs, labels=labels, fused_lm_head=True)
-        finally:
-            handle.remove()
-        if "statistics" not in found:
-            raise RuntimeError("otb_torch.trl: the policy's backbone did not run inside its forward; the hidden "
-                               "states for Σπ² could not be taken")
-        statistics = found["statistics"]
-        scored = labels[:, -k:] != -100
-        log_probs = statistics.log_probs.masked_fill(~scored, 0.0)
-        self.log_probs.append(log_probs)
-        self.sum_pi_squared.append(statistics.sum_pi_squared.masked_fill(~scored, 0.0))
-        if self.model is not None:
-            return outputs
-        width = input_ids.shape[1] - 1
-        padded = [torch.zeros((input_ids.shape[0], width), dtype=torch.float32, device=log_probs.device)
-                  for _ in range(2)]
-        padded[0][:, -k:] = log_probs
-        padded[1][:, -k:] = statistics.entropy.masked_fill(~scored, 0.0)
-        return _FusedOutputs(log_probs=padded[0], entropy=padded[1])
+        outputs = self.model(**inputs, labels=labels, fused_lm_head=True)
+        log_sum_sq_probs = getattr(outputs, _LOG_SUM_SQ_PROBS, None)
+        if log_sum_sq_probs is None:
+            raise RuntimeError("otb_torch.trl: the policy's fused LM head returned no log_sum_sq_probs: its forward is "
+                               "no longer the one OTBGRPOTrainer installed (something replaced model.forward after "
+                               "the trainer was built)")
+        k = self.logits_to_keep
+        log_probs = outputs.log_probs[:, -k:].detach().float()
+        unscored = (labels[:, -k:] == -100).to(log_probs.device)
+        self.log_probs.append(log_probs.masked_fill(unscored, 0.0))
+        self.sum_pi_squared.append(log_sum_sq_probs[:, -k:].detach().float().exp().masked_fill(unscored, 0.0))
+        return outputs
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.cat(self.log_probs), torch.cat(self.sum_pi_squared)
@@ -315,10 +254,11 @@ class OTBGRPOTrainer(GRPOTrainer):
         verl's estimator) and off for ``"leave_one_out"``, where it has nothing to do (no other member is valid there,
         so the baseline is already 0); True with ``"leave_one_out"`` is an error.
 
-    log π and Σπ² of the sampling policy come from one forward (docs/trl.md, "Where log π and Σπ² come from"): TRL's
-    old-log-prob forward when TRL runs one; else, when TRL's loss sees the whole generation batch at the sampling
-    weights in one forward (one micro-batch per generation, one iteration: TRL's default), that forward; else one
-    no-grad forward of the trainer's own.
+    log π and Σπ² of the sampling policy come from the same tiles of TRL's fused LM head in one of TRL's forwards
+    (docs/trl.md, "Where log π and Σπ² come from"): TRL's old-log-prob forward when TRL runs one; else, when TRL's loss
+    sees the whole generation batch at the sampling weights in one forward (one micro-batch per generation, one
+    iteration: TRL's default), that forward; else one no-grad call of TRL's fused forward by the trainer. The policy's
+    fused head is re-installed at construction with ``log_sum_sq_probs`` among its outputs.
 
     Configuration (checked before the model loads; docs/trl.md has the table): ``scale_rewards`` must be ``"none"``,
     ``multi_objective_aggregation`` ``"sum_then_normalize"``, ``importance_sampling_level`` ``"token"``, ``loss_type``
@@ -362,42 +302,10 @@ class OTBGRPOTrainer(GRPOTrainer):
         self._otb_generation: _Generation | None = None
         self._otb_loss_inputs: dict[str, Any] | None = None
         super().__init__(*bound.args[1:], **bound.kwargs)
-        core, _ = self._otb_policy_modules()
-        self._otb_logits_to_keep = "logits_to_keep" in inspect.signature(type(core).forward).parameters
-        self._otb_transform = _logit_transform(core.config, self.temperature)
-
-    # -- the policy's modules -----------------------------------------------------------------------------------------
-
-    def _otb_policy_modules(self) -> tuple[Any, Any]:
-        """(the causal LM that TRL patched with its fused head, its backbone ``base_model``)."""
-        core = self.accelerator.unwrap_model(self.model)
-        if hasattr(core, "get_base_model") and callable(core.get_base_model):     # PEFT: the patched base model
-            core = core.get_base_model()
-        backbone = getattr(core, "base_model", None)
-        if backbone is None or backbone is core or not isinstance(backbone, torch.nn.Module):
-            raise RuntimeError(f"otb_torch.trl: {type(core).__name__} exposes no backbone (base_model) separate from "
-                               "its LM head; its hidden states cannot be taken for Σπ²")
-        return core, backbone
-
-    def _otb_head_statistics(self, core: Any, hidden: torch.Tensor, targets: torch.Tensor) -> otb_torch.TokenStatistics:
-        """log π, entropy and Σπ² of [b, k] target tokens from [b, k, H] hidden states, with the LM head as TRL's fused
-        head uses it (grpo_trainer.py:1068–1077, trainer/utils.py:1623–1643): temperature, logit scale and softcap,
-        float32 head when ``cast_lm_head_to_fp32``, DTensor and ZeRO-3 weights gathered."""
-        head = core.get_output_embeddings()
-        weight, bias = head.weight, head.bias
-        if hasattr(weight, "full_tensor"):                         # FSDP2 DTensor
-            weight = weight.full_tensor()
-            bias = bias.full_tensor() if bias is not None and hasattr(bias, "full_tensor") else bias
-        hidden = hidden.to(weight.device)
-        autocast: Any = contextlib.nullcontext()
-        if self.args.cast_lm_head_to_fp32:
-            hidden = hidden.float()
-            autocast = torch.autocast(hidden.device.type, enabled=False)
-        b, k = targets.shape
-        with autocast, maybe_gather_lm_head_ctx(head.weight, head.bias):
-            flat = _token_statistics_from_hidden(hidden.reshape(b * k, -1), weight, bias,
-                                                 targets.reshape(-1).to(hidden.device), self._otb_transform)
-        return otb_torch.TokenStatistics(*(value.reshape(b, k) for value in flat))
+        # the policy's fused LM head also returns log Σπ², from the tiles of its log π (grpo_trainer.py:1068–1073 patch
+        # the PEFT base model, as here)
+        policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
+        _request_log_sum_sq_probs(policy)
 
     # -- TRL's methods ------------------------------------------------------------------------------------------------
 
@@ -425,7 +333,7 @@ class OTBGRPOTrainer(GRPOTrainer):
         if pending is not None and not pending.get("otb_done", True):
             # the loss's forward (_compute_loss, :3030–3047): take the statistics from it, then put OTB's advantages
             # in the inputs, which _compute_loss reads after this forward (:3054)
-            capture = _StatisticsCapture(self, logits_to_keep, model=model)
+            capture = _StatisticsCapture(model, logits_to_keep)
             result = super()._get_per_token_logps_and_entropies(capture, input_ids, attention_mask, logits_to_keep,
                                                                 *args, **kwargs)
             pending["advantages"] = self._otb_complete(pending, *capture.result())
@@ -440,7 +348,7 @@ class OTBGRPOTrainer(GRPOTrainer):
         if torch.is_grad_enabled() or args or kwargs.get("compute_entropy") or kwargs.get("compute_aux_loss"):
             raise RuntimeError("otb_torch.trl: the old-log-prob forward of trl 1.16 runs without gradient, entropy or "
                                "auxiliary loss; this trl calls it differently")
-        capture = _StatisticsCapture(self, logits_to_keep, model=model)
+        capture = _StatisticsCapture(model, logits_to_keep)
         result = super()._get_per_token_logps_and_entropies(capture, input_ids, attention_mask, logits_to_keep,
                                                             **kwargs)
         generation.statistics = capture.result()
@@ -491,15 +399,15 @@ class OTBGRPOTrainer(GRPOTrainer):
 
     def _otb_forward(self, output: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """log π and Σπ² of the completions under the policy that sampled them, when neither TRL's old-log-prob forward
-        nor its loss forward can give them: one no-grad forward through TRL's own chunked helper, as TRL's old-log-prob
-        forward runs (:2634–2655)."""
+        nor its loss forward can give them: one no-grad call of TRL's fused forward through TRL's own chunked helper,
+        with TRL's batch size and multimodal inputs, as TRL's old-log-prob forward runs (:2634–2655)."""
         mode = "train" if self.model.training else "eval"
         completion_ids = output["completion_ids"]
         logits_to_keep = completion_ids.size(1)
         input_ids = torch.cat([output["prompt_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
-        capture = _StatisticsCapture(self, logits_to_keep)
+        capture = _StatisticsCapture(self.model, logits_to_keep)
         extra = {key: output[key] for key in _FORWARD_KEYS if output.get(key) is not None}
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             super()._get_per_token_logps_and_entropies(capture, input_ids, attention_mask, logits_to_keep,
