@@ -16,9 +16,11 @@ the logit cotangent, ∂z = g_lp(e_y − π) − g_H·π ⊙ (log π + H) with �
 block costs one matmul and four elementwise passes forward, three matmuls and four passes backward.
 
 Memory (beyond inputs, outputs and the returned gradients): two [rows, columns] buffers in the compute dtype
-(default 2 × 2²² values = 32 MiB in float32 on CPU; 2 × 2²⁶ = 512 MiB on CUDA), five per-token floats, and for
-bfloat16/float16 weights a float32 copy of one vocabulary chunk of W (and, in the backward pass, a float32 accumulator
-for ∂W, and for ∂h when the hidden states are half precision) — nothing that grows with V·N.
+(default 2 × 2²² values = 32 MiB in float32 on CPU; 2 × 2²⁶ = 512 MiB on CUDA), five per-token floats, two
+[rows, H] temporaries in the backward pass's e_y term, and for half-precision inputs float32 copies of one
+vocabulary chunk of W and of one row block of h (and, in the backward pass, a float32 accumulator for ∂W, and for ∂h
+when the hidden states are half precision) — nothing that grows with N·V. The matmul library may add its own packing
+buffers (of the order of one block's operands); benchmarks/bench_fused.py measures the whole peak.
 
 bf16/fp16 inputs are accumulated in float32 (float64 inputs in float64); log π, entropy and Σπ² are returned in that
 precision, Σπ² detached (OTB uses it as a constant).
@@ -133,7 +135,7 @@ class _FusedLinearStatistics(torch.autograd.Function):
                 count = last - first
                 z = block[:count * width].view(count, width)
                 a = exps[:count * width].view(count, width)
-                torch.mm(hidden[first:last].to(dtype) * scale, w_chunk.t(), out=z)
+                z.addmm_(hidden[first:last].to(dtype), w_chunk.t(), beta=0, alpha=scale)     # z = h·Wᵀ/τ
                 mine = local_ids[first:last]
                 inside = (mine >= 0) & (mine < width)
                 picked = z.gather(1, mine.clamp(0, width - 1)[:, None])[:, 0]
@@ -195,8 +197,8 @@ class _FusedLinearStatistics(torch.autograd.Function):
                 count = last - first
                 z = block[:count * width].view(count, width)
                 p = probs[:count * width].view(count, width)
-                h = hidden[first:last].to(dtype) * scale
-                torch.mm(h, w_chunk.t(), out=z)
+                h = hidden[first:last].to(dtype)                               # a view unless h is half
+                z.addmm_(h, w_chunk.t(), beta=0, alpha=scale)
                 z.sub_(lse[first:last, None])                                  # log π_v
                 torch.exp(z, out=p)
                 if g_h is None:
@@ -208,7 +210,7 @@ class _FusedLinearStatistics(torch.autograd.Function):
                 if d_hidden is not None:
                     d_hidden[first:last].addmm_(product, w_chunk, alpha=-scale)
                 if d_weight is not None:
-                    d_weight[start:stop].addmm_(product.t(), h, alpha=-1.0)
+                    d_weight[start:stop].addmm_(product.t(), h, alpha=-scale)
         if g_lp is not None:                                                   # + g_lp·e_y, by row blocks
             for first in range(0, n_rows, rows):
                 last = min(first + rows, n_rows)
