@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -252,50 +253,212 @@ def shares(offsets: np.ndarray, workers: int) -> list[int]:
     return [0] + sorted({int(cut) for cut in cuts} - {0, groups}) + [groups]
 
 
-def self_inclusive(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor, sum_pi_squared: torch.Tensor,
-                   is_weights: torch.Tensor | None, order: torch.Tensor | None, offsets: np.ndarray, *, align: str,
-                   handle_zero_tail: bool, epsilon: float, dtype: torch.dtype, need_baselines: bool, check: bool,
-                   slacks: tuple[float, float] | None) -> tuple[list[torch.Tensor], bool]:
-    """Self-inclusive OTB, zero rules included, over groups listed by (order, offsets): returns ([advantages,
-    returns(, baselines)] in ``dtype``, whether the value checks flag something). Float inputs are converted to
-    ``dtype`` when they are not in it; the mask is read as it is when its dtype has a kernel."""
-    library = _load()[0]
-    rows, width = rewards.shape
-    floats = [None if value is None else value.to(dtype).contiguous()
-              for value in (rewards, log_probs, sum_pi_squared, is_weights)]
+def _function(kind: str, dtype: torch.dtype, mask: torch.Tensor, result: Any = ctypes.c_int):
+    """The entry point ``otb_<kind>_<compute type>_<mask type>`` of the library."""
+    function = getattr(_load()[0], f"otb_{kind}_{_COMPUTE[dtype]}_{_MASKS[mask.dtype]}")
+    function.restype = result
+    return function
+
+
+def _inputs(dtype: torch.dtype, mask: torch.Tensor, *floats: torch.Tensor | None
+            ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """The mask as it is when its dtype has a kernel (else in ``dtype``) and the float inputs in ``dtype``, all
+    contiguous."""
     mask = mask.contiguous() if mask.dtype in _MASKS else mask.to(dtype).contiguous()
+    return mask, [None if value is None else value.to(dtype).contiguous() for value in floats]
+
+
+def _in_parallel(work: Callable[[int], int], count: int) -> list[int]:
+    """work(0), …, work(count − 1): share 0 on the calling thread, the others on the pool. Returns their results
+    after every share has returned, also on an error or interrupt (never free what a thread still writes to)."""
+    pool = _pool(count - 1) if count > 1 else None
+    others = [pool.submit(work, share) for share in range(1, count)] if pool else []
+    try:
+        return [work(0)] + [future.result() for future in others]
+    finally:
+        wait(others)
+
+
+def _workers(elements: int) -> int:
+    return max(1, min(torch.get_num_threads(), elements // ELEMENTS_PER_SHARE or 1))
+
+
+def grouped(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor, sum_pi_squared: torch.Tensor,
+            is_weights: torch.Tensor | None, order: torch.Tensor | None, offsets: np.ndarray, *, align: str,
+            leave_one_out: bool, handle_zero_tail: bool, epsilon: float, dtype: torch.dtype, need_baselines: bool,
+            check: bool, slacks: tuple[float, float] | None) -> tuple[list[torch.Tensor], bool]:
+    """OTB over groups listed by (order, offsets), self-inclusive with its zero rules or leave-one-out: returns
+    ([advantages, returns(, baselines)] in ``dtype``, whether the value checks flag something). Float inputs are
+    converted to ``dtype`` when they are not in it; the mask is read as it is when its dtype has a kernel.
+
+    Extra memory besides the inputs and outputs: 6·T values of ``dtype`` per thread and B for the row lengths (the
+    leave-one-out energies are kept in the advantages' buffer until they are overwritten)."""
+    rows, width = rewards.shape
+    mask, (r, lp, spp, rho) = _inputs(dtype, mask, rewards, log_probs, sum_pi_squared, is_weights)
     outputs = [torch.empty((rows, width), dtype=dtype) for _ in range(3 if need_baselines else 2)]
     lengths = torch.empty(rows, dtype=dtype)
     order_c = None if order is None else order.to(torch.int64).contiguous()
     offsets_c = np.ascontiguousarray(offsets, dtype=np.int64)
-    function = getattr(library, f"otb_{_COMPUTE[dtype]}_{_MASKS[mask.dtype]}")
-    function.restype = ctypes.c_int
-    bounds = shares(offsets_c, max(1, min(torch.get_num_threads(), rows * width // ELEMENTS_PER_SHARE or 1)))
-    scratch = torch.empty((len(bounds) - 1, 5 * width), dtype=dtype)
+    function = _function("groups", dtype, mask)
+    bounds = shares(offsets_c, _workers(rows * width))
+    scratch = torch.empty((len(bounds) - 1, 6 * width), dtype=dtype)
     slack_lp, slack_spp = slacks if slacks is not None else (0.0, 0.0)
-    r, lp, spp, rho = floats
-    arguments = [_pointer(r), _pointer(mask), _pointer(lp), _pointer(spp), _pointer(rho), ctypes.c_int64(width),
-                 ctypes.c_void_p(None if order_c is None else order_c.data_ptr()),
-                 offsets_c.ctypes.data_as(ctypes.c_void_p)]
-    tail = [ctypes.c_int(int(align != "position")), ctypes.c_int(int(handle_zero_tail)), ctypes.c_double(epsilon),
-            _pointer(outputs[0]), _pointer(outputs[1]), _pointer(outputs[2] if need_baselines else None),
-            _pointer(lengths)]
-
-    owners = (floats, mask, outputs, lengths, order_c, offsets_c, scratch)     # alive while C reads and writes
+    head = [_pointer(r), _pointer(mask), _pointer(lp), _pointer(spp), _pointer(rho), ctypes.c_int64(width),
+            _pointer(order_c), offsets_c.ctypes.data_as(ctypes.c_void_p)]
+    tail = [ctypes.c_int(int(align != "position")), ctypes.c_int(int(leave_one_out)),
+            ctypes.c_int(int(handle_zero_tail)), ctypes.c_double(epsilon), _pointer(outputs[0]), _pointer(outputs[1]),
+            _pointer(outputs[2] if need_baselines else None), _pointer(lengths)]
+    owners = (r, lp, spp, rho, mask, outputs, lengths, order_c, offsets_c, scratch)   # alive while C runs
 
     def work(share: int) -> int:
         assert owners
-        return function(*arguments, ctypes.c_int64(bounds[share]), ctypes.c_int64(bounds[share + 1]), *tail,
+        return function(*head, ctypes.c_int64(bounds[share]), ctypes.c_int64(bounds[share + 1]), *tail,
                         _pointer(scratch[share]), ctypes.c_int(int(check)), ctypes.c_double(slack_lp),
                         ctypes.c_double(slack_spp))
 
-    pool = _pool(len(bounds) - 2) if len(bounds) > 2 else None
-    others = [pool.submit(work, share) for share in range(1, len(bounds) - 1)] if pool else []
-    try:
-        flags = [work(0)] + [future.result() for future in others]             # share 0 on the calling thread
-    finally:
-        wait(others)                          # never free what a thread still writes to (e.g. on KeyboardInterrupt)
-    return outputs, any(flags)
+    return outputs, any(_in_parallel(work, len(bounds) - 1))
+
+
+class LocalGroups(NamedTuple):
+    """A rank's rows listed group by group (otb_torch.distributed): ``order`` [B] int64 (members in batch order),
+    ``offsets`` [g + 1] where each local group starts in it, ``ids`` [g] int64 their global group ids."""
+
+    order: torch.Tensor
+    offsets: np.ndarray
+    ids: np.ndarray
+
+
+def local_groups(group_ids: torch.Tensor) -> LocalGroups:
+    """The local plan of a rank's rows from their global group ids (a stable sort on the host)."""
+    host = group_ids.cpu().numpy()
+    order = np.argsort(host, kind="stable").astype(np.int64)
+    ordered = host[order]
+    offsets = np.concatenate(([0], np.flatnonzero(np.diff(ordered)) + 1, [host.shape[0]])).astype(np.int64)
+    return LocalGroups(torch.from_numpy(order), offsets, np.ascontiguousarray(ordered[offsets[:-1]], dtype=np.int64))
+
+
+def _array(value: np.ndarray | torch.Tensor | None) -> ctypes.c_void_p:
+    if value is None:
+        return ctypes.c_void_p(None)
+    if isinstance(value, np.ndarray):
+        return value.ctypes.data_as(ctypes.c_void_p)
+    return _pointer(value)
+
+
+class FirstSweep(NamedTuple):
+    """What a rank's first sweep leaves (:func:`distributed_first`), in the compute dtype: ``grid`` [G, planes, K]
+    (N, D and, for leave-one-out, V of the rank's rows), ``returns`` [B, T], ``energy`` [B, T] mₜWₜ (leave-one-out
+    only, else None; it becomes the advantages), ``lengths`` [B] int64 valid counts, ``stats`` [4, G] int64
+    (members, longest, count at longest, second longest of the rank's rows), ``bad`` the value-check flag."""
+
+    grid: torch.Tensor
+    returns: torch.Tensor
+    energy: torch.Tensor | None
+    lengths: torch.Tensor
+    stats: torch.Tensor
+    bad: bool
+
+
+def distributed_first(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor,
+                      sum_pi_squared: torch.Tensor, is_weights: torch.Tensor | None, plan: LocalGroups, *,
+                      num_groups: int, columns: int, align: str, leave_one_out: bool, dtype: torch.dtype,
+                      check: bool, slacks: tuple[float, float] | None, columns_before: int = 0,
+                      ret_offsets: np.ndarray | None = None, energy_offsets: np.ndarray | None = None,
+                      valid_before: np.ndarray | None = None, total_lengths: np.ndarray | None = None,
+                      count_rows: bool = True) -> FirstSweep:
+    """The first sweep of a rank's rows (``_kernel.c``: otb_dist_first): returns, the grid of the rank's terms, the
+    group statistics. ``ret_offsets``, ``energy_offsets`` (float64 [B]), ``valid_before`` and ``total_lengths``
+    (int64 [B]) come from the other context pieces, when there are any.
+
+    Extra memory: the grid (G·planes·K values), 3·T values per thread, and for leave-one-out the energies in what
+    becomes the advantages' buffer."""
+    rows, width = rewards.shape
+    mask, (r, lp, spp, rho) = _inputs(dtype, mask, rewards, log_probs, sum_pi_squared, is_weights)
+    planes = 3 if leave_one_out else 2
+    grid = torch.zeros((num_groups, planes, columns), dtype=dtype)
+    returns = torch.empty((rows, width), dtype=dtype)
+    energy = torch.empty((rows, width), dtype=dtype) if leave_one_out else None
+    lengths = torch.empty(rows, dtype=torch.int64)
+    stats = torch.tensor([0, -1, 0, -1], dtype=torch.int64)[:, None].repeat(1, num_groups)
+    bounds = shares(plan.offsets, _workers(rows * width))
+    scratch = torch.empty((len(bounds) - 1, 3 * width), dtype=dtype)
+    slack_lp, slack_spp = slacks if slacks is not None else (0.0, 0.0)
+    function = _function("dist_first", dtype, mask)
+    head = [_pointer(r), _pointer(mask), _pointer(lp), _pointer(spp), _pointer(rho), ctypes.c_int64(width),
+            _pointer(plan.order), _array(plan.offsets)]
+    tail = [_array(plan.ids), _pointer(grid), ctypes.c_int64(columns), ctypes.c_int(planes),
+            ctypes.c_int(int(align != "position")), _array(ret_offsets), _array(energy_offsets),
+            _array(valid_before), ctypes.c_int64(columns_before), _array(total_lengths),
+            ctypes.c_int(int(count_rows)), ctypes.c_int64(num_groups), _pointer(returns), _pointer(energy),
+            _pointer(lengths), _pointer(stats)]
+    owners = (r, lp, spp, rho, mask, plan, grid, returns, energy, lengths, stats, scratch, ret_offsets,
+              energy_offsets, valid_before, total_lengths)
+
+    def work(share: int) -> int:
+        assert owners
+        return function(*head, ctypes.c_int64(bounds[share]), ctypes.c_int64(bounds[share + 1]), *tail,
+                        _pointer(scratch[share]), ctypes.c_int(int(check)), ctypes.c_double(slack_lp),
+                        ctypes.c_double(slack_spp))
+
+    bad = any(_in_parallel(work, len(bounds) - 1))
+    return FirstSweep(grid, returns, energy, lengths, stats, bad)
+
+
+def distributed_final(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, merged: torch.Tensor | None, *,
+                      num_groups: int, align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float,
+                      dtype: torch.dtype, columns_before: int = 0, valid_before: np.ndarray | None = None,
+                      total_lengths: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, baselines) of a rank's rows from the all-reduced grid (``_kernel.c``: otb_dist_final); ``merged``
+    [4, G] int64: the merged group statistics (self-inclusive only). The grid's N becomes the ratio in place."""
+    rows, width = first.returns.shape
+    mask, _ = _inputs(dtype, mask)
+    advantages = first.energy if leave_one_out else torch.empty((rows, width), dtype=dtype)
+    baselines = torch.empty((rows, width), dtype=dtype)
+    merged_c = None if merged is None else merged.to(torch.int64).contiguous()
+    lengths = first.lengths if total_lengths is None else total_lengths
+    columns = first.grid.shape[2]
+    bounds = shares(plan.offsets, _workers(rows * width))
+    scratch = torch.empty((len(bounds) - 1, width), dtype=dtype)
+    function = _function("dist_final", dtype, mask, None)
+    head = [_pointer(mask), ctypes.c_int64(width), _pointer(plan.order), _array(plan.offsets)]
+    tail = [_array(plan.ids), _pointer(first.grid), ctypes.c_int64(columns), ctypes.c_int(first.grid.shape[1]),
+            ctypes.c_int(int(align != "position")), ctypes.c_int(int(leave_one_out)),
+            ctypes.c_int(int(handle_zero_tail)), ctypes.c_double(epsilon), _pointer(merged_c),
+            ctypes.c_int64(num_groups), _array(lengths), _array(valid_before), ctypes.c_int64(columns_before),
+            _pointer(first.returns), _pointer(advantages), _pointer(baselines)]
+    owners = (mask, plan, first, merged_c, lengths, valid_before, advantages, baselines, scratch)
+
+    def work(share: int) -> int:
+        assert owners
+        function(*head, ctypes.c_int64(bounds[share]), ctypes.c_int64(bounds[share + 1]), *tail,
+                 _pointer(scratch[share]))
+        return 0
+
+    _in_parallel(work, len(bounds) - 1)
+    return advantages, baselines
+
+
+def row_totals(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor, sum_pi_squared: torch.Tensor,
+               is_weights: torch.Tensor | None, *, dtype: torch.dtype, check: bool,
+               slacks: tuple[float, float] | None) -> tuple[torch.Tensor, bool]:
+    """[3, B] float64 (Σmr, Σmρ²w, Σm) of each row piece (``_kernel.c``: otb_row_totals) and the value-check flag."""
+    rows, width = rewards.shape
+    mask, (r, lp, spp, rho) = _inputs(dtype, mask, rewards, log_probs, sum_pi_squared, is_weights)
+    totals = torch.empty((3, rows), dtype=torch.float64)
+    bounds = shares(np.arange(rows + 1, dtype=np.int64), _workers(rows * width))
+    scratch = torch.empty((len(bounds) - 1, 4 * width), dtype=dtype)
+    slack_lp, slack_spp = slacks if slacks is not None else (0.0, 0.0)
+    function = _function("row_totals", dtype, mask)
+    owners = (r, lp, spp, rho, mask, totals, scratch)
+
+    def work(share: int) -> int:
+        assert owners
+        return function(_pointer(r), _pointer(mask), _pointer(lp), _pointer(spp), _pointer(rho),
+                        ctypes.c_int64(width), ctypes.c_int64(rows), ctypes.c_int64(bounds[share]),
+                        ctypes.c_int64(bounds[share + 1]), _pointer(totals), _pointer(scratch[share]),
+                        ctypes.c_int(int(check)), ctypes.c_double(slack_lp), ctypes.c_double(slack_spp))
+
+    return totals, any(_in_parallel(work, len(bounds) - 1))
 
 
 def exp_float32(values: torch.Tensor) -> torch.Tensor:
