@@ -342,13 +342,14 @@ static int FN(otb_check_row)(const T *restrict r, const M *restrict m, const T *
     return bad != 0 || binary;
 }
 
-/* Both scans over the valid span [lo, hi): Gₜ = *total + Σ_{lo≤…}, from the end, of rₖmₖ into gr, and
- * mₜWₜ = mₜ(*running + Σ_{lo≤j≤t} eⱼ) in place of the energies e in wm; the totals are updated. Sixteen positions at
- * a time: each vector of four gets its in-register prefix (suffix), then the offsets of the vectors before (after)
- * it in the block, then the carry — so the carry's chain is one addition per 16 positions. Every output is a double
- * sum rounded once to T. */
-static inline void FN(otb_scans)(const T *restrict rr, const T *restrict mv, T *restrict gr, T *restrict wm,
-                                 int64_t lo, int64_t hi, double *total, double *running) {
+/* The scans, over the valid span [lo, hi), sixteen positions at a time: each vector of four gets its in-register
+ * prefix (suffix), then the offsets of the vectors before (after) it in the block, then the carry — so the carry's
+ * chain is one addition per 16 positions. Every output is a double sum rounded once to T; the end of the span runs
+ * one position at a time. */
+
+/* mₜWₜ = mₜ(*running + Σ_{lo≤j≤t} eⱼ) in place of the energies e in wm; *running becomes the total */
+static inline void FN(otb_scan_energy)(const T *restrict mv, T *restrict wm, int64_t lo, int64_t hi,
+                                       double *running) {
     typedef FN(otb_tv4) tv4;
     otb_v4d carry = {*running, *running, *running, *running};
     int64_t t = lo;
@@ -379,7 +380,13 @@ static inline void FN(otb_scans)(const T *restrict rr, const T *restrict mv, T *
         wm[t] = (T)run * mv[t];
     }
     *running = run;
-    carry = (otb_v4d){*total, *total, *total, *total};
+}
+
+/* Gₜ = *total + Σ_{t≤k<hi} rₖmₖ into gr; *total becomes the row's (piece's) total */
+static inline void FN(otb_scan_returns)(const T *restrict rr, const T *restrict mv, T *restrict gr, int64_t lo,
+                                        int64_t hi, double *total) {
+    typedef FN(otb_tv4) tv4;
+    otb_v4d carry = {*total, *total, *total, *total};
     int64_t s = hi;                                             /* positions [lo, s) are left */
     for (; s - 16 >= lo; s -= 16) {
         otb_v4d q[4];
@@ -427,15 +434,11 @@ static int64_t FN(otb_row_first)(const T *restrict rr, const M *restrict mr, con
     if (check || need_energy) EXP_ROW(lr + lo, pi + lo, hi - lo);
     if (check) *bad |= FN(otb_check_row)(rr, mr, mv, lr, sr, pi, wr, width, lo, hi, slack_lp, slack_spp);
     double total = ret_offset, running = energy_offset;
-    if (!need_energy) {
-        for (int64_t t = hi - 1; t >= lo; --t) {
-            total += (double)(rr[t] * mv[t]);
-            gr[t] = (T)total;
-        }
-    } else {
+    FN(otb_scan_returns)(rr, mv, gr, lo, hi, &total);
+    if (need_energy) {
         for (int64_t t = lo; t < hi; ++t) wm[t] = mv[t] + mv[t] * (sr[t] - 2 * pi[t]);      /* mₜ(1 − 2πₜ + Σπ²ₜ) */
         if (wr) for (int64_t t = lo; t < hi; ++t) wm[t] = wm[t] * wr[t] * wr[t];
-        FN(otb_scans)(rr, mv, gr, wm, lo, hi, &total, &running);
+        FN(otb_scan_energy)(mv, wm, lo, hi, &running);
     }
     for (int64_t t = 0; t < lo; ++t) gr[t] = (T)total;
     for (int64_t t = hi; t < width; ++t) gr[t] = (T)ret_offset;
@@ -824,7 +827,8 @@ OTB_EXPORT int FN(otb_row_totals)(const T *r, const M *m, const T *lp, const T *
         for (int64_t t = lo; t < hi; ++t) energy[t] = mv[t] + mv[t] * (sr[t] - 2 * pi[t]);
         if (wr) for (int64_t t = lo; t < hi; ++t) energy[t] = energy[t] * wr[t] * wr[t];
         double total = 0, running = 0;
-        FN(otb_scans)(rr, mv, returns, energy, lo, hi, &total, &running);
+        FN(otb_scan_returns)(rr, mv, returns, lo, hi, &total);
+        FN(otb_scan_energy)(mv, energy, lo, hi, &running);
         if (check) bad |= !((total <= FINITE_MAX) & (total >= -FINITE_MAX));
         totals[row] = total;
         totals[rows + row] = running;

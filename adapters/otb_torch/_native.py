@@ -346,11 +346,13 @@ def _array(value: np.ndarray | torch.Tensor | None) -> ctypes.c_void_p:
 
 
 class FirstSweep(NamedTuple):
-    """What a rank's first sweep leaves (:func:`distributed_first`), in the compute dtype: ``grid`` [G, planes, K]
-    (N, D and, for leave-one-out, V of the rank's rows), ``returns`` [B, T], ``energy`` [B, T] mₜWₜ (leave-one-out
-    only, else None; it becomes the advantages), ``lengths`` [B] int64 valid counts, ``stats`` [4, G] int64
-    (members, longest, count at longest, second longest of the rank's rows), ``bad`` the value-check flag."""
+    """What a rank's first sweep leaves (:func:`distributed_first`), in the compute dtype: ``buffer`` [G·planes·K +
+    extra], whose first part is ``grid`` [G, planes, K] (N, D and, for leave-one-out, V of the rank's rows) and whose
+    ``extra`` last values are zeros for the caller; ``returns`` [B, T], ``energy`` [B, T] mₜWₜ (leave-one-out only,
+    else None; it becomes the advantages), ``lengths`` [B] int64 valid counts, ``stats`` [4, G] int64 (members,
+    longest, count at longest, second longest of the rank's rows), ``bad`` the value-check flag."""
 
+    buffer: torch.Tensor
     grid: torch.Tensor
     returns: torch.Tensor
     energy: torch.Tensor | None
@@ -365,7 +367,7 @@ def distributed_first(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torc
                       check: bool, slacks: tuple[float, float] | None, columns_before: int = 0,
                       ret_offsets: np.ndarray | None = None, energy_offsets: np.ndarray | None = None,
                       valid_before: np.ndarray | None = None, total_lengths: np.ndarray | None = None,
-                      count_rows: bool = True) -> FirstSweep:
+                      count_rows: bool = True, extra: int = 0) -> FirstSweep:
     """The first sweep of a rank's rows (``_kernel.c``: otb_dist_first): returns, the grid of the rank's terms, the
     group statistics. ``ret_offsets``, ``energy_offsets`` (float64 [B]), ``valid_before`` and ``total_lengths``
     (int64 [B]) come from the other context pieces, when there are any.
@@ -375,7 +377,8 @@ def distributed_first(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torc
     rows, width = rewards.shape
     mask, (r, lp, spp, rho) = _inputs(dtype, mask, rewards, log_probs, sum_pi_squared, is_weights)
     planes = 3 if leave_one_out else 2
-    grid = torch.zeros((num_groups, planes, columns), dtype=dtype)
+    buffer = torch.zeros(num_groups * planes * columns + extra, dtype=dtype)
+    grid = buffer.narrow(0, 0, num_groups * planes * columns).view(num_groups, planes, columns)
     returns = torch.empty((rows, width), dtype=dtype)
     energy = torch.empty((rows, width), dtype=dtype) if leave_one_out else None
     lengths = torch.empty(rows, dtype=torch.int64)
@@ -391,7 +394,7 @@ def distributed_first(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torc
             _array(valid_before), ctypes.c_int64(columns_before), _array(total_lengths),
             ctypes.c_int(int(count_rows)), ctypes.c_int64(num_groups), _pointer(returns), _pointer(energy),
             _pointer(lengths), _pointer(stats)]
-    owners = (r, lp, spp, rho, mask, plan, grid, returns, energy, lengths, stats, scratch, ret_offsets,
+    owners = (r, lp, spp, rho, mask, plan, buffer, returns, energy, lengths, stats, scratch, ret_offsets,
               energy_offsets, valid_before, total_lengths)
 
     def work(share: int) -> int:
@@ -401,7 +404,7 @@ def distributed_first(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torc
                         ctypes.c_double(slack_spp))
 
     bad = any(_in_parallel(work, len(bounds) - 1))
-    return FirstSweep(grid, returns, energy, lengths, stats, bad)
+    return FirstSweep(buffer, grid, returns, energy, lengths, stats, bad)
 
 
 def distributed_final(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, merged: torch.Tensor | None, *,
