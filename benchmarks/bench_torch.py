@@ -1,8 +1,8 @@
 """otb_torch against verl 0.9.1 itself, in the layouts trainers produce: figures, ratios and floors as a table.
 
     python benchmarks/bench_torch.py [--device cpu|cuda] [--sizes 64x8x1024,256x8x4096,512x16x8192] [--repeats 3]
-                                     [--section all|otb|tir|sum-pi-squared] [--allocator as-is|warm|both]
-                                     [--against verl|loop] [--compile] [--kernel auto|eager]
+                                     [--section all|otb|tir|sum-pi-squared|memory] [--allocator as-is|warm|both]
+                                     [--threads 2,1] [--against verl|loop] [--compile] [--kernel auto|eager]
 
 Inputs are what a verl trainer hands the advantage function: float32 [B, T] tensors, ``index`` a NumPy object array of
 string uids, right-padded masks of random lengths (T/8 … T), consistent token statistics (Σπ² = π² + (1 − π)²u), a 0/1
@@ -17,7 +17,8 @@ verl's own function (``compute_optimal_token_baseline_advantage`` / ``compute_mu
 or without verl installed, the loop transcriptions in benchmarks/loop_*.py), the otb_torch drop-in (value checks on,
 ``index`` as verl passes it), the hot path (precomputed ``Segments``, ``check_values=False``) and the memory floor
 (read the four inputs, write the two outputs into freshly allocated tensors — no arithmetic; the same bytes in every
-layout, so the floor is the same). TIR-OTB rows use masks with tool-output holes. Context lines give the eager floor:
+layout, so the floor is the same), and otb_torch.verl's leave-one-out drop-in (value checks on) and hot path, with
+their ratio to the self-inclusive ones (issue 25: at most 1.2×). TIR-OTB rows use masks with tool-output holes. Context lines give the eager floor:
 the passes no eager-mode implementation avoids (two scans and one exp over the batch; for TIR also the compaction:
 a scan of the mask, two scatters, one gather), on top of the memory floor. On CPU the drop-ins run otb_torch's native
 kernel where it builds (the header says which kernel ran); ``--kernel eager`` times the eager kernel instead.
@@ -26,6 +27,12 @@ kernel where it builds (the header says which kernel ran); ``--kernel eager`` ti
 ``calculate_sum_pi_squared_from_logits`` (or the plain formula) against the otb_torch drop-in, each in a fresh
 subprocess: time, and extra peak memory beyond the logits (CPU: the peak resident set VmHWM, reset just before the
 call through /proc/self/clear_refs; CUDA: ``torch.cuda.max_memory_allocated``).
+
+Extra peak memory (``--section memory``, part of ``all`` on CPU): each advantage function at the first size, scattered,
+in a fresh process whose allocator maps every block of 64 KiB or more afresh — the high-water mark of the resident set
+during the call, less the inputs and outputs.
+
+``--threads 2,1`` runs everything once per thread count (each in a fresh process; default: torch's own count).
 
 CPU allocator regimes (``--allocator``): ``as-is`` is glibc's default (every large temporary a fresh mmap whose pages
 fault in on first touch) — the regime of the targets; ``warm`` tells glibc to keep freed memory (as a long-running
@@ -152,27 +159,37 @@ def eager_floor(rewards, mask, log_probs, multi_turn: bool, repeats: int, device
     return rounds({"passes": passes}, repeats, device)["passes"]
 
 
+def leave_one_out_drop_in(multi_turn: bool):
+    """otb_torch.verl's leave-one-out OTB with verl's signature (what install(variant="leave_one_out") routes to)."""
+    import otb_torch.verl
+    return otb_torch.verl.compute_multi_turn_leave_one_out_token_baseline_advantage if multi_turn else \
+        otb_torch.verl.compute_leave_one_out_token_baseline_advantage
+
+
 def bench_advantages(args, multi_turn: bool) -> list[dict]:
     label, against = competitor(multi_turn, args.against)
     drop_in = otb_torch.compute_multi_turn_optimal_token_baseline_advantage if multi_turn else \
         otb_torch.compute_optimal_token_baseline_advantage
+    unbiased = leave_one_out_drop_in(multi_turn)
     title = "TIR-OTB (multi-turn; masks with tool-output holes)" if multi_turn else "OTB (single-turn)"
     print(f"\n### {title}, float32, {args.device}, {torch.get_num_threads()} threads — vs {label}\n")
     print("| size | layout | competitor | drop-in | vs competitor | hot path | vs competitor | memory floor | "
-          "drop-in / floor | eager floor |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "drop-in / floor | eager floor | leave-one-out drop-in | ÷ drop-in | leave-one-out hot path | ÷ hot path |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     records = []
     for groups, size, positions in args.sizes:
         for layout in LAYOUTS:
             rewards, mask, index, log_probs, spp = batch(groups, size, positions, layout, args.device,
                                                          holes=multi_turn)
             segments = otb_torch.segments_from_index(index, args.device)
-            out = [torch.empty_like(rewards) for _ in range(2)]
             cases = {
                 "competitor": lambda: against(rewards, mask, index, log_probs, spp),
                 "drop-in": lambda: drop_in(rewards, mask, index, log_probs, spp),
                 "hot path": lambda: drop_in(rewards, mask, segments, log_probs, spp, check_values=False),
                 "floor": lambda: (torch.add(rewards, mask), torch.add(log_probs, spp)),
+                "leave-one-out": lambda: unbiased(rewards, mask, index, log_probs, spp),
+                "leave-one-out hot path": lambda: unbiased(rewards, mask, segments, log_probs, spp,
+                                                           check_values=False),
             }
             if args.compile:
                 cases["hot path, compile=True"] = lambda: drop_in(rewards, mask, segments, log_probs, spp,
@@ -181,23 +198,81 @@ def bench_advantages(args, multi_turn: bool) -> list[dict]:
             eager = best["floor"] + eager_floor(rewards, mask, log_probs, multi_turn, args.repeats, args.device)
             mine, theirs = drop_in(rewards, mask, index, log_probs, spp), against(rewards, mask, index, log_probs, spp)
             difference = max(float((a - b).abs().max()) for a, b in zip(mine, theirs))
-            del out
             record = {"size": f"{groups}×{size}×{positions}", "layout": layout, "rows": rewards.shape[0],
-                      "difference": difference, "eager floor": eager, **best}
+                      "difference": difference, "eager floor": eager, "threads": torch.get_num_threads(), **best}
             records.append(record)
             ms = lambda seconds: f"{seconds * 1e3:.{0 if seconds >= 0.0095 else 2}f} ms"  # noqa: E731
             print(f"| {record['size']} | {layout} | {ms(best['competitor'])} | {ms(best['drop-in'])} | "
                   f"{best['competitor'] / best['drop-in']:.1f}× | {ms(best['hot path'])} | "
                   f"{best['competitor'] / best['hot path']:.1f}× | {ms(best['floor'])} | "
-                  f"{best['drop-in'] / best['floor']:.1f}× | {ms(eager)} |", flush=True)
+                  f"{best['drop-in'] / best['floor']:.1f}× | {ms(eager)} | {ms(best['leave-one-out'])} | "
+                  f"{best['leave-one-out'] / best['drop-in']:.2f} | {ms(best['leave-one-out hot path'])} | "
+                  f"{best['leave-one-out hot path'] / best['hot path']:.2f} |", flush=True)
             if args.compile:
                 print(f"|  | … hot path, compile=True | | {ms(best['hot path, compile=True'])} | "
-                      f"{best['competitor'] / best['hot path, compile=True']:.1f}× | | | | | |")
+                      f"{best['competitor'] / best['hot path, compile=True']:.1f}× | | | | | | | | | |")
             del rewards, mask, log_probs, spp, segments, cases
     print(f"\nmax |drop-in − competitor| over each row's outputs: "
           + ", ".join(f"{r['difference']:.1e}" for r in records)
           + " (verl computes in float32 too; docs/verl-differences.md lists where the semantics differ)")
     return records
+
+
+_KERNEL_MEMORY_CHILD = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+import bench_torch, otb_torch
+function_name, multi_turn = sys.argv[2], sys.argv[3] == "1"
+groups, size, positions = (int(x) for x in sys.argv[4].split("x"))
+rewards, mask, index, log_probs, spp = bench_torch.batch(groups, size, positions, "scattered", "cpu", holes=multi_turn)
+segments = otb_torch.segments_from_index(index)
+if function_name == "verl":
+    function = bench_torch.competitor(multi_turn, "verl")[1]
+elif function_name == "leave-one-out":
+    function = bench_torch.leave_one_out_drop_in(multi_turn)
+else:
+    function = otb_torch.compute_multi_turn_optimal_token_baseline_advantage if multi_turn else \
+        otb_torch.compute_optimal_token_baseline_advantage
+function(rewards[:16], mask[:16], index[:16], log_probs[:16], spp[:16])   # one-time set-up (threads, the library)
+def peak():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM"))
+with open("/proc/self/clear_refs", "w") as clear:
+    clear.write("5")
+base = peak()
+outputs = function(rewards, mask, index, log_probs, spp)
+extra = peak() - base - sum(value.numel() * value.element_size() for value in outputs)
+print(json.dumps({"extra": extra, "input": rewards.numel() * rewards.element_size()}))
+"""
+
+
+def bench_kernel_memory(args) -> dict:
+    """Extra peak memory of each advantage function at the first size, scattered: the resident set's high-water mark
+    during the call less its value before and less the outputs, in a fresh process whose C allocator maps every
+    block of 64 KiB or more afresh (so that every temporary shows in the resident set, none reuses freed pages)."""
+    size = "x".join(map(str, args.sizes[0]))
+    print(f"\n### Extra peak memory beyond inputs and outputs, {size.replace('x', '×')}, scattered, "
+          f"{torch.get_num_threads()} threads\n")
+    environment = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(65536), MALLOC_TRIM_THRESHOLD_=str(65536))
+    rows, results = [], {}
+    for multi_turn in (False, True):
+        for name, kernel in (("verl", "auto"), ("self-inclusive drop-in", "auto"), ("leave-one-out", "auto"),
+                             ("leave-one-out", "eager")):
+            if name == "verl" and verl_algos is None:
+                continue
+            child = dict(environment, **({"OTB_TORCH_NATIVE": "0"} if kernel == "eager" else {}))
+            output = subprocess.run([sys.executable, "-c", _KERNEL_MEMORY_CHILD, HERE, name, str(int(multi_turn)),
+                                     size], check=True, capture_output=True, text=True, env=child).stdout
+            record = json.loads(output.strip().splitlines()[-1])
+            label = f"{'TIR-OTB' if multi_turn else 'OTB'} {name}" + (" (eager kernel)" if kernel == "eager" else "")
+            results[label] = record
+            rows.append(f"| {label} | {record['extra'] / 2**20:.2f} MiB | {record['extra'] / record['input']:.3f}× |")
+    unit = next(iter(results.values()))["input"] / 2**20 if results else 0
+    print("| function | extra peak memory | ÷ one input array |\n|---|---|---|")
+    print("\n".join(rows))
+    print(f"\n(one input array: {unit:.1f} MiB; the native kernel's own buffers are 6·T values per thread and the B "
+          "row lengths — its leave-one-out keeps m·W in the advantages' buffer until it overwrites it)")
+    return results
 
 
 _MEMORY_CHILD = r"""
@@ -262,9 +337,10 @@ def bench_sum_pi_squared(args) -> dict:
 
 
 def verdict(otb: list[dict], tir: list[dict], spp: dict) -> None:
-    """The issue's targets at 256×8×4096 (glibc's default allocator), each met or not, with the floor that bounds it."""
+    """The targets at 256×8×4096 (glibc's default allocator), each met or not, with the floor that bounds it: issue
+    12's (OTB, Σπ²) and issue 25's (leave-one-out ≤ 1.2× the self-inclusive kernel, TIR-OTB ≥ 10× verl)."""
     size = "×".join(map(str, TARGET_SIZE))
-    print(f"\n### Targets at {size}\n")
+    print(f"\n### Targets at {size}, {torch.get_num_threads()} threads\n")
     for record in otb:
         if record["size"] != size:
             continue
@@ -283,6 +359,14 @@ def verdict(otb: list[dict], tir: list[dict], spp: dict) -> None:
         print(f"* TIR-OTB {record['layout']}: drop-in {ratio:.1f}× (target ≥ 10×: {'met' if ratio >= 10 else 'NOT met'}"
               f"); hot path {record['competitor'] / record['hot path']:.1f}×; the eager floor alone is "
               f"{record['competitor'] / record['eager floor']:.1f}× faster than the competitor")
+    for kind, records in (("OTB", otb), ("TIR-OTB", tir)):
+        for record in records:
+            if record["size"] != size:
+                continue
+            ratio, hot = record["leave-one-out"] / record["drop-in"], \
+                record["leave-one-out hot path"] / record["hot path"]
+            print(f"* leave-one-out {kind} {record['layout']}: {ratio:.2f}× the self-inclusive drop-in, {hot:.2f}× its "
+                  f"hot path (target ≤ 1.2×: {'met' if max(ratio, hot) <= 1.2 else 'NOT met'})")
     if 4096 in spp:
         row = spp[4096]
         ratio = row["verl"]["seconds"] / row["otb_torch"]["seconds"]
@@ -300,7 +384,9 @@ def main() -> None:
     parser.add_argument("--sizes", default="64x8x1024,256x8x4096,512x16x8192",
                         help="comma-separated GROUPSxSIZExPOSITIONS")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--section", default="all", choices=["all", "otb", "tir", "sum-pi-squared"])
+    parser.add_argument("--section", default="all", choices=["all", "otb", "tir", "sum-pi-squared", "memory"])
+    parser.add_argument("--threads", default="",
+                        help="CPU: comma-separated torch thread counts, each run in a fresh process (default: torch's)")
     parser.add_argument("--allocator", default="as-is", choices=["as-is", "warm", "both"],
                         help="CPU: glibc's defaults, a warm (reusing) heap, or both, each in a fresh process")
     parser.add_argument("--against", default="verl", choices=["verl", "loop"],
@@ -312,9 +398,12 @@ def main() -> None:
     args = parser.parse_args()
     args.sizes = [tuple(int(x) for x in size.split("x")) for size in args.sizes.split(",")]
     if args.device == "cpu" and not args.child:
-        for regime in (("as-is", "warm") if args.allocator == "both" else (args.allocator,)):
-            in_subprocess(regime, args.kernel)
+        for threads in [int(count) for count in args.threads.split(",") if count.strip()] or [None]:
+            for regime in (("as-is", "warm") if args.allocator == "both" else (args.allocator,)):
+                in_subprocess(regime, args.kernel, threads)
         return
+    if os.environ.get("OTB_BENCH_THREADS"):
+        torch.set_num_threads(int(os.environ["OTB_BENCH_THREADS"]))
     print(f"torch {torch.__version__}, python {platform.python_version()}, numpy {np.__version__}, "
           f"{torch.get_num_threads()} threads, {platform.machine()}"
           + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else "")
@@ -326,18 +415,23 @@ def main() -> None:
     otb = bench_advantages(args, False) if args.section in ("all", "otb") else []
     tir = bench_advantages(args, True) if args.section in ("all", "tir") else []
     spp = bench_sum_pi_squared(args) if args.section in ("all", "sum-pi-squared") else {}
+    if args.section in ("all", "memory") and args.device == "cpu":
+        bench_kernel_memory(args)
     verdict(otb, tir, spp)
 
 
 _WARM_HEAP = {"MALLOC_MMAP_THRESHOLD_": str(2**62), "MALLOC_TRIM_THRESHOLD_": str(2**62)}
 
 
-def in_subprocess(regime: str, kernel: str) -> None:
-    """Run the benchmark in a fresh process whose C allocator runs as-is or with a warm heap."""
+def in_subprocess(regime: str, kernel: str, threads: int | None = None) -> None:
+    """Run the benchmark in a fresh process whose C allocator runs as-is or with a warm heap (and, when given, with
+    that many threads: OMP_NUM_THREADS and torch.set_num_threads)."""
     environment = {name: value for name, value in os.environ.items() if name not in _WARM_HEAP}
     if regime == "warm":
         environment.update(_WARM_HEAP)
     environment["OTB_BENCH_ALLOCATOR"] = regime
+    if threads is not None:
+        environment["OMP_NUM_THREADS"] = environment["OTB_BENCH_THREADS"] = str(threads)
     if kernel == "eager":
         environment["OTB_TORCH_NATIVE"] = "0"
     subprocess.run([sys.executable, os.path.abspath(__file__), "--child", *sys.argv[1:]], check=True, env=environment)

@@ -7,11 +7,13 @@ value checks of both are tested in tests/test_torch_adapter.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import numpy as np
 import pytest
@@ -214,6 +216,39 @@ def test_distributed_kernels_do_not_depend_on_the_number_of_threads(monkeypatch,
     for other in results[1:]:
         for got, expected in zip(other, results[0]):
             assert torch.equal(got, expected)
+
+
+@needs_native
+@pytest.mark.parametrize("kernel", ["native", "eager", "one rank"])
+@pytest.mark.parametrize("align", ["position", "valid_token"])
+def test_leave_one_out_clamps_the_other_members_energy_at_zero(kernel, align):
+    """Float32 inputs may make an energy negative (π² − Σπ² within the input slack): where the other member's
+    realized energy is negative, max(D − Wm, 0) = 0, so with ε = 0 the denominator is 0 and B = 0 exactly (the
+    reference's rule), A = G. Without the clamp, B would be a finite ratio there. (With ε > 0 the reference's
+    derived tolerance is unbounded at such positions, so only ε = 0 pins the rule down.)"""
+    positions = 20
+    mask = np.ones((2, positions), np.float32)
+    pi = np.full((2, positions), 0.5, np.float32)
+    spp = pi**2 + (1 - pi) ** 2 * 0.5
+    pi[1, :12] = 0.99                                       # member 1: w = (1 − π)² − 0.02 < 0 on its first 12 tokens
+    spp[1, :12] = pi[1, :12] ** 2 - 0.02
+    rewards = np.zeros((2, positions), np.float32)
+    rewards[:, -1] = [1.0, 0.5]
+    arrays = dict(rewards=rewards, response_mask=mask, log_probs=np.log(pi), sum_pi_squared=spp.astype(np.float32))
+    expected = otb.leave_one_out_token_baseline(arrays["rewards"], mask, [0, 0], arrays["log_probs"],
+                                                arrays["sum_pi_squared"], align=align, epsilon=0.0)
+    assert np.all(expected.baselines[0, :12] == 0.0)       # the reference's rule, for the record
+    tensors = [torch.as_tensor(value) for value in arrays.values()]
+    if kernel == "one rank":
+        batch = types.SimpleNamespace(**arrays, group_ids=np.array([0, 0]), is_weights=None)
+        advantages, returns, baselines = _one_rank(batch, "leave_one_out" if align == "position" else
+                                                   "leave_one_out_multi_turn", epsilon=0.0)
+    else:
+        with _native.eager_only() if kernel == "eager" else contextlib.nullcontext():
+            advantages, returns, baselines = otb_torch.leave_one_out_token_baseline(
+                tensors[0], tensors[1], [0, 0], tensors[2], tensors[3], align=align, epsilon=0.0)
+    assert torch.all(baselines[0, :12] == 0.0)
+    assert torch.equal(advantages[0, :12], returns[0, :12])
 
 
 @needs_native
