@@ -12,7 +12,8 @@ over ``--repeat`` calls (after one warm-up) of:
   spent in gloo (issuing the collectives and waiting for them, waits for a slower rank included); and the rank's
   local compute = call − gloo. The slowest rank's figures are printed;
 * the bytes each rank sends (from the shapes: the formulas of docs/distributed.md) and each rank's extra peak memory
-  (its resident set's high-water mark during a call, less its inputs' and outputs' own pages);
+  (the high-water mark of its resident set during a call less the outputs, in a second run of the workers whose C
+  allocator maps every block of 64 KiB or more afresh, so that no temporary hides in reused pages);
 * the same batch in one process (one thread): ``otb_torch.optimal_token_baseline`` / ``leave_one_out_token_baseline``
   / ``multi_turn_optimal_token_baseline`` (the native CPU kernel), for the targets of issue 25: a rank's local compute
   ≤ 1.3 × (one process × the rank's share of the tokens), and a rank's whole call ≤ one process;
@@ -34,6 +35,7 @@ import statistics
 import time
 
 _OTB_CASES = ("self-inclusive", "leave-one-out", "multi-turn (valid token)", "context parallel")
+_FIXED_MAPPING = {"MALLOC_MMAP_THRESHOLD_": str(65536), "MALLOC_TRIM_THRESHOLD_": str(65536)}
 
 
 def _free_port() -> int:
@@ -77,7 +79,7 @@ def _reset_peak() -> int:
     return _peak()
 
 
-def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: object) -> None:
+def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: object, memory: bool = False) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import numpy as np
     import torch
@@ -103,8 +105,13 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
     dist.all_reduce, dist.all_gather_single = timed(dist.all_reduce), timed(dist.all_gather_single)
     otb_dist._wait = timed(otb_dist._wait)
 
-    def measure(call, bytes_held: int) -> dict:
+    def measure(call) -> dict:
         call()                                                          # warm-up
+        if memory:                  # every block ≥ 64 KiB is mapped afresh here: the high-water mark sees them all
+            dist.barrier()
+            base = _reset_peak()
+            result = call()
+            return {"extra": _peak() - base - sum(value.numel() * value.element_size() for value in result)}
         totals, gloo = [], []
         for _ in range(args.repeat):
             dist.barrier()
@@ -113,13 +120,9 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
             call()
             totals.append(time.perf_counter() - start)
             gloo.append(spent[0])
-        dist.barrier()
-        base = _reset_peak()
-        result = call()
-        extra = _peak() - base - sum(value.numel() * value.element_size() for value in result) - bytes_held
         locals_ = [total - comm for total, comm in zip(totals, gloo)]
         return {"total": statistics.median(totals), "gloo": statistics.median(gloo),
-                "local": statistics.median(locals_), "extra": max(extra, 0)}
+                "local": statistics.median(locals_)}
 
     records = {}
     for prompts, samples, positions in args.sizes:
@@ -138,26 +141,24 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
                 local_ids = torch.from_numpy(ids[mine])
                 options = dict(leave_one_out=case == "leave-one-out",
                                align="valid_token" if holes else "position")
-            held = 0                                                     # the inputs are resident already
             record = measure(lambda: otb_dist.distributed_token_baseline(
-                local[0], local[1], local_ids, local[2], local[3], num_groups=prompts, **options), held)
+                local[0], local[1], local_ids, local[2], local[3], num_groups=prompts, **options))
             record["share"] = local[0].numel() / rewards.size
             records[(prompts, samples, positions, case)] = record
     if args.section in ("all", "vocab"):
         logits = torch.from_numpy(np.random.default_rng(1).normal(0, 3, (args.rows, args.vocab)).astype(np.float32))
         shard = logits[:, rank * (args.vocab // size):(rank + 1) * (args.vocab // size)].contiguous()
         token_ids = torch.from_numpy(np.random.default_rng(2).integers(0, args.vocab, args.rows))
-        records["Σπ² vocab parallel"] = measure(lambda: (otb_dist.vocab_parallel_sum_pi_squared(shard),), 0)
+        records["Σπ² vocab parallel"] = measure(lambda: (otb_dist.vocab_parallel_sum_pi_squared(shard),))
         records["log π, entropy, Σπ² vocab parallel"] = measure(
-            lambda: tuple(otb_dist.vocab_parallel_token_statistics(shard, token_ids)), 0)
+            lambda: tuple(otb_dist.vocab_parallel_token_statistics(shard, token_ids)))
     gathered = [None] * size
     dist.all_gather_object(gathered, records)
     if rank == 0:
         slowest = {}
         for key in records:
             per_rank = [table[key] for table in gathered]
-            slowest[key] = {name: max(record[name] for record in per_rank) for name in ("total", "gloo", "local",
-                                                                                       "extra")}
+            slowest[key] = {name: max(record[name] for record in per_rank) for name in per_rank[0]}
             slowest[key]["share"] = max(record.get("share", 1.0 / size) for record in per_rank)
         out.put(slowest)
     dist.destroy_process_group()
@@ -247,14 +248,31 @@ def main() -> None:
     context = multiprocessing.get_context("spawn")
     results = {}
     for size in args.processes:
-        queue = context.Queue()
-        port = _free_port()
-        workers = [context.Process(target=_worker, args=(rank, size, port, args, queue)) for rank in range(size)]
-        for worker in workers:
-            worker.start()
-        results[size] = queue.get(timeout=1200)
-        for worker in workers:
-            worker.join(timeout=60)
+        for memory in (False, True):
+            saved = {name: os.environ.get(name) for name in _FIXED_MAPPING}
+            if memory:                  # the memory pass: spawned workers read these when their allocator starts
+                os.environ.update(_FIXED_MAPPING)
+            try:
+                queue = context.Queue()
+                port = _free_port()
+                workers = [context.Process(target=_worker, args=(rank, size, port, args, queue, memory))
+                           for rank in range(size)]
+                for worker in workers:
+                    worker.start()
+                found = queue.get(timeout=1200)
+                for worker in workers:
+                    worker.join(timeout=60)
+            finally:
+                for name, value in saved.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
+            if memory:
+                for key, record in found.items():
+                    results[size][key]["extra"] = record["extra"]
+            else:
+                results[size] = found
     ms = lambda seconds: f"{seconds * 1e3:.2f} ms"  # noqa: E731
     for size, slowest in results.items():
         print(f"\n### P = {size} ranks (the slowest rank's medians)\n")
@@ -275,11 +293,12 @@ def main() -> None:
                   f"{record['extra'] / 2**20:.2f} MiB |")
         vocab = [key for key in slowest if not isinstance(key, tuple)]
         if vocab:
-            print("\n| vocab parallel | one process | whole call | gloo | sent/rank |\n|---|---|---|---|---|")
+            print("\n| vocab parallel | one process | whole call | gloo | sent/rank | extra peak memory/rank |\n"
+                  "|---|---|---|---|---|---|")
             for key in vocab:
                 record = slowest[key]
                 print(f"| {key} | {ms(single[key])} | {ms(record['total'])} | {ms(record['gloo'])} | "
-                      f"{_bytes_sent(key, size, args) / 2**20:.2f} MiB |")
+                      f"{_bytes_sent(key, size, args) / 2**20:.2f} MiB | {record['extra'] / 2**20:.2f} MiB |")
 
 
 if __name__ == "__main__":

@@ -169,8 +169,8 @@ def _one_rank(batch, variant: str, dtype=torch.float32, **options):
     ids = torch.as_tensor(otb_torch.segments_from_index(batch.group_ids).index)
     groups = int(ids.max()) + 1
     plan = _native.local_groups(ids)
-    first = _native.distributed_first(*tensors, weights, plan, num_groups=groups, columns=tensors[0].shape[1],
-                                      align=align, leave_one_out=leave_one_out, dtype=dtype, check=False, slacks=None)
+    first = _native.distributed_first(*tensors, weights, plan, num_groups=groups, align=align,
+                                      leave_one_out=leave_one_out, dtype=dtype, check=False, slacks=None)
     advantages, baselines = _native.distributed_final(
         tensors[1], plan, first, None if leave_one_out else first.stats, num_groups=groups, align=align,
         leave_one_out=leave_one_out, handle_zero_tail=options.get("handle_zero_tail", False),

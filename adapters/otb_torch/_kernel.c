@@ -28,9 +28,9 @@
  *   otb_groups       — one process: each group in one thread, its column sums in scratch rows of T;
  *   otb_dist_first   — one rank of a data-/context-parallel batch (otb_torch.distributed): the returns, and the
  *                      rank's terms of N, D (, V) added into a [G, planes, K] grid of global groups; per local group
- *                      the member count and top-two lengths;
- *   otb_dist_final   — after the grid's SUM all-reduce: B and A for the rank's rows;
- *   otb_row_totals   — context parallel: each row piece's Σmr, Σw, Σm (for the other pieces' offsets).
+ *                      the member count and top-two lengths (context parallel: the row pieces' totals instead);
+ *   otb_dist_offsets — context parallel: the other pieces' offsets added, then the terms into the grid;
+ *   otb_dist_final   — after the grid's SUM all-reduce: B and A for the rank's rows.
  *
  * Scans accumulate in double and round each output once (what torch's CPU cumsum does); everything else is in the
  * compute type T, in the order of the eager kernel (otb_torch._core). With `check`, the return value is nonzero if
@@ -416,34 +416,12 @@ static inline void FN(otb_scan_returns)(const T *restrict rr, const T *restrict 
     *total = sum;
 }
 
-/* The first sweep over one member row (scratch mv, pi: width values each).
- *
- * Writes Gₜ (plus `ret_offset`, the rewards of later context pieces) to gr. With `need_energy`, writes mₜWₜ (Wₜ plus
- * `energy_offset`, the energy of earlier pieces) to wm on the valid span (elsewhere wm is left as it is) and,
- * when num is given, adds the row's terms into the group's columns: num[c] += GₜWₜmₜ, den[c] += Wₜmₜ,
- * cnt[c] += [mₜ ≠ 0] (cnt may be NULL) at c = col0 + t (position) or col0 + #valid before t (valid token), for
- * c < columns. Returns the valid count; ORs the value checks into *bad. */
-static int64_t FN(otb_row_first)(const T *restrict rr, const M *restrict mr, const T *restrict lr,
-                                 const T *restrict sr, const T *restrict wr, int64_t width, T *restrict gr,
-                                 T *restrict wm, T *restrict mv, T *restrict pi, T *restrict num, T *restrict den,
-                                 T *restrict cnt, int valid_token, int64_t col0, int64_t columns, double ret_offset,
-                                 double energy_offset, int need_energy, int check, T slack_lp, T slack_spp,
-                                 int *bad) {
-    int64_t lo, hi;
-    const int64_t valid = FN(otb_row_mask)(mr, mv, width, &lo, &hi);
-    if (check || need_energy) EXP_ROW(lr + lo, pi + lo, hi - lo);
-    if (check) *bad |= FN(otb_check_row)(rr, mr, mv, lr, sr, pi, wr, width, lo, hi, slack_lp, slack_spp);
-    double total = ret_offset, running = energy_offset;
-    FN(otb_scan_returns)(rr, mv, gr, lo, hi, &total);
-    if (need_energy) {
-        for (int64_t t = lo; t < hi; ++t) wm[t] = mv[t] + mv[t] * (sr[t] - 2 * pi[t]);      /* mₜ(1 − 2πₜ + Σπ²ₜ) */
-        if (wr) for (int64_t t = lo; t < hi; ++t) wm[t] = wm[t] * wr[t] * wr[t];
-        FN(otb_scan_energy)(mv, wm, lo, hi, &running);
-    }
-    for (int64_t t = 0; t < lo; ++t) gr[t] = (T)total;
-    for (int64_t t = hi; t < width; ++t) gr[t] = (T)ret_offset;
-    if (check) *bad |= !((total <= FINITE_MAX) & (total >= -FINITE_MAX));
-    if (!num || !need_energy) return valid;
+/* Adds one member row's terms into its group's columns: num[c] += GₜWₜmₜ, den[c] += Wₜmₜ, cnt[c] += [mₜ ≠ 0] (cnt
+ * may be NULL) at c = col0 + t (position) or col0 + #valid before t (valid token), for c < columns; gr, wm: Gₜ and
+ * mₜWₜ on the valid span [lo, hi). */
+static void FN(otb_row_accumulate)(const T *restrict gr, const T *restrict wm, const T *restrict mv, int64_t lo,
+                                   int64_t hi, T *restrict num, T *restrict den, T *restrict cnt, int valid_token,
+                                   int64_t col0, int64_t columns) {
     if (!valid_token) {                                     /* c = col0 + t */
         const int64_t stop = hi < columns - col0 ? hi : columns - col0;
         T *n = num + col0, *d = den + col0;
@@ -455,7 +433,7 @@ static int64_t FN(otb_row_first)(const T *restrict rr, const M *restrict mr, con
             T *v = cnt + col0;
             for (int64_t t = lo; t < stop; ++t) v[t] += mv[t] != 0 ? (T)1 : (T)0;
         }
-        return valid;
+        return;
     }
     int64_t t = lo, c = col0;                              /* c = col0 + #valid before t */
     while (t < hi && c < columns) {
@@ -484,7 +462,67 @@ static int64_t FN(otb_row_first)(const T *restrict rr, const M *restrict mr, con
         }
         ++t;
     }
+}
+
+/* The first sweep over one member row (scratch mv, pi: width values each).
+ *
+ * Writes Gₜ (plus `ret_offset`, the rewards of later context pieces) to gr. With `need_energy`, writes mₜWₜ (Wₜ plus
+ * `energy_offset`, the energy of earlier pieces) to wm on the valid span (elsewhere wm is left as it is) and, when
+ * num is given, adds the row's terms into the group's columns (otb_row_accumulate). Returns the valid count; ORs the
+ * value checks into *bad; with `sums`, stores the scans' last values there (Σmr and Σw, offsets included). */
+static int64_t FN(otb_row_first)(const T *restrict rr, const M *restrict mr, const T *restrict lr,
+                                 const T *restrict sr, const T *restrict wr, int64_t width, T *restrict gr,
+                                 T *restrict wm, T *restrict mv, T *restrict pi, T *restrict num, T *restrict den,
+                                 T *restrict cnt, int valid_token, int64_t col0, int64_t columns, double ret_offset,
+                                 double energy_offset, int need_energy, int check, T slack_lp, T slack_spp,
+                                 int *bad, double *sums) {
+    int64_t lo, hi;
+    const int64_t valid = FN(otb_row_mask)(mr, mv, width, &lo, &hi);
+    if (check || need_energy) EXP_ROW(lr + lo, pi + lo, hi - lo);
+    if (check) *bad |= FN(otb_check_row)(rr, mr, mv, lr, sr, pi, wr, width, lo, hi, slack_lp, slack_spp);
+    double total = ret_offset, running = energy_offset;
+    FN(otb_scan_returns)(rr, mv, gr, lo, hi, &total);
+    if (need_energy) {
+        for (int64_t t = lo; t < hi; ++t) wm[t] = mv[t] + mv[t] * (sr[t] - 2 * pi[t]);      /* mₜ(1 − 2πₜ + Σπ²ₜ) */
+        if (wr) for (int64_t t = lo; t < hi; ++t) wm[t] = wm[t] * wr[t] * wr[t];
+        FN(otb_scan_energy)(mv, wm, lo, hi, &running);
+    }
+    for (int64_t t = 0; t < lo; ++t) gr[t] = (T)total;
+    for (int64_t t = hi; t < width; ++t) gr[t] = (T)ret_offset;
+    if (check) *bad |= !((total <= FINITE_MAX) & (total >= -FINITE_MAX));
+    if (sums) {
+        sums[0] = total;
+        sums[1] = running;
+    }
+    if (num && need_energy) FN(otb_row_accumulate)(gr, wm, mv, lo, hi, num, den, cnt, valid_token, col0, columns);
     return valid;
+}
+
+/* A local group's members, longest length, count at the longest and second-longest length (−1: none) into
+ * stats[k·G + id]; lengths from total_lengths (NULL: `lengths`), members: rows with a valid token when aligned by
+ * valid token, all rows by position. With cnt (leave-one-out by valid token), each member also adds 1 at column
+ * L − 1 of the histogram that becomes V (otb_lengths_to_counts). */
+static void FN(otb_group_statistics)(const int64_t *order, int64_t begin, int64_t end, const int64_t *lengths,
+                                     const int64_t *total_lengths, int valid_token, int64_t id, int64_t num_groups,
+                                     int64_t *stats, T *cnt, int64_t columns) {
+    int64_t members = 0, longest = -1, at_longest = 0, second = -1;
+    for (int64_t p = begin; p < end; ++p) {
+        const int64_t row = order[p], length = total_lengths ? total_lengths[row] : lengths[row];
+        if (valid_token && length == 0) continue;
+        ++members;
+        if (length > longest) longest = length;
+        if (cnt && length >= 1 && length <= columns) cnt[length - 1] += 1;
+    }
+    for (int64_t p = begin; p < end; ++p) {
+        const int64_t row = order[p], length = total_lengths ? total_lengths[row] : lengths[row];
+        if (valid_token && length == 0) continue;
+        if (length == longest) ++at_longest;
+        else if (length > second) second = length;
+    }
+    stats[id] = members;
+    stats[num_groups + id] = longest;
+    stats[2 * num_groups + id] = at_longest;
+    stats[3 * num_groups + id] = second;
 }
 
 /* Outside the valid span: Aₜ = Gₜmₜ (= 0 for finite G), Bₜmₜ = 0. */
@@ -666,7 +704,7 @@ OTB_EXPORT int FN(otb_groups)(const T *r, const M *m, const T *lp, const T *spp,
             lengths[p] = (T)FN(otb_row_first)(
                 r + at, m + at, lp + at, spp + at, rho ? rho + at : 0, width, ret + at, wm, mv, pi,
                 size > 1 ? num : 0, den, leave_one_out && !valid_token ? cnt : 0, valid_token, 0, width, 0.0, 0.0,
-                size > 1, check, (T)slack_lp, (T)slack_spp, &bad);
+                size > 1, check, (T)slack_lp, (T)slack_spp, &bad, 0);
             if (size == 1) {                                   /* a group of one: B = 0 */
                 const T *gr = ret + at;
                 const M *mr = m + at;
@@ -717,59 +755,72 @@ OTB_EXPORT int FN(otb_groups)(const T *r, const M *m, const T *lp, const T *spp,
 }
 
 /* One rank of a distributed batch, first sweep: for the local groups first_group … last_group − 1 of the rank's
- * plan (order, offsets; group_ids[g] its global id), each member row's Gₜ into ret, mₜWₜ into wm (when given, else
- * scratch: 3·width values of T), and its terms added into grid[global id] = [N; D; V] (planes 2 or 3, each of
- * `columns` K). Row b of the batch is offset by ret_offsets[b] / energy_offsets[b] (double; NULL: 0) and starts at
- * aligned column col_offsets[b] (NULL: col0) when aligned by valid token, col0 + t by position. lengths[b] receives
- * the valid count; with count_rows, stats[k·G + g] = (members, longest, count at longest, second longest) of the
- * local rows of group g, lengths from total_lengths (NULL: the valid counts; members: rows with a valid token when
- * aligned by valid token, all rows by position). */
+ * plan (order, offsets; group_ids[g] its global id), each member row's Gₜ into ret and mₜWₜ into wm (when given, else
+ * scratch: 3·width values of T); lengths[b] receives row b's valid count. With the grid (data parallel), its terms
+ * are added into grid[global id] = [N; D; V] (planes 2 or 3, each of `columns` K) at column t (position) or #valid
+ * before t (valid token), and stats[k·G + g] = (members, longest, count at longest, second longest) of the local
+ * rows of group g. Without it (context parallel), totals[b], totals[B + b], totals[2B + b] receive the row piece's
+ * Σmr, Σw and Σm (double) for the other pieces' offsets (otb_dist_offsets adds the terms afterwards). */
 OTB_EXPORT int FN(otb_dist_first)(const T *r, const M *m, const T *lp, const T *spp, const T *rho, int64_t width,
                                   const int64_t *order, const int64_t *offsets, int64_t first_group,
                                   int64_t last_group, const int64_t *group_ids, T *grid, int64_t columns, int planes,
-                                  int valid_token, const double *ret_offsets, const double *energy_offsets,
-                                  const int64_t *col_offsets, int64_t col0, const int64_t *total_lengths,
-                                  int count_rows, int64_t num_groups, T *ret, T *wm, int64_t *lengths,
-                                  int64_t *stats, T *scratch, int check, double slack_lp, double slack_spp) {
+                                  int valid_token, int64_t num_groups, T *ret, T *wm, int64_t *lengths,
+                                  int64_t *stats, double *totals, int64_t rows, T *scratch, int check,
+                                  double slack_lp, double slack_spp) {
     T *mv = scratch, *pi = scratch + width, *energy = scratch + 2 * width;
     int bad = 0;
+    for (int64_t g = first_group; g < last_group; ++g) {
+        const int64_t begin = offsets[g], end = offsets[g + 1], id = group_ids[g];
+        T *num = grid ? grid + id * planes * columns : 0, *den = num ? num + columns : 0;
+        T *cnt = num && planes > 2 ? num + 2 * columns : 0;
+        for (int64_t p = begin; p < end; ++p) {
+            const int64_t row = order[p], at = row * width;
+            double sums[2];
+            lengths[row] = FN(otb_row_first)(
+                r + at, m + at, lp + at, spp + at, rho ? rho + at : 0, width, ret + at, wm ? wm + at : energy, mv,
+                pi, num, den, valid_token ? 0 : cnt, valid_token, 0, columns, 0.0, 0.0, 1, check, (T)slack_lp,
+                (T)slack_spp, &bad, sums);
+            if (totals) {
+                totals[row] = sums[0];
+                totals[rows + row] = sums[1];
+                totals[2 * rows + row] = (double)lengths[row];
+            }
+        }
+        if (num) FN(otb_group_statistics)(order, begin, end, lengths, 0, valid_token, id, num_groups, stats,
+                                          valid_token ? cnt : 0, columns);
+    }
+    return bad;
+}
+
+/* Context parallel, after the other pieces' totals: each member row's returns (ret) and energies (wm, from the
+ * first sweep) get the offsets of the other pieces — Gₜ += ret_offsets[b] (the later pieces' rewards), mₜWₜ +=
+ * mₜ·energy_offsets[b] (the earlier pieces' energy) — and its terms are added into grid[global id] at columns
+ * col0 + t (position) or col_offsets[b] + #valid before t (valid token); with count_rows (the first piece of its
+ * rows), the group statistics from total_lengths. scratch: width values of T. */
+OTB_EXPORT void FN(otb_dist_offsets)(const M *m, int64_t width, const int64_t *order, const int64_t *offsets,
+                                     int64_t first_group, int64_t last_group, const int64_t *group_ids, T *grid,
+                                     int64_t columns, int planes, int valid_token, const double *ret_offsets,
+                                     const double *energy_offsets, const int64_t *col_offsets, int64_t col0,
+                                     const int64_t *total_lengths, int count_rows, int64_t num_groups, T *ret,
+                                     T *wm, int64_t *stats, T *scratch) {
+    T *mv = scratch;
     for (int64_t g = first_group; g < last_group; ++g) {
         const int64_t begin = offsets[g], end = offsets[g + 1], id = group_ids[g];
         T *num = grid + id * planes * columns, *den = num + columns, *cnt = planes > 2 ? num + 2 * columns : 0;
         for (int64_t p = begin; p < end; ++p) {
             const int64_t row = order[p], at = row * width;
-            lengths[row] = FN(otb_row_first)(
-                r + at, m + at, lp + at, spp + at, rho ? rho + at : 0, width, ret + at, wm ? wm + at : energy, mv,
-                pi, num, den, valid_token ? 0 : cnt, valid_token, valid_token && col_offsets ? col_offsets[row] : col0,
-                columns, ret_offsets ? ret_offsets[row] : 0.0, energy_offsets ? energy_offsets[row] : 0.0, 1, check,
-                (T)slack_lp, (T)slack_spp, &bad);
+            T *gr = ret + at, *wr = wm + at;
+            int64_t lo, hi;
+            FN(otb_row_mask)(m + at, mv, width, &lo, &hi);
+            const T later = (T)ret_offsets[row], earlier = (T)energy_offsets[row];
+            for (int64_t t = 0; t < width; ++t) gr[t] = gr[t] + later;
+            for (int64_t t = lo; t < hi; ++t) wr[t] = wr[t] + earlier * mv[t];
+            FN(otb_row_accumulate)(gr, wr, mv, lo, hi, num, den, valid_token ? 0 : cnt, valid_token,
+                                   valid_token ? col_offsets[row] : col0, columns);
         }
-        if (!count_rows) continue;
-        if (cnt && valid_token) {                          /* V as a histogram of the lengths (summed by the SUM) */
-            for (int64_t p = begin; p < end; ++p) {
-                const int64_t row = order[p], length = total_lengths ? total_lengths[row] : lengths[row];
-                if (length >= 1 && length <= columns) cnt[length - 1] += 1;
-            }
-        }
-        int64_t members = 0, longest = -1, at_longest = 0, second = -1;
-        for (int64_t p = begin; p < end; ++p) {
-            const int64_t row = order[p], length = total_lengths ? total_lengths[row] : lengths[row];
-            if (valid_token && length == 0) continue;
-            ++members;
-            if (length > longest) longest = length;
-        }
-        for (int64_t p = begin; p < end; ++p) {
-            const int64_t row = order[p], length = total_lengths ? total_lengths[row] : lengths[row];
-            if (valid_token && length == 0) continue;
-            if (length == longest) ++at_longest;
-            else if (length > second) second = length;
-        }
-        stats[id] = members;
-        stats[num_groups + id] = longest;
-        stats[2 * num_groups + id] = at_longest;
-        stats[3 * num_groups + id] = second;
+        if (count_rows) FN(otb_group_statistics)(order, begin, end, total_lengths, total_lengths, valid_token, id,
+                                                 num_groups, stats, valid_token ? cnt : 0, columns);
     }
-    return bad;
 }
 
 /* One rank, after the grid's SUM all-reduce: B and A of the rank's rows in the local groups first_group …
@@ -806,35 +857,6 @@ OTB_EXPORT void FN(otb_dist_final)(const M *m, int64_t width, const int64_t *ord
                                    base ? base + at : 0, scratch);
         }
     }
-}
-
-/* Context parallel: per row b of first_row … last_row − 1, its piece's totals Σmr, Σw and Σm (the last values of
- * the scans the first sweep makes) into totals[b], totals[rows + b], totals[2·rows + b] (double); scratch:
- * 4·width values of T. Returns the value checks' flag (only with `check`). */
-OTB_EXPORT int FN(otb_row_totals)(const T *r, const M *m, const T *lp, const T *spp, const T *rho, int64_t width,
-                                  int64_t rows, int64_t first_row, int64_t last_row, double *totals, T *scratch,
-                                  int check, double slack_lp, double slack_spp) {
-    T *mv = scratch, *pi = scratch + width, *energy = scratch + 2 * width, *returns = scratch + 3 * width;
-    int bad = 0;
-    for (int64_t row = first_row; row < last_row; ++row) {
-        const int64_t at = row * width;
-        const T *rr = r + at, *lr = lp + at, *sr = spp + at, *wr = rho ? rho + at : 0;
-        int64_t lo, hi;
-        const int64_t valid = FN(otb_row_mask)(m + at, mv, width, &lo, &hi);
-        EXP_ROW(lr + lo, pi + lo, hi - lo);
-        if (check) bad |= FN(otb_check_row)(rr, m + at, mv, lr, sr, pi, wr, width, lo, hi, (T)slack_lp,
-                                            (T)slack_spp);
-        for (int64_t t = lo; t < hi; ++t) energy[t] = mv[t] + mv[t] * (sr[t] - 2 * pi[t]);
-        if (wr) for (int64_t t = lo; t < hi; ++t) energy[t] = energy[t] * wr[t] * wr[t];
-        double total = 0, running = 0;
-        FN(otb_scan_returns)(rr, mv, returns, lo, hi, &total);
-        FN(otb_scan_energy)(mv, energy, lo, hi, &running);
-        if (check) bad |= !((total <= FINITE_MAX) & (total >= -FINITE_MAX));
-        totals[row] = total;
-        totals[rows + row] = running;
-        totals[2 * rows + row] = (double)valid;
-    }
-    return bad;
 }
 
 #endif

@@ -346,56 +346,64 @@ def _array(value: np.ndarray | torch.Tensor | None) -> ctypes.c_void_p:
 
 
 class FirstSweep(NamedTuple):
-    """What a rank's first sweep leaves (:func:`distributed_first`), in the compute dtype: ``buffer`` [G·planes·K +
-    extra], whose first part is ``grid`` [G, planes, K] (N, D and, for leave-one-out, V of the rank's rows) and whose
-    ``extra`` last values are zeros for the caller; ``returns`` [B, T], ``energy`` [B, T] mₜWₜ (leave-one-out only,
-    else None; it becomes the advantages), ``lengths`` [B] int64 valid counts, ``stats`` [4, G] int64 (members,
-    longest, count at longest, second longest of the rank's rows), ``bad`` the value-check flag."""
+    """What a rank's first sweep leaves (:func:`distributed_first`, :func:`distributed_offsets`), in the compute
+    dtype: ``buffer`` [G·planes·K + extra], whose first part is ``grid`` [G, planes, K] (N, D and, for leave-one-out,
+    V of the rank's rows) and whose ``extra`` last values are zeros for the caller (None for a context piece until
+    its offsets are added); ``returns`` [B, T]; ``energy`` [B, T] mₜWₜ on the valid spans, in what becomes the
+    advantages (leave-one-out, and context pieces; else None); ``lengths`` [B] int64 valid counts; ``stats`` [4, G]
+    int64 (members, longest, count at longest, second longest of the rank's rows); ``totals`` [3, B] float64 (a
+    context piece's Σmr, Σw, Σm; else None); ``bad`` the value-check flag."""
 
-    buffer: torch.Tensor
-    grid: torch.Tensor
+    buffer: torch.Tensor | None
+    grid: torch.Tensor | None
     returns: torch.Tensor
     energy: torch.Tensor | None
     lengths: torch.Tensor
     stats: torch.Tensor
+    totals: torch.Tensor | None
     bad: bool
+
+
+def _grid(num_groups: int, planes: int, columns: int, extra: int, dtype: torch.dtype
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    buffer = torch.zeros(num_groups * planes * columns + extra, dtype=dtype)
+    return buffer, buffer.narrow(0, 0, num_groups * planes * columns).view(num_groups, planes, columns)
+
+
+def _statistics(num_groups: int) -> torch.Tensor:
+    """[4, G] int64 statistics of no row: 0 members, longest −1, 0 at the longest, second −1."""
+    return torch.tensor([0, -1, 0, -1], dtype=torch.int64)[:, None].repeat(1, num_groups)
 
 
 def distributed_first(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor,
                       sum_pi_squared: torch.Tensor, is_weights: torch.Tensor | None, plan: LocalGroups, *,
-                      num_groups: int, columns: int, align: str, leave_one_out: bool, dtype: torch.dtype,
-                      check: bool, slacks: tuple[float, float] | None, columns_before: int = 0,
-                      ret_offsets: np.ndarray | None = None, energy_offsets: np.ndarray | None = None,
-                      valid_before: np.ndarray | None = None, total_lengths: np.ndarray | None = None,
-                      count_rows: bool = True, extra: int = 0) -> FirstSweep:
-    """The first sweep of a rank's rows (``_kernel.c``: otb_dist_first): returns, the grid of the rank's terms, the
-    group statistics. ``ret_offsets``, ``energy_offsets`` (float64 [B]), ``valid_before`` and ``total_lengths``
-    (int64 [B]) come from the other context pieces, when there are any.
+                      num_groups: int, align: str, leave_one_out: bool, dtype: torch.dtype, check: bool,
+                      slacks: tuple[float, float] | None, context: bool = False, extra: int = 0) -> FirstSweep:
+    """The first sweep of a rank's rows (``_kernel.c``: otb_dist_first): returns and energies; without ``context``
+    the grid of the rank's terms over its own width T and the group statistics; with it (a context piece) the
+    pieces' totals instead, the terms waiting for the other pieces' offsets (:func:`distributed_offsets`).
 
-    Extra memory: the grid (G·planes·K values), 3·T values per thread, and for leave-one-out the energies in what
-    becomes the advantages' buffer."""
+    Extra memory: the grid (G·planes·T values) and 3·T values per thread; the energies live in what becomes the
+    advantages' buffer."""
     rows, width = rewards.shape
     mask, (r, lp, spp, rho) = _inputs(dtype, mask, rewards, log_probs, sum_pi_squared, is_weights)
     planes = 3 if leave_one_out else 2
-    buffer = torch.zeros(num_groups * planes * columns + extra, dtype=dtype)
-    grid = buffer.narrow(0, 0, num_groups * planes * columns).view(num_groups, planes, columns)
+    buffer, grid = (None, None) if context else _grid(num_groups, planes, width, extra, dtype)
     returns = torch.empty((rows, width), dtype=dtype)
-    energy = torch.empty((rows, width), dtype=dtype) if leave_one_out else None
+    energy = torch.empty((rows, width), dtype=dtype) if leave_one_out or context else None
     lengths = torch.empty(rows, dtype=torch.int64)
-    stats = torch.tensor([0, -1, 0, -1], dtype=torch.int64)[:, None].repeat(1, num_groups)
+    stats = _statistics(num_groups)
+    totals = torch.empty((3, rows), dtype=torch.float64) if context else None
     bounds = shares(plan.offsets, _workers(rows * width))
     scratch = torch.empty((len(bounds) - 1, 3 * width), dtype=dtype)
     slack_lp, slack_spp = slacks if slacks is not None else (0.0, 0.0)
     function = _function("dist_first", dtype, mask)
     head = [_pointer(r), _pointer(mask), _pointer(lp), _pointer(spp), _pointer(rho), ctypes.c_int64(width),
             _pointer(plan.order), _array(plan.offsets)]
-    tail = [_array(plan.ids), _pointer(grid), ctypes.c_int64(columns), ctypes.c_int(planes),
-            ctypes.c_int(int(align != "position")), _array(ret_offsets), _array(energy_offsets),
-            _array(valid_before), ctypes.c_int64(columns_before), _array(total_lengths),
-            ctypes.c_int(int(count_rows)), ctypes.c_int64(num_groups), _pointer(returns), _pointer(energy),
-            _pointer(lengths), _pointer(stats)]
-    owners = (r, lp, spp, rho, mask, plan, buffer, returns, energy, lengths, stats, scratch, ret_offsets,
-              energy_offsets, valid_before, total_lengths)
+    tail = [_array(plan.ids), _pointer(grid), ctypes.c_int64(width), ctypes.c_int(planes),
+            ctypes.c_int(int(align != "position")), ctypes.c_int64(num_groups), _pointer(returns), _pointer(energy),
+            _pointer(lengths), _pointer(stats), _pointer(totals), ctypes.c_int64(rows)]
+    owners = (r, lp, spp, rho, mask, plan, buffer, returns, energy, lengths, stats, totals, scratch)
 
     def work(share: int) -> int:
         assert owners
@@ -404,7 +412,43 @@ def distributed_first(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torc
                         ctypes.c_double(slack_spp))
 
     bad = any(_in_parallel(work, len(bounds) - 1))
-    return FirstSweep(buffer, grid, returns, energy, lengths, stats, bad)
+    return FirstSweep(buffer, grid, returns, energy, lengths, stats, totals, bad)
+
+
+def distributed_offsets(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, *, num_groups: int, columns: int,
+                        align: str, leave_one_out: bool, dtype: torch.dtype, columns_before: int,
+                        ret_offsets: np.ndarray, energy_offsets: np.ndarray, valid_before: np.ndarray,
+                        total_lengths: np.ndarray, count_rows: bool, extra: int = 0) -> FirstSweep:
+    """A context piece after the other pieces' totals (``_kernel.c``: otb_dist_offsets): its returns and energies
+    offset in place (float64 [B] ``ret_offsets``, ``energy_offsets``), its terms in a grid of width K = ``columns``
+    at columns ``columns_before`` + t or ``valid_before`` + #valid before t, and (``count_rows``) the group
+    statistics from the rows' ``total_lengths``."""
+    rows, width = first.returns.shape
+    mask, _ = _inputs(dtype, mask)
+    planes = 3 if leave_one_out else 2
+    buffer, grid = _grid(num_groups, planes, columns, extra, dtype)
+    stats = _statistics(num_groups)
+    arrays = [np.ascontiguousarray(value, dtype=kind) for value, kind in (
+        (ret_offsets, np.float64), (energy_offsets, np.float64), (valid_before, np.int64),
+        (total_lengths, np.int64))]
+    bounds = shares(plan.offsets, _workers(rows * width))
+    scratch = torch.empty((len(bounds) - 1, width), dtype=dtype)
+    function = _function("dist_offsets", dtype, mask, None)
+    head = [_pointer(mask), ctypes.c_int64(width), _pointer(plan.order), _array(plan.offsets)]
+    tail = [_array(plan.ids), _pointer(grid), ctypes.c_int64(columns), ctypes.c_int(planes),
+            ctypes.c_int(int(align != "position")), *(_array(value) for value in arrays[:3]),
+            ctypes.c_int64(columns_before), _array(arrays[3]), ctypes.c_int(int(count_rows)),
+            ctypes.c_int64(num_groups), _pointer(first.returns), _pointer(first.energy), _pointer(stats)]
+    owners = (mask, plan, first, buffer, stats, arrays, scratch)
+
+    def work(share: int) -> int:
+        assert owners
+        function(*head, ctypes.c_int64(bounds[share]), ctypes.c_int64(bounds[share + 1]), *tail,
+                 _pointer(scratch[share]))
+        return 0
+
+    _in_parallel(work, len(bounds) - 1)
+    return first._replace(buffer=buffer, grid=grid, stats=stats)
 
 
 def distributed_final(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, merged: torch.Tensor | None, *,
@@ -415,7 +459,7 @@ def distributed_final(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, 
     [4, G] int64: the merged group statistics (self-inclusive only). The grid's N becomes the ratio in place."""
     rows, width = first.returns.shape
     mask, _ = _inputs(dtype, mask)
-    advantages = first.energy if leave_one_out else torch.empty((rows, width), dtype=dtype)
+    advantages = first.energy if first.energy is not None else torch.empty((rows, width), dtype=dtype)
     baselines = torch.empty((rows, width), dtype=dtype)
     merged_c = None if merged is None else merged.to(torch.int64).contiguous()
     lengths = first.lengths if total_lengths is None else total_lengths
@@ -439,29 +483,6 @@ def distributed_final(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, 
 
     _in_parallel(work, len(bounds) - 1)
     return advantages, baselines
-
-
-def row_totals(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor, sum_pi_squared: torch.Tensor,
-               is_weights: torch.Tensor | None, *, dtype: torch.dtype, check: bool,
-               slacks: tuple[float, float] | None) -> tuple[torch.Tensor, bool]:
-    """[3, B] float64 (Σmr, Σmρ²w, Σm) of each row piece (``_kernel.c``: otb_row_totals) and the value-check flag."""
-    rows, width = rewards.shape
-    mask, (r, lp, spp, rho) = _inputs(dtype, mask, rewards, log_probs, sum_pi_squared, is_weights)
-    totals = torch.empty((3, rows), dtype=torch.float64)
-    bounds = shares(np.arange(rows + 1, dtype=np.int64), _workers(rows * width))
-    scratch = torch.empty((len(bounds) - 1, 4 * width), dtype=dtype)
-    slack_lp, slack_spp = slacks if slacks is not None else (0.0, 0.0)
-    function = _function("row_totals", dtype, mask)
-    owners = (r, lp, spp, rho, mask, totals, scratch)
-
-    def work(share: int) -> int:
-        assert owners
-        return function(_pointer(r), _pointer(mask), _pointer(lp), _pointer(spp), _pointer(rho),
-                        ctypes.c_int64(width), ctypes.c_int64(rows), ctypes.c_int64(bounds[share]),
-                        ctypes.c_int64(bounds[share + 1]), _pointer(totals), _pointer(scratch[share]),
-                        ctypes.c_int(int(check)), ctypes.c_double(slack_lp), ctypes.c_double(slack_spp))
-
-    return totals, any(_in_parallel(work, len(bounds) - 1))
 
 
 def exp_float32(values: torch.Tensor) -> torch.Tensor:

@@ -589,13 +589,12 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
 
 
 class _NativeStart(NamedTuple):
-    """What the native path computed while the handshake travelled: the rank's plan; either its first sweep (data
-    parallel: the grid over its own width T) or its row pieces' totals (context parallel); and the reference's error
-    if its values were rejected (sent to the other ranks in the grid's all-reduce)."""
+    """What the native path computed while the handshake travelled: the rank's plan; its first sweep (data
+    parallel: with the grid over its own width T; context parallel: with its row pieces' totals instead); and the
+    reference's error if its values were rejected (sent to the other ranks in the grid's all-reduce)."""
 
     plan: _native.LocalGroups
-    first: _native.FirstSweep | None
-    totals: torch.Tensor | None
+    first: _native.FirstSweep
     failure: ValueError | None
     extra: int
 
@@ -615,23 +614,18 @@ def _native_first_sweep(local: _Local, num_groups: int, dtype: torch.dtype, *, a
     assert local.ids is not None
     slacks = (check.slack(local.log_probs), check.slack(local.sum_pi_squared)) if check_values else None
     plan = _native.local_groups(local.ids)
-    first, totals, failure = None, None, None
-    inputs = (local.rewards, local.mask, local.log_probs, local.sum_pi_squared, local.is_weights)
     extra = _extra(num_groups, ranks)
-    if context:
-        totals, bad = _native.row_totals(*inputs, dtype=dtype, check=check_values, slacks=slacks)
-    else:
-        first = _native.distributed_first(*inputs, plan, num_groups=num_groups, columns=local.rewards.shape[1],
-                                          align=align, leave_one_out=leave_one_out, dtype=dtype, check=check_values,
-                                          slacks=slacks, extra=extra)
-        bad = first.bad
-    exact = _exact(local)
-    if check_values and (exact or bad):
+    first = _native.distributed_first(local.rewards, local.mask, local.log_probs, local.sum_pi_squared,
+                                      local.is_weights, plan, num_groups=num_groups, align=align,
+                                      leave_one_out=leave_one_out, dtype=dtype, check=check_values, slacks=slacks,
+                                      context=context, extra=extra)
+    exact, failure = _exact(local), None
+    if check_values and (exact or first.bad):
         try:
             _check_values(local, exact)
         except ValueError as exc:
             failure = exc
-    return _NativeStart(plan, first, totals, failure, extra)
+    return _NativeStart(plan, first, failure, extra)
 
 
 def _native_baseline(local: _Local, start: _NativeStart, num_groups: int, width: int, columns_before: int, *,
@@ -643,18 +637,17 @@ def _native_baseline(local: _Local, start: _NativeStart, num_groups: int, width:
     (every rank raises if one rank's values were rejected); the final sweep. K = ``width``."""
     first, pieces = start.first, {}
     ranks, me = dist.get_world_size(group), dist.get_rank(group)
-    if start.totals is not None:                                   # context parallel: offsets from the other pieces
-        gathered = _all_gather(start.totals, context_group, timeout)                  # [P_c, 3, B] float64
+    if first.totals is not None:                                   # context parallel: offsets from the other pieces
+        gathered = _all_gather(first.totals, context_group, timeout)                  # [P_c, 3, B] float64
         piece = dist.get_rank(context_group)
         pieces = dict(columns_before=columns_before,
                       valid_before=gathered[:piece, 2].sum(0).to(torch.int64).numpy(),
                       total_lengths=gathered[:, 2].sum(0).to(torch.int64).numpy())
-        first = _native.distributed_first(
-            local.rewards, local.mask, local.log_probs, local.sum_pi_squared, local.is_weights, start.plan,
-            num_groups=num_groups, columns=width, align=align, leave_one_out=leave_one_out, dtype=dtype, check=False,
-            slacks=None, ret_offsets=gathered[piece + 1:, 0].sum(0).numpy(),
+        first = _native.distributed_offsets(
+            local.mask, start.plan, first, num_groups=num_groups, columns=width, align=align,
+            leave_one_out=leave_one_out, dtype=dtype, ret_offsets=gathered[piece + 1:, 0].sum(0).numpy(),
             energy_offsets=gathered[:piece, 1].sum(0).numpy(), count_rows=piece == 0, extra=start.extra, **pieces)
-    assert first is not None
+    assert first.grid is not None and first.buffer is not None
     cells = first.grid.numel()
     if first.grid.shape[2] < width:                                # another rank's rows are longer: widen to K
         buffer = torch.zeros(num_groups * first.grid.shape[1] * width + start.extra, dtype=dtype)
