@@ -168,7 +168,7 @@ def _one_rank(batch, variant: str, dtype=torch.float32, **options):
     weights = None if batch.is_weights is None else torch.as_tensor(np.asarray(batch.is_weights)).to(dtype)
     ids = torch.as_tensor(otb_torch.segments_from_index(batch.group_ids).index)
     groups = int(ids.max()) + 1
-    plan = _native.local_groups(ids)
+    plan = _native.local_groups(ids, tensors[0].shape[1])
     first = _native.distributed_first(*tensors, weights, plan, num_groups=groups, align=align,
                                       leave_one_out=leave_one_out, dtype=dtype, check=False, slacks=None)
     advantages, baselines = _native.distributed_final(

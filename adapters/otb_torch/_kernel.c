@@ -754,109 +754,126 @@ OTB_EXPORT int FN(otb_groups)(const T *r, const M *m, const T *lp, const T *spp,
     return bad;
 }
 
-/* One rank of a distributed batch, first sweep: for the local groups first_group … last_group − 1 of the rank's
- * plan (order, offsets; group_ids[g] its global id), each member row's Gₜ into ret and mₜWₜ into wm (when given, else
- * scratch: 3·width values of T); lengths[b] receives row b's valid count. With the grid (data parallel), its terms
- * are added into grid[global id] = [N; D; V] (planes 2 or 3, each of `columns` K) at column t (position) or #valid
- * before t (valid token), and stats[k·G + g] = (members, longest, count at longest, second longest) of the local
- * rows of group g. Without it (context parallel), totals[b], totals[B + b], totals[2B + b] receive the row piece's
- * Σmr, Σw and Σm (double) for the other pieces' offsets (otb_dist_offsets adds the terms afterwards). */
+/* The distributed entry points take a rank's plan as (order, offsets): local group g's rows are order[offsets[g]] …
+ * order[offsets[g + 1] − 1], in batch order, and group_ids[g] is its global id; a call computes local groups
+ * first_group … last_group − 1, and visits their rows in batch order — rows[offsets[first_group]] …
+ * rows[offsets[last_group] − 1] lists them so, row_group[b] is row b's local group — because the rows of a rank lie
+ * anywhere and its passes run one after the other over all of them: in batch order, the memory streams of
+ * consecutive rows run on, where group by group they restart at every row. (The order of a group's terms in its sums
+ * is the same either way: its members in batch order.) */
+
+#define OTB_GRID_ROW(id) (grid + (id) * planes * columns)
+
+/* One rank of a distributed batch, first sweep: each row's Gₜ into ret and mₜWₜ into wm (when given, else scratch:
+ * 3·width values of T); lengths[b] receives row b's valid count. With the grid (data parallel), the row's terms are
+ * added into grid[global id] = [N; D; V] (planes 2 or 3, each of `columns` K) at column t (position) or #valid before
+ * t (valid token), and stats[k·G + id] = (members, longest, count at longest, second longest) of the local rows of
+ * each group. Without it (context parallel), totals[b], totals[B + b], totals[2B + b] receive the row piece's Σmr,
+ * Σw and Σm (double) for the other pieces' offsets (otb_dist_offsets adds the terms afterwards). */
 OTB_EXPORT int FN(otb_dist_first)(const T *r, const M *m, const T *lp, const T *spp, const T *rho, int64_t width,
-                                  const int64_t *order, const int64_t *offsets, int64_t first_group,
-                                  int64_t last_group, const int64_t *group_ids, T *grid, int64_t columns, int planes,
-                                  int valid_token, int64_t num_groups, T *ret, T *wm, int64_t *lengths,
-                                  int64_t *stats, double *totals, int64_t rows, T *scratch, int check,
-                                  double slack_lp, double slack_spp) {
+                                  const int64_t *order, const int64_t *offsets, const int64_t *rows_in_order,
+                                  const int64_t *row_group, int64_t first_group, int64_t last_group,
+                                  const int64_t *group_ids, T *grid, int64_t columns, int planes, int valid_token,
+                                  int64_t num_groups, T *ret, T *wm, int64_t *lengths, int64_t *stats,
+                                  double *totals, int64_t rows, T *scratch, int check, double slack_lp,
+                                  double slack_spp) {
     T *mv = scratch, *pi = scratch + width, *energy = scratch + 2 * width;
     int bad = 0;
-    for (int64_t g = first_group; g < last_group; ++g) {
-        const int64_t begin = offsets[g], end = offsets[g + 1], id = group_ids[g];
-        T *num = grid ? grid + id * planes * columns : 0, *den = num ? num + columns : 0;
-        T *cnt = num && planes > 2 ? num + 2 * columns : 0;
-        for (int64_t p = begin; p < end; ++p) {
-            const int64_t row = order[p], at = row * width;
-            double sums[2];
-            lengths[row] = FN(otb_row_first)(
-                r + at, m + at, lp + at, spp + at, rho ? rho + at : 0, width, ret + at, wm ? wm + at : energy, mv,
-                pi, num, den, valid_token ? 0 : cnt, valid_token, 0, columns, 0.0, 0.0, 1, check, (T)slack_lp,
-                (T)slack_spp, &bad, sums);
-            if (totals) {
-                totals[row] = sums[0];
-                totals[rows + row] = sums[1];
-                totals[2 * rows + row] = (double)lengths[row];
-            }
+    for (int64_t p = offsets[first_group]; p < offsets[last_group]; ++p) {
+        const int64_t row = rows_in_order[p], at = row * width;
+        T *num = grid ? OTB_GRID_ROW(group_ids[row_group[row]]) : 0, *den = num ? num + columns : 0;
+        T *cnt = num && planes > 2 && !valid_token ? num + 2 * columns : 0;
+        double sums[2];
+        lengths[row] = FN(otb_row_first)(
+            r + at, m + at, lp + at, spp + at, rho ? rho + at : 0, width, ret + at, wm ? wm + at : energy, mv, pi,
+            num, den, cnt, valid_token, 0, columns, 0.0, 0.0, 1, check, (T)slack_lp, (T)slack_spp, &bad, sums);
+        if (totals) {
+            totals[row] = sums[0];
+            totals[rows + row] = sums[1];
+            totals[2 * rows + row] = (double)lengths[row];
         }
-        if (num) FN(otb_group_statistics)(order, begin, end, lengths, 0, valid_token, id, num_groups, stats,
-                                          valid_token ? cnt : 0, columns);
+    }
+    if (grid) {
+        for (int64_t g = first_group; g < last_group; ++g) {
+            T *num = OTB_GRID_ROW(group_ids[g]);
+            FN(otb_group_statistics)(order, offsets[g], offsets[g + 1], lengths, 0, valid_token, group_ids[g],
+                                     num_groups, stats, planes > 2 && valid_token ? num + 2 * columns : 0, columns);
+        }
     }
     return bad;
 }
 
-/* Context parallel, after the other pieces' totals: each member row's returns (ret) and energies (wm, from the
- * first sweep) get the offsets of the other pieces — Gₜ += ret_offsets[b] (the later pieces' rewards), mₜWₜ +=
- * mₜ·energy_offsets[b] (the earlier pieces' energy) — and its terms are added into grid[global id] at columns
- * col0 + t (position) or col_offsets[b] + #valid before t (valid token); with count_rows (the first piece of its
- * rows), the group statistics from total_lengths. scratch: width values of T. */
+/* Context parallel, after the other pieces' totals: each row's returns (ret) and energies (wm, from the first sweep)
+ * get the offsets of the other pieces — Gₜ += ret_offsets[b] (the later pieces' rewards), mₜWₜ += mₜ·energy_offsets[b]
+ * (the earlier pieces' energy) — and its terms are added into grid[global id] at columns col0 + t (position) or
+ * col_offsets[b] + #valid before t (valid token); with count_rows (the first piece of its rows), the group statistics
+ * from total_lengths. scratch: width values of T. */
 OTB_EXPORT void FN(otb_dist_offsets)(const M *m, int64_t width, const int64_t *order, const int64_t *offsets,
-                                     int64_t first_group, int64_t last_group, const int64_t *group_ids, T *grid,
-                                     int64_t columns, int planes, int valid_token, const double *ret_offsets,
+                                     const int64_t *rows_in_order, const int64_t *row_group, int64_t first_group,
+                                     int64_t last_group, const int64_t *group_ids, T *grid, int64_t columns,
+                                     int planes, int valid_token, const double *ret_offsets,
                                      const double *energy_offsets, const int64_t *col_offsets, int64_t col0,
                                      const int64_t *total_lengths, int count_rows, int64_t num_groups, T *ret,
                                      T *wm, int64_t *stats, T *scratch) {
     T *mv = scratch;
+    for (int64_t p = offsets[first_group]; p < offsets[last_group]; ++p) {
+        const int64_t row = rows_in_order[p], at = row * width;
+        T *num = OTB_GRID_ROW(group_ids[row_group[row]]), *den = num + columns;
+        T *cnt = planes > 2 && !valid_token ? num + 2 * columns : 0;
+        T *gr = ret + at, *wr = wm + at;
+        int64_t lo, hi;
+        FN(otb_row_mask)(m + at, mv, width, &lo, &hi);
+        const T later = (T)ret_offsets[row], earlier = (T)energy_offsets[row];
+        for (int64_t t = 0; t < width; ++t) gr[t] = gr[t] + later;
+        for (int64_t t = lo; t < hi; ++t) wr[t] = wr[t] + earlier * mv[t];
+        FN(otb_row_accumulate)(gr, wr, mv, lo, hi, num, den, cnt, valid_token,
+                               valid_token ? col_offsets[row] : col0, columns);
+    }
+    if (!count_rows) return;
     for (int64_t g = first_group; g < last_group; ++g) {
-        const int64_t begin = offsets[g], end = offsets[g + 1], id = group_ids[g];
-        T *num = grid + id * planes * columns, *den = num + columns, *cnt = planes > 2 ? num + 2 * columns : 0;
-        for (int64_t p = begin; p < end; ++p) {
-            const int64_t row = order[p], at = row * width;
-            T *gr = ret + at, *wr = wm + at;
-            int64_t lo, hi;
-            FN(otb_row_mask)(m + at, mv, width, &lo, &hi);
-            const T later = (T)ret_offsets[row], earlier = (T)energy_offsets[row];
-            for (int64_t t = 0; t < width; ++t) gr[t] = gr[t] + later;
-            for (int64_t t = lo; t < hi; ++t) wr[t] = wr[t] + earlier * mv[t];
-            FN(otb_row_accumulate)(gr, wr, mv, lo, hi, num, den, valid_token ? 0 : cnt, valid_token,
-                                   valid_token ? col_offsets[row] : col0, columns);
-        }
-        if (count_rows) FN(otb_group_statistics)(order, begin, end, total_lengths, total_lengths, valid_token, id,
-                                                 num_groups, stats, valid_token ? cnt : 0, columns);
+        T *num = OTB_GRID_ROW(group_ids[g]);
+        FN(otb_group_statistics)(order, offsets[g], offsets[g + 1], total_lengths, total_lengths, valid_token,
+                                 group_ids[g], num_groups, stats, planes > 2 && valid_token ? num + 2 * columns : 0,
+                                 columns);
     }
 }
 
-/* One rank, after the grid's SUM all-reduce: B and A of the rank's rows in the local groups first_group …
- * last_group − 1. Self-inclusive: each local group's N becomes N/(D + ε) in place, and a row's B is 0 from column
- * `start` on — 0 if the group (merged[0·G + g] members) has fewer than two members, the second-longest length
- * merged[3·G + g] for the unique longest member (merged[2·G + g] = 1, its total length = merged[1·G + g]) with the
- * zero tail, else none. Leave-one-out: wm (mₜWₜ of the first sweep) is read from adv and overwritten. scratch:
- * width values of T. */
-OTB_EXPORT void FN(otb_dist_final)(const M *m, int64_t width, const int64_t *order, const int64_t *offsets,
-                                   int64_t first_group, int64_t last_group, const int64_t *group_ids, T *grid,
-                                   int64_t columns, int planes, int valid_token, int leave_one_out, int zero_tail,
-                                   double epsilon, const int64_t *merged, int64_t num_groups,
-                                   const int64_t *total_lengths, const int64_t *col_offsets, int64_t col0,
-                                   const T *ret, T *adv, T *base, T *scratch) {
+/* One rank, after the grid's SUM all-reduce: B and A of the rows of local groups first_group … last_group − 1.
+ * First each of these groups' grid row: self-inclusive, N becomes N/(D + ε) in place; leave-one-out by valid token,
+ * the length histogram becomes V. Then each row: self-inclusive, B = 0 from column `start` on — 0 if the group
+ * (merged[0·G + id] members) has fewer than two members, the second-longest length merged[3·G + id] for the unique
+ * longest member (merged[2·G + id] = 1, its total length = merged[1·G + id]) with the zero tail, else none;
+ * leave-one-out, mₜWₜ of the first sweep is read from adv and overwritten. scratch: width values of T. */
+OTB_EXPORT void FN(otb_dist_final)(const M *m, int64_t width, const int64_t *offsets, const int64_t *rows_in_order,
+                                   const int64_t *row_group, int64_t first_group, int64_t last_group,
+                                   const int64_t *group_ids, T *grid, int64_t columns, int planes, int valid_token,
+                                   int leave_one_out, int zero_tail, double epsilon, const int64_t *merged,
+                                   int64_t num_groups, const int64_t *total_lengths, const int64_t *col_offsets,
+                                   int64_t col0, const T *ret, T *adv, T *base, T *scratch) {
     const T eps = (T)epsilon;
     for (int64_t g = first_group; g < last_group; ++g) {
-        const int64_t begin = offsets[g], end = offsets[g + 1], id = group_ids[g];
-        T *num = grid + id * planes * columns, *den = num + columns, *cnt = planes > 2 ? num + 2 * columns : 0;
-        if (!leave_one_out) FN(otb_ratio)(num, den, columns, eps);
-        else if (valid_token) FN(otb_lengths_to_counts)(cnt, columns);
-        for (int64_t p = begin; p < end; ++p) {
-            const int64_t row = order[p], at = row * width;
-            const int64_t start_column = valid_token && col_offsets ? col_offsets[row] : col0;
-            if (leave_one_out) {
-                FN(otb_row_final_loo)(m + at, ret + at, adv + at, width, num, den, cnt, valid_token, start_column,
-                                      columns, eps, base ? base + at : 0, scratch);
-                continue;
-            }
-            int64_t start = columns;
-            if (merged[id] < 2) start = 0;
-            else if (zero_tail && merged[2 * num_groups + id] == 1 && total_lengths[row] == merged[num_groups + id])
-                start = merged[3 * num_groups + id];
-            FN(otb_row_final_self)(m + at, ret + at, width, num, valid_token, start_column, columns, start, adv + at,
-                                   base ? base + at : 0, scratch);
+        T *num = OTB_GRID_ROW(group_ids[g]);
+        if (!leave_one_out) FN(otb_ratio)(num, num + columns, columns, eps);
+        else if (valid_token) FN(otb_lengths_to_counts)(num + 2 * columns, columns);
+    }
+    for (int64_t p = offsets[first_group]; p < offsets[last_group]; ++p) {
+        const int64_t row = rows_in_order[p], at = row * width, id = group_ids[row_group[row]];
+        T *num = OTB_GRID_ROW(id);
+        const int64_t start_column = valid_token && col_offsets ? col_offsets[row] : col0;
+        if (leave_one_out) {
+            FN(otb_row_final_loo)(m + at, ret + at, adv + at, width, num, num + columns, num + 2 * columns,
+                                  valid_token, start_column, columns, eps, base ? base + at : 0, scratch);
+            continue;
         }
+        int64_t start = columns;
+        if (merged[id] < 2) start = 0;
+        else if (zero_tail && merged[2 * num_groups + id] == 1 && total_lengths[row] == merged[num_groups + id])
+            start = merged[3 * num_groups + id];
+        FN(otb_row_final_self)(m + at, ret + at, width, num, valid_token, start_column, columns, start, adv + at,
+                               base ? base + at : 0, scratch);
     }
 }
+
+#undef OTB_GRID_ROW
 
 #endif

@@ -249,6 +249,8 @@ def shares(offsets: np.ndarray, workers: int) -> list[int]:
     """Group bounds 0 = b₀ < b₁ < … < b_k = G (k ≤ ``workers``) cutting the groups into whole-group shares of about
     equal numbers of rows; thread j computes groups b_j … b_{j+1} − 1."""
     groups, rows = offsets.shape[0] - 1, int(offsets[-1])
+    if workers <= 1:
+        return [0, groups]
     cuts = np.searchsorted(offsets, np.linspace(0, rows, workers + 1)[1:-1], side="left")
     return [0] + sorted({int(cut) for cut in cuts} - {0, groups}) + [groups]
 
@@ -321,27 +323,41 @@ def grouped(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor, 
 
 class LocalGroups(NamedTuple):
     """A rank's rows listed group by group (otb_torch.distributed): ``order`` [B] int64 (members in batch order),
-    ``offsets`` [g + 1] where each local group starts in it, ``ids`` [g] int64 their global group ids."""
+    ``offsets`` [g + 1] where each local group starts in it, ``ids`` [g] int64 their global group ids, ``row_group``
+    [B] int64 each row's local group; ``bounds``, the threads' shares of local groups (:func:`shares`), and
+    ``rows_in_order`` [B] int64, each share's rows in batch order at its positions of the plan (the distributed
+    kernels visit rows so)."""
 
-    order: torch.Tensor
+    order: np.ndarray
     offsets: np.ndarray
     ids: np.ndarray
+    row_group: np.ndarray
+    bounds: list[int]
+    rows_in_order: np.ndarray
 
 
-def local_groups(group_ids: torch.Tensor) -> LocalGroups:
-    """The local plan of a rank's rows from their global group ids (a stable sort on the host)."""
+def local_groups(group_ids: torch.Tensor, width: int) -> LocalGroups:
+    """The local plan of a rank's rows (of ``width`` positions) from their global group ids (a stable sort on the
+    host), with the threads' shares."""
     host = group_ids.cpu().numpy()
+    rows = host.shape[0]
     order = np.argsort(host, kind="stable").astype(np.int64)
     ordered = host[order]
-    offsets = np.concatenate(([0], np.flatnonzero(np.diff(ordered)) + 1, [host.shape[0]])).astype(np.int64)
-    return LocalGroups(torch.from_numpy(order), offsets, np.ascontiguousarray(ordered[offsets[:-1]], dtype=np.int64))
+    offsets = np.concatenate(([0], np.flatnonzero(ordered[1:] != ordered[:-1]) + 1, [rows])).astype(np.int64)
+    row_group = np.empty(rows, dtype=np.int64)
+    row_group[order] = np.repeat(np.arange(offsets.shape[0] - 1, dtype=np.int64), offsets[1:] - offsets[:-1])
+    bounds = shares(offsets, _workers(rows * width))
+    in_order = np.arange(rows, dtype=np.int64) if len(bounds) == 2 else np.concatenate(
+        [np.sort(order[offsets[a]:offsets[b]]) for a, b in zip(bounds, bounds[1:])]).astype(np.int64)
+    return LocalGroups(order, offsets, np.ascontiguousarray(ordered[offsets[:-1]], dtype=np.int64), row_group,
+                       bounds, in_order)
 
 
 def _array(value: np.ndarray | torch.Tensor | None) -> ctypes.c_void_p:
     if value is None:
         return ctypes.c_void_p(None)
     if isinstance(value, np.ndarray):
-        return value.ctypes.data_as(ctypes.c_void_p)
+        return ctypes.c_void_p(value.ctypes.data)
     return _pointer(value)
 
 
@@ -372,7 +388,7 @@ def _grid(num_groups: int, planes: int, columns: int, extra: int, dtype: torch.d
 
 def _statistics(num_groups: int) -> torch.Tensor:
     """[4, G] int64 statistics of no row: 0 members, longest −1, 0 at the longest, second −1."""
-    return torch.tensor([0, -1, 0, -1], dtype=torch.int64)[:, None].repeat(1, num_groups)
+    return torch.from_numpy(np.repeat(np.array([[0], [-1], [0], [-1]], dtype=np.int64), num_groups, axis=1))
 
 
 def distributed_first(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor,
@@ -394,16 +410,16 @@ def distributed_first(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torc
     lengths = torch.empty(rows, dtype=torch.int64)
     stats = _statistics(num_groups)
     totals = torch.empty((3, rows), dtype=torch.float64) if context else None
-    bounds = shares(plan.offsets, _workers(rows * width))
+    bounds, rows_in_order = plan.bounds, plan.rows_in_order
     scratch = torch.empty((len(bounds) - 1, 3 * width), dtype=dtype)
     slack_lp, slack_spp = slacks if slacks is not None else (0.0, 0.0)
     function = _function("dist_first", dtype, mask)
     head = [_pointer(r), _pointer(mask), _pointer(lp), _pointer(spp), _pointer(rho), ctypes.c_int64(width),
-            _pointer(plan.order), _array(plan.offsets)]
+            _array(plan.order), _array(plan.offsets), _array(rows_in_order), _array(plan.row_group)]
     tail = [_array(plan.ids), _pointer(grid), ctypes.c_int64(width), ctypes.c_int(planes),
             ctypes.c_int(int(align != "position")), ctypes.c_int64(num_groups), _pointer(returns), _pointer(energy),
             _pointer(lengths), _pointer(stats), _pointer(totals), ctypes.c_int64(rows)]
-    owners = (r, lp, spp, rho, mask, plan, buffer, returns, energy, lengths, stats, totals, scratch)
+    owners = (r, lp, spp, rho, mask, plan, rows_in_order, buffer, returns, energy, lengths, stats, totals, scratch)
 
     def work(share: int) -> int:
         assert owners
@@ -431,15 +447,16 @@ def distributed_offsets(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep
     arrays = [np.ascontiguousarray(value, dtype=kind) for value, kind in (
         (ret_offsets, np.float64), (energy_offsets, np.float64), (valid_before, np.int64),
         (total_lengths, np.int64))]
-    bounds = shares(plan.offsets, _workers(rows * width))
+    bounds, rows_in_order = plan.bounds, plan.rows_in_order
     scratch = torch.empty((len(bounds) - 1, width), dtype=dtype)
     function = _function("dist_offsets", dtype, mask, None)
-    head = [_pointer(mask), ctypes.c_int64(width), _pointer(plan.order), _array(plan.offsets)]
+    head = [_pointer(mask), ctypes.c_int64(width), _array(plan.order), _array(plan.offsets), _array(rows_in_order),
+            _array(plan.row_group)]
     tail = [_array(plan.ids), _pointer(grid), ctypes.c_int64(columns), ctypes.c_int(planes),
             ctypes.c_int(int(align != "position")), *(_array(value) for value in arrays[:3]),
             ctypes.c_int64(columns_before), _array(arrays[3]), ctypes.c_int(int(count_rows)),
             ctypes.c_int64(num_groups), _pointer(first.returns), _pointer(first.energy), _pointer(stats)]
-    owners = (mask, plan, first, buffer, stats, arrays, scratch)
+    owners = (mask, plan, rows_in_order, first, buffer, stats, arrays, scratch)
 
     def work(share: int) -> int:
         assert owners
@@ -464,16 +481,17 @@ def distributed_final(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, 
     merged_c = None if merged is None else merged.to(torch.int64).contiguous()
     lengths = first.lengths if total_lengths is None else total_lengths
     columns = first.grid.shape[2]
-    bounds = shares(plan.offsets, _workers(rows * width))
+    bounds, rows_in_order = plan.bounds, plan.rows_in_order
     scratch = torch.empty((len(bounds) - 1, width), dtype=dtype)
     function = _function("dist_final", dtype, mask, None)
-    head = [_pointer(mask), ctypes.c_int64(width), _pointer(plan.order), _array(plan.offsets)]
+    head = [_pointer(mask), ctypes.c_int64(width), _array(plan.offsets), _array(rows_in_order),
+            _array(plan.row_group)]
     tail = [_array(plan.ids), _pointer(first.grid), ctypes.c_int64(columns), ctypes.c_int(first.grid.shape[1]),
             ctypes.c_int(int(align != "position")), ctypes.c_int(int(leave_one_out)),
             ctypes.c_int(int(handle_zero_tail)), ctypes.c_double(epsilon), _pointer(merged_c),
             ctypes.c_int64(num_groups), _array(lengths), _array(valid_before), ctypes.c_int64(columns_before),
             _pointer(first.returns), _pointer(advantages), _pointer(baselines)]
-    owners = (mask, plan, first, merged_c, lengths, valid_before, advantages, baselines, scratch)
+    owners = (mask, plan, rows_in_order, first, merged_c, lengths, valid_before, advantages, baselines, scratch)
 
     def work(share: int) -> int:
         assert owners

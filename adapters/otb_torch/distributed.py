@@ -613,7 +613,7 @@ def _native_first_sweep(local: _Local, num_groups: int, dtype: torch.dtype, *, a
     kept, not raised, so that this rank still takes part in the collectives that tell the others."""
     assert local.ids is not None
     slacks = (check.slack(local.log_probs), check.slack(local.sum_pi_squared)) if check_values else None
-    plan = _native.local_groups(local.ids)
+    plan = _native.local_groups(local.ids, local.rewards.shape[1])
     extra = _extra(num_groups, ranks)
     first = _native.distributed_first(local.rewards, local.mask, local.log_probs, local.sum_pi_squared,
                                       local.is_weights, plan, num_groups=num_groups, align=align,
