@@ -468,17 +468,17 @@ def distributed_offsets(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep
     return first._replace(buffer=buffer, grid=grid, stats=stats)
 
 
-def distributed_final(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, merged: torch.Tensor | None, *,
+def distributed_final(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, merged: np.ndarray | None, *,
                       num_groups: int, align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float,
                       dtype: torch.dtype, columns_before: int = 0, valid_before: np.ndarray | None = None,
                       total_lengths: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, baselines) of a rank's rows from the all-reduced grid (``_kernel.c``: otb_dist_final); ``merged``
-    [4, G] int64: the merged group statistics (self-inclusive only). The grid's N becomes the ratio in place."""
+    [4, G] int64 (NumPy): the merged group statistics (self-inclusive only). The grid's N becomes the ratio in place."""
     rows, width = first.returns.shape
     mask, _ = _inputs(dtype, mask)
     advantages = first.energy if first.energy is not None else torch.empty((rows, width), dtype=dtype)
     baselines = torch.empty((rows, width), dtype=dtype)
-    merged_c = None if merged is None else merged.to(torch.int64).contiguous()
+    merged_c = None if merged is None else np.ascontiguousarray(merged, dtype=np.int64)
     lengths = first.lengths if total_lengths is None else total_lengths
     columns = first.grid.shape[2]
     bounds, rows_in_order = plan.bounds, plan.rows_in_order
@@ -488,7 +488,7 @@ def distributed_final(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, 
             _array(plan.row_group)]
     tail = [_array(plan.ids), _pointer(first.grid), ctypes.c_int64(columns), ctypes.c_int(first.grid.shape[1]),
             ctypes.c_int(int(align != "position")), ctypes.c_int(int(leave_one_out)),
-            ctypes.c_int(int(handle_zero_tail)), ctypes.c_double(epsilon), _pointer(merged_c),
+            ctypes.c_int(int(handle_zero_tail)), ctypes.c_double(epsilon), _array(merged_c),
             ctypes.c_int64(num_groups), _array(lengths), _array(valid_before), ctypes.c_int64(columns_before),
             _pointer(first.returns), _pointer(advantages), _pointer(baselines)]
     owners = (mask, plan, rows_in_order, first, merged_c, lengths, valid_before, advantages, baselines, scratch)

@@ -671,8 +671,8 @@ def _native_baseline(local: _Local, start: _NativeStart, num_groups: int, width:
                          "error names the argument); no result on any rank")
     merged = None
     if not leave_one_out:
-        merged = _merge_lengths(statistics.round().to(torch.int64) if exact else _all_gather(first.stats, group,
-                                                                                            timeout))
+        merged = _merge_lengths(statistics.numpy().round().astype(np.int64) if exact else
+                                _all_gather(first.stats, group, timeout).numpy())
     advantages, baselines = _native.distributed_final(
         local.mask, start.plan, first, merged, num_groups=num_groups, align=align, leave_one_out=leave_one_out,
         handle_zero_tail=handle_zero_tail, epsilon=epsilon, dtype=dtype, **pieces)
@@ -750,14 +750,16 @@ def _group_lengths(lengths: torch.Tensor, ids: torch.Tensor, num_groups: int, al
     return stats
 
 
-def _merge_lengths(gathered: torch.Tensor) -> torch.Tensor:
-    """[P, 4, G] → [4, G]: the rule of :func:`otb_spec.distributed.combine_group_lengths`."""
-    members, longest, count, second = gathered.unbind(1)
-    overall = longest.amax(0)
+def _merge_lengths(gathered: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+    """[P, 4, G] → [4, G]: the rule of :func:`otb_spec.distributed.combine_group_lengths` (torch tensors, or NumPy
+    arrays: the native path's statistics are on the host)."""
+    xp = np if isinstance(gathered, np.ndarray) else torch
+    members, longest, count, second = (gathered[:, k] for k in range(4))
+    overall = xp.amax(longest, 0)
     reaches = longest == overall
-    merged_count = torch.where(reaches, count, torch.zeros_like(count)).sum(0)
-    merged_second = torch.where(reaches, second, longest).clamp(min=-1).amax(0)
-    return torch.stack([members.sum(0), overall, merged_count, merged_second])
+    merged_count = xp.where(reaches, count, xp.zeros_like(count)).sum(0)
+    merged_second = xp.amax(xp.where(reaches, second, longest).clip(min=-1), 0)
+    return xp.stack([members.sum(0), overall, merged_count, merged_second])
 
 
 def global_group_ids(ids: Any, *, group: Any = None, device: Any = None) -> tuple[torch.Tensor, int]:
