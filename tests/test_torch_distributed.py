@@ -179,9 +179,13 @@ def _fixed_batch(rows: int = 8, positions: int = 6, seed: int = 3):
 @pytest.mark.parametrize("align", ["position", "valid_token"])
 def test_adversarial_splits(pool, align, leave_one_out, kernel):
     batch = _fixed_batch()
-    # group 1 entirely on rank 2; rank 3 without a valid token; uneven shards; group 0 split 2 + 1
+    # group 1 entirely on rank 2; rank 3 without a valid token; uneven shards; group 0 split 2 + 1; tool-output holes
+    # (inside a later context piece too, where the earlier pieces' energy must not reach a masked position)
     mask = batch.response_mask.copy()
     mask[7] = 0.0
+    mask[0, :5] = [1.0, 1.0, 1.0, 0.0, 1.0]                   # a hole inside the context piece [2, 5)
+    mask[1, :4] = 1.0
+    mask[3, :4] = [1.0, 1.0, 0.0, 1.0]
     batch = dataclasses.replace(batch, response_mask=mask)
     row_shards = [np.array([0, 1, 6]), np.array([2]), np.array([3, 4, 5]), np.array([7])]
     _check_split(pool, batch, row_shards, layout="world", align=align, leave_one_out=leave_one_out, kernel=kernel)
