@@ -2,7 +2,8 @@
 
     python benchmarks/bench_torch.py [--device cpu|cuda] [--sizes 64x8x1024,256x8x4096,512x16x8192] [--repeats 3]
                                      [--section all|otb|tir|sum-pi-squared|memory] [--allocator as-is|warm|both]
-                                     [--threads 2,1] [--against verl|loop] [--compile] [--kernel auto|eager]
+                                     [--threads 2,1] [--clock wall|cpu] [--against verl|loop] [--compile]
+                                     [--kernel auto|eager]
 
 Inputs are what a verl trainer hands the advantage function: float32 [B, T] tensors, ``index`` a NumPy object array of
 string uids, right-padded masks of random lengths (T/8 … T), consistent token statistics (Σπ² = π² + (1 − π)²u), a 0/1
@@ -33,6 +34,8 @@ in a fresh process whose allocator maps every block of 64 KiB or more afresh —
 during the call, less the inputs and outputs.
 
 ``--threads 2,1`` runs everything once per thread count (each in a fresh process; default: torch's own count).
+``--clock cpu`` (with ``--threads 1``) times the calling thread's CPU time instead of the wall clock: on a machine
+shared with other work it is inflated only through shared caches and memory, not by descheduling.
 
 CPU allocator regimes (``--allocator``): ``as-is`` is glibc's default (every large temporary a fresh mmap whose pages
 fault in on first touch) — the regime of the targets; ``warm`` tells glibc to keep freed memory (as a long-running
@@ -95,17 +98,24 @@ def batch(groups: int, group_size: int, positions: int, layout: str, device: str
     return to(rewards), to(mask), uids[order], to(np.log(pi)), to(spp)
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+CLOCK = "wall"
+
+
 def rounds(cases: dict, repeats: int, device: str) -> dict[str, float]:
-    """Best wall time of each case over ``repeats`` interleaved rounds (after one warm-up call each), so that load
-    changes on a shared machine hit every case alike."""
+    """Best time of each case over ``repeats`` interleaved rounds (after one warm-up call each), so that load changes
+    on a shared machine hit every case alike: wall clock, or (``--clock cpu``, one thread) the calling thread's CPU
+    time — which a loaded machine inflates only through the caches and memory it shares, not by descheduling."""
+    clock = CLOCKS[CLOCK]
+
     def once(function) -> float:
         if device == "cuda":
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start = clock()
         function()
         if device == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - start
+        return clock() - start
 
     for function in cases.values():
         once(function)
@@ -385,6 +395,8 @@ def main() -> None:
                         help="comma-separated GROUPSxSIZExPOSITIONS")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--section", default="all", choices=["all", "otb", "tir", "sum-pi-squared", "memory"])
+    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                        help="wall clock, or the calling thread's CPU time (CPU, one thread only: on a loaded machine)")
     parser.add_argument("--threads", default="",
                         help="CPU: comma-separated torch thread counts, each run in a fresh process (default: torch's)")
     parser.add_argument("--allocator", default="as-is", choices=["as-is", "warm", "both"],
@@ -404,8 +416,13 @@ def main() -> None:
         return
     if os.environ.get("OTB_BENCH_THREADS"):
         torch.set_num_threads(int(os.environ["OTB_BENCH_THREADS"]))
+    if args.clock == "cpu" and (args.device != "cpu" or torch.get_num_threads() != 1):
+        parser.error("--clock cpu measures the calling thread: CPU with one thread only (--threads 1)")
+    global CLOCK
+    CLOCK = args.clock
     print(f"torch {torch.__version__}, python {platform.python_version()}, numpy {np.__version__}, "
-          f"{torch.get_num_threads()} threads, {platform.machine()}"
+          f"{torch.get_num_threads()} threads, {platform.machine()}, clock: {CLOCK}, load average "
+          f"{os.getloadavg()[0]:.2f}"
           + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else "")
           + f"; allocator: {os.environ.get('OTB_BENCH_ALLOCATOR', 'as-is')}; competitor: "
           + ("verl " + _verl_version() if verl_algos is not None and args.against == "verl" else "loop transcription"))

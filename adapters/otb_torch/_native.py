@@ -1,9 +1,11 @@
-"""The native CPU kernel for self-inclusive OTB (``_kernel.c``): built on first use, loaded with ctypes.
+"""The native CPU kernel of otb_torch (``_kernel.c``): built on first use, loaded with ctypes.
 
 Eager PyTorch needs ~17 passes over each block (two scans, an exp, a dozen elementwise ops and reductions); the
 kernel does a group in one sweep per member plus one for the advantages, reading the inputs in place in any row
-order (no gather, no scatter), so its cost is close to the memory floor. The math is the eager kernel's
-(:func:`otb_torch._core.grouped_otb`), which is the reference's; the equivalence suite runs both.
+order (no gather, no scatter), so its cost is close to the memory floor. It serves self-inclusive OTB (with its zero
+rules) and leave-one-out OTB, aligned by position or by valid token (:func:`grouped`), and the per-rank compute of
+``otb_torch.distributed`` (:func:`distributed_first`, :func:`distributed_offsets`, :func:`distributed_final`). The
+math is the eager kernels' (:mod:`otb_torch._core`), which is the reference's; the equivalence suites run both.
 
 Build: the C compiler Python was built with (``$CC`` overrides), ``-O3 -ffp-contract=off`` (plus ``-mavx2`` where
 torch reports AVX2 on this CPU), into ``$OTB_TORCH_CACHE`` (default ``$XDG_CACHE_HOME/otb-spec`` or
@@ -168,8 +170,8 @@ def _load() -> tuple[ctypes.CDLL | None, NativeKernelStatus]:
 
 
 def native_kernel_status() -> NativeKernelStatus:
-    """Build or load the native kernel if not done yet, and say whether the self-inclusive OTB functions use it on
-    CPU (float32/float64 computation, eager mode)."""
+    """Build or load the native kernel if not done yet, and say whether the OTB functions (and
+    ``otb_torch.distributed``'s per-rank compute) use it on CPU (float32/float64 computation, eager mode)."""
     return _load()[1]
 
 

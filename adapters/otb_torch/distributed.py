@@ -18,8 +18,11 @@ within :mod:`otb_spec.tolerances` (tests/test_torch_distributed.py runs them on 
 Bad input raises on every rank instead of hanging: every rank validates its inputs, then the first collective (a
 fixed-size all-gather) carries each rank's function, verdict, context group and layout, so a rank with bad values, or
 shapes, options, context groups or ids that disagree with the others', makes every rank raise a ``ValueError`` naming
-the argument (the offending rank raises the reference's own message). Collectives wait at most ``timeout`` seconds when
-given (else the process group's timeout). Tested on gloo; NCCL is not exercised (docs/distributed.md).
+the argument (the offending rank raises the reference's own message). On CPU, ``distributed_token_baseline`` runs
+otb_torch's native kernel (:mod:`otb_torch._native`): its first sweep runs while the handshake travels, with the value
+checks inside it, and the values' verdict, the group statistics and the grid travel in one SUM all-reduce (two
+collectives per call; three with a context group). Collectives wait at most ``timeout`` seconds when given (else the
+process group's timeout). Tested on gloo; NCCL is not exercised (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -513,8 +516,10 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
 
     Per rank (the protocol of :mod:`otb_spec.distributed`): the whole-row scans (:func:`context_parallel_returns_and_energy`),
     then its terms of N_gk = Σᵢ GᵢWᵢmᵢ, D_gk = Σᵢ Wᵢmᵢ (and V_gk = Σᵢ mᵢ for leave-one-out) on the [G, K] aligned grid,
-    SUM all-reduced over ``group``; the self-inclusive rules need each group's members and top-two lengths, all-gathered
-    as [4, G] integers. K = the longest padded row over the ranks (Σ of the context shards' widths).
+    SUM all-reduced over ``group``; the self-inclusive rules need each group's members and top-two lengths, gathered
+    as [4, G] integers (on CPU in the same all-reduce, each rank's in its own slot). K = the longest padded row over
+    the ranks (Σ of the context shards' widths). Extra memory per rank: the grid, G·(2 or 3)·K values, and a few rows
+    of T per thread (on CPU; the eager path also materialises [B, T] temporaries).
 
     Args:
       rewards, response_mask, log_probs, sum_pi_squared, is_weights: this rank's [B, T_c] pieces, as
