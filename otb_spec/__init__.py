@@ -24,6 +24,12 @@ from otb_spec.diagnostics import (
 from otb_spec.estimators import ESTIMATORS, Estimator, RolloutBatch, estimate
 from otb_spec.groups import Segments, group_segments, segment_sums
 from otb_spec.identities import leave_one_out_from_self_inclusive
+from otb_spec.lm_head import (
+    HiddenGradients,
+    lm_head_logits,
+    token_statistics_from_hidden,
+    token_statistics_vjp,
+)
 from otb_spec.otb import (
     AdvantageResult,
     exact_norm_token_baseline,
@@ -46,6 +52,7 @@ from otb_spec.proxy import (
     combine_vocab_shards,
     log_softmax,
     log_softmax_jacobian,
+    entropy_logit_gradient,
     logit_gradient,
     logsumexp_and_sum_pi_squared,
     sum_pi_squared,
@@ -74,7 +81,13 @@ __all__ = [
     "token_energy",
     "token_energy_from_logits",
     "logit_gradient",
+    "entropy_logit_gradient",
     "log_softmax_jacobian",
+    # from hidden states and the LM head (what fused-linear kernels compute)
+    "lm_head_logits",
+    "token_statistics_from_hidden",
+    "token_statistics_vjp",
+    "HiddenGradients",
     # trajectories
     "realized_energy",
     "returns_to_go",

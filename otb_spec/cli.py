@@ -4,9 +4,10 @@
     otb-spec demo [--estimator NAME ...] [--epsilon EPS] [--no-zero-tail]
     otb-spec compute BATCH.npz [--estimator NAME] [--output OUT.npz]
     otb-spec lab [--quick] [--seed S] [--regime NAME ...] [--group-size N ...] [--plot PNG] [--json PATH]
-    otb-spec verify TARGET --kind {otb,tir-otb,loo-otb,sum-pi-squared} [--convention verl] [--device cpu|cuda]
-                    [--max-examples N] [--seed S] [--json PATH] [--skip FILE] [--layer L ...] [--shrink-budget N]
-                    [--strict] [--timeout SECONDS] [--fail-fast] [--no-progress] [--verbose]
+    otb-spec verify TARGET --kind {otb,tir-otb,loo-otb,sum-pi-squared,fused-token-statistics} [--convention verl]
+                    [--device cpu|cuda] [--max-examples N] [--seed S] [--json PATH] [--skip FILE] [--layer L ...]
+                    [--shrink-budget N] [--strict] [--timeout SECONDS] [--fail-fast] [--no-progress] [--verbose]
+                    [--working-dtype DTYPE]
     otb-spec verify --adapter NAME [--kind K ...] [same options]
     otb-spec mutants [--max-examples N] [--seed S] [--markdown]
     otb-spec vectors --out DIR [--kind K ...] [--generated N] [--no-special] [--seed S]
@@ -31,7 +32,8 @@ from otb_spec.trajectory import cumulative_energy, reward_to_go
 
 __all__ = ["main", "build_parser"]
 
-_KINDS = ("otb", "tir-otb", "loo-otb", "sum-pi-squared")
+_KINDS = ("otb", "tir-otb", "loo-otb", "sum-pi-squared", "fused-token-statistics")
+_VECTOR_KINDS = ("otb", "tir-otb", "loo-otb", "sum-pi-squared")     # the fused kind has no vectors (docs/vectors.md)
 _BATCH_KEYS = ("rewards", "response_mask", "group_ids", "log_probs", "sum_pi_squared", "is_weights",
                "cumulative_score_sq_norms", "sequence_score_sq_norms")
 
@@ -105,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--fail-fast", action="store_true", help="stop at the first failing check")
     verify.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     verify.add_argument("--verbose", action="store_true", help="list passing checks too")
+    verify.add_argument("--working-dtype", metavar="DTYPE", choices=["float64", "float32", "float16", "bfloat16"],
+                        help="fused-token-statistics: judge the target as working in at least this precision (e.g. "
+                             "float32 for a kernel that widens bfloat16 inputs before its matmul; default: the "
+                             "inputs' dtype, as verl's FusedLinearForPPO)")
     verify.add_argument("--list", action="store_true", help="list conventions and kinds, then exit")
     verify.set_defaults(run=_run_verify)
 
@@ -118,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     vectors = commands.add_parser("vectors", help="write golden vectors (JSON + .npz) for ports in any language")
     vectors.add_argument("--out", required=True, metavar="DIR", help="directory to write (created if needed)")
-    vectors.add_argument("--kind", action="append", choices=list(_KINDS), help="only these kinds (repeatable)")
+    vectors.add_argument("--kind", action="append", choices=list(_VECTOR_KINDS),
+                         help="only these kinds (repeatable)")
     vectors.add_argument("--generated", type=int, default=10, metavar="N",
                          help="Hypothesis-generated cases per profile and kind (default 10)")
     vectors.add_argument("--no-special", action="store_true",
@@ -127,18 +134,23 @@ def build_parser() -> argparse.ArgumentParser:
     vectors.set_defaults(run=_run_vectors)
 
     experiment = commands.add_parser(
-        "experiment", help="a reproducible RL run on CPU: OTB at N = 4 vs the group mean at N = 32, per token "
-                           "(needs torch and matplotlib; docs/experiment.md)")
+        "experiment", help="a reproducible RL run on CPU: OTB at N = 4 vs the group mean at N = 32, per token, and a "
+                           "long-horizon stability set-up (needs torch and matplotlib; docs/experiment.md)")
     experiment.add_argument("--quick", action="store_true",
-                            help="a pipeline check in well under 2 minutes (1 seed, pg only, a few steps)")
+                            help="a pipeline check in seconds (1 seed, tiny set-ups, a few steps)")
     experiment.add_argument("--out", default="experiment-output", metavar="DIR",
-                            help="results, runs and checkpoints go here; an interrupted run resumes from it "
-                                 "(default experiment-output)")
-    experiment.add_argument("--seed", type=int, action="append", metavar="S", help="seeds (repeatable; default 0–4)")
+                            help="results, runs, checkpoints and the report go here; an interrupted run resumes "
+                                 "from it (default experiment-output)")
+    experiment.add_argument("--setup", action="append", choices=["main", "long"],
+                            help="set-ups (repeatable; default both: main, then long)")
+    experiment.add_argument("--seed", type=int, action="append", metavar="S",
+                            help="seeds (repeatable; default the set-up's pre-registered seeds)")
     experiment.add_argument("--arm", action="append", metavar="NAME",
                             help="arms (repeatable; default all: gm32 otb4 loo4 gm4 rloo4)")
-    experiment.add_argument("--update", action="append", metavar="RULE", help="update rules: pg, ppo (default both)")
+    experiment.add_argument("--update", action="append", metavar="RULE", help="update rules: pg, ppo (default pg)")
     experiment.add_argument("--samples", type=int, metavar="N", help="N for the N = 4 arms (at least 2)")
+    experiment.add_argument("--report-only", action="store_true",
+                            help="train nothing: summarize the finished runs in DIR and rewrite the report and plot")
     experiment.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     experiment.set_defaults(run=_run_experiment)
     return parser
@@ -265,7 +277,7 @@ def _run_verify(args: argparse.Namespace) -> int:
     if (args.target is None) == (args.adapter is None):
         raise ValueError("give either TARGET (package.module:callable or file.py:callable) or --adapter NAME")
     if args.target is not None and (not args.kind or len(args.kind) != 1):
-        raise ValueError("--kind: give exactly one kind with TARGET (otb, tir-otb, loo-otb, sum-pi-squared)")
+        raise ValueError(f"--kind: give exactly one kind with TARGET ({', '.join(_KINDS)})")
     if args.max_examples < 1:
         raise ValueError(f"--max-examples: must be ≥ 1, got {args.max_examples}")
     if args.timeout is not None and not args.timeout >= 0:
@@ -281,9 +293,12 @@ def _run_verify(args: argparse.Namespace) -> int:
                    strict=args.strict, timeout=DEFAULT_TIMEOUT if args.timeout is None else args.timeout,
                    progress=progress, fail_fast=args.fail_fast)
     if args.adapter is not None:
+        if args.working_dtype is not None:
+            raise ValueError("--working-dtype: only with TARGET and --kind fused-token-statistics")
         report = verify_adapter(args.adapter, kinds=tuple(args.kind) if args.kind else None, **options)
     else:
-        report = verify(args.target, args.kind[0], convention=args.convention, device=args.device, **options)
+        report = verify(args.target, args.kind[0], convention=args.convention, device=args.device,
+                        working_dtype=args.working_dtype, **options)
     if progress is not None:
         print("\r\033[K", end="", file=sys.stderr, flush=True)
     print(report.to_text(verbose=args.verbose))
@@ -304,7 +319,7 @@ def _run_mutants(args: argparse.Namespace) -> int:
 def _run_vectors(args: argparse.Namespace) -> int:
     from otb_spec.conformance.vectors import write_vectors
 
-    manifest = write_vectors(args.out, kinds=tuple(args.kind) if args.kind else _KINDS, generated=args.generated,
+    manifest = write_vectors(args.out, kinds=tuple(args.kind) if args.kind else _VECTOR_KINDS, generated=args.generated,
                              special=not args.no_special, seed=args.seed)
     counts: dict[str, int] = {}
     for entry in manifest["cases"]:
@@ -317,23 +332,25 @@ def _run_vectors(args: argparse.Namespace) -> int:
 def _run_experiment(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from otb_experiment import FULL, QUICK, run_experiment   # imported here: torch is needed only for this command
+    from otb_experiment import QUICK_SETUPS, SETUPS, run_all   # imported here: torch is needed only for this command
 
-    config = QUICK if args.quick else FULL
+    setups = [config for config in (QUICK_SETUPS if args.quick else SETUPS)
+              if args.setup is None or config.name in args.setup]
     changes = {name: tuple(value) for name, value in (("seeds", args.seed), ("arms", args.arm),
                                                      ("updates", args.update)) if value}
     if args.samples is not None:
         changes["samples_override"] = args.samples
-    results = run_experiment(dataclasses.replace(config, **changes), args.out, progress=not args.no_progress)
-    for key, entry in results["arms"].items():
-        final, tokens = entry["final_accuracy"], entry["tokens"]
-        print(f"{key:12s} final accuracy {final['mean']:.3f} ± {final['se']:.3f}   tokens {tokens['mean']:.0f}")
-    for update, decision in results["decision"].items():
-        verdict = decision["claim_supported"] if decision["valid"] else "inconclusive (gm32 did not learn)"
-        print(f"{update}: pre-registered claim supported: {verdict} "
-              f"(runs within 35 % of gm32's tokens: {decision['successes_within_35_percent']}, "
-              f"needed {decision['needed']})")
-    print(f"wrote {args.out}/results.json and {args.out}/accuracy_vs_tokens.png")
+    configs = [dataclasses.replace(config, **changes) for config in setups]
+    results = run_all(configs, args.out, progress=not args.no_progress, train=not args.report_only)
+    for name, summary in results.items():
+        for key, entry in summary["arms"].items():
+            final, tokens = entry["final_accuracy"], entry["tokens"]
+            print(f"{name:5s} {key:10s} final accuracy {final['mean']:.3f} ± {final['se']:.3f}   "
+                  f"tokens {tokens['mean']:.0f}")
+        for update, decision in summary["decision"].items():
+            verdicts = ", ".join(f"{arm} {entry['verdict']}" for arm, entry in decision["arms"].items())
+            print(f"{name} {update}: pre-registered claim: {decision['claim']} ({verdicts})")
+    print(f"wrote {args.out}/report.md and {args.out}/accuracy_vs_tokens.png")
     return 0
 
 

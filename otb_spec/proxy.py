@@ -48,6 +48,7 @@ __all__ = [
     "TokenStatistics",
     "token_statistics_from_logits",
     "logit_gradient",
+    "entropy_logit_gradient",
     "log_softmax_jacobian",
 ]
 
@@ -366,6 +367,27 @@ def logit_gradient(logits: Any, token_ids: Any) -> np.ndarray:
     return gradient
 
 
+def entropy_logit_gradient(logits: Any) -> np.ndarray:
+    """The analytic gradient of the entropy, ∇_z H = −π ⊙ (log π + H): logits [..., V] → [..., V] float64.
+
+    From H = −Σ_v π_v log π_v and ∂π_v/∂z_u = π_v(δ_vu − π_u): ∂H/∂z_u = −π_u(log π_u + 1) + π_u Σ_v π_v(log π_v + 1)
+    = −π_u(log π_u + H). It sums to 0 over the vocabulary (softmax is shift-invariant). −inf logits (π = 0) get 0.
+
+    Worked example: π = (¾, ¼): H = 0.5623…, ∂H/∂z₀ = −¾(log ¾ + H) = −0.2060… = −∂H/∂z₁::
+
+      >>> entropy_logit_gradient([np.log(3.0), 0.0]).round(6).tolist()
+      [-0.20599, 0.20599]
+    """
+    logits64 = _logits_array("logits", logits)
+    max_logit = np.max(logits64, axis=-1, keepdims=True)
+    shifted = np.exp(logits64 - max_logit)
+    total = np.sum(shifted, axis=-1, keepdims=True)
+    probs = shifted / total
+    log_probs = np.where(probs > 0, logits64 - max_logit - np.log(total), 0.0)
+    entropy = -np.sum(probs * log_probs, axis=-1, keepdims=True)
+    return -probs * (log_probs + entropy) + 0.0           # + 0.0: −inf logits give 0, not −0
+
+
 def log_softmax_jacobian(logits: Any) -> np.ndarray:
     """Jacobian of log softmax: J[..., y, v] = ∂ log π_y / ∂z_v = δ_yv − π_v, [..., V] → [..., V, V] float64.
 
@@ -379,12 +401,13 @@ def log_softmax_jacobian(logits: Any) -> np.ndarray:
     return np.eye(vocab) - probs[..., None, :]
 
 
-def _token_ids(token_ids: Any, logits_shape: tuple[int, ...]) -> np.ndarray:
+def _token_ids(token_ids: Any, logits_shape: tuple[int, ...], source: str = "logits") -> np.ndarray:
     ids = check.to_numpy("token_ids", token_ids)
     if ids.dtype.kind not in "iu":
         raise TypeError(f"token_ids: expected integer token ids, got dtype {ids.dtype}")
     if ids.shape != logits_shape[:-1]:
-        raise ValueError(f"token_ids: expected shape {logits_shape[:-1]} (logits without the vocabulary axis), "
+        axis = "vocabulary" if source == "logits" else "hidden"
+        raise ValueError(f"token_ids: expected shape {logits_shape[:-1]} ({source} without the {axis} axis), "
                          f"got {ids.shape}")
     vocab = logits_shape[-1]
     bad = (ids < 0) | (ids >= vocab)

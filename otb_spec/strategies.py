@@ -21,6 +21,8 @@ Strategies:
 * :func:`group_ids` — [B] ids for given group sizes, shuffled;
 * :func:`logits` — logit arrays, including extreme magnitudes and −inf entries;
 * :func:`token_statistics` — (log π(y), Σπ²) pairs consistent with some policy, without logits;
+* :func:`lm_head_inputs` — hidden states, an LM head, sampled tokens and a temperature, for fused-linear kernels
+  (:func:`otb_spec.token_statistics_from_hidden`), from flat to sharply peaked softmaxes;
 * :func:`toy_policies` and :func:`toy_tasks` — small enumerable policies (tabular or shared parameters) and tasks with
   random rewards, for exact checks of gradient identities.
 """
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 from hypothesis import strategies as st
@@ -42,7 +44,8 @@ from otb_spec.proxy import sum_pi_squared as _sum_pi_squared
 from otb_spec.proxy import token_log_probs as _token_log_probs
 from otb_spec.toy import EnumerablePolicy, EnumerableTask
 
-__all__ = ["rollout_batches", "group_ids", "logits", "token_statistics", "toy_policies", "toy_tasks"]
+__all__ = ["rollout_batches", "group_ids", "logits", "token_statistics", "lm_head_inputs", "LMHeadCase", "toy_policies",
+           "toy_tasks"]
 
 _PADDINGS = ("right", "left", "any")
 _ID_KINDS = ("int", "str", "uuid", "object", "trainer", "any")
@@ -261,6 +264,76 @@ def _logits(draw: Any, shape: tuple[int, ...], low: int, high: int, max_abs: flo
         excluded[..., int(draw(st.integers(0, vocab - 1), label="kept token"))] = False
         values = np.where(excluded, -np.inf, values)
     return values.astype(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# hidden states and an LM head
+
+
+class LMHeadCase(NamedTuple):
+    """Inputs of a fused-linear kernel: hidden [*lead, H], weight [V, H], token_ids [*lead] and τ, plus cotangents
+    [*lead] for its backward pass (the upstream gradients of log π and of the entropy)."""
+
+    hidden: np.ndarray
+    weight: np.ndarray
+    token_ids: np.ndarray
+    temperature: float
+    log_probs_cotangent: np.ndarray
+    entropy_cotangent: np.ndarray
+
+
+def lm_head_inputs(*, lead_shapes: Sequence[tuple[int, ...]] = ((1,), (7,), (2, 5)), min_hidden_size: int = 1,
+                   max_hidden_size: int = 24, min_vocab_size: int = 2, max_vocab_size: int = 96,
+                   max_logit: float = 40.0, dtype: Any = np.float64) -> st.SearchStrategy[LMHeadCase]:
+    """Inputs of :func:`otb_spec.token_statistics_from_hidden` and its gradient.
+
+    The hidden states and the weight are drawn so that the logits z = h·Wᵀ/τ reach about ``max_logit``·s in
+    magnitude, s drawn log-uniformly over 1e-3..1 (so flat and sharply peaked softmaxes both occur); the sampled tokens are
+    uniform over the vocabulary (so log π(y) ranges down to about −2·max_logit); τ ∈ {1, or drawn in [0.25, 4]}.
+    ``dtype`` (float32 or float64) is the precision of hidden and weight: they are exactly representable in it.
+
+    Args:
+      lead_shapes: the leading shapes of hidden (one is drawn), e.g. ``(N,)`` or ``(B, T)``.
+      min_hidden_size, max_hidden_size: the range of H.
+      min_vocab_size, max_vocab_size: the range of V.
+      max_logit: the largest |z| aimed at.
+      dtype: float32 or float64.
+
+    Example: ``lm_head_inputs(lead_shapes=[(2,)], max_vocab_size=3).example().token_ids`` → ``array([2, 0])``.
+    """
+    shapes = [tuple(_check_int("lead_shapes[...]", n, 1) for n in shape) for shape in lead_shapes]
+    if not shapes:
+        raise InvalidArgument("lead_shapes=[]: expected at least one leading shape")
+    low_h = _check_int("min_hidden_size", min_hidden_size, 1)
+    high_h = _check_int("max_hidden_size", max_hidden_size, 1)
+    _check_range("min_hidden_size", low_h, "max_hidden_size", high_h)
+    low_v = _check_int("min_vocab_size", min_vocab_size, 1)
+    high_v = _check_int("max_vocab_size", max_vocab_size, 1)
+    _check_range("min_vocab_size", low_v, "max_vocab_size", high_v)
+    max_logit = _check_float("max_logit", max_logit, 0.0)
+    return _lm_head_inputs(shapes, low_h, high_h, low_v, high_v, max_logit, _check_dtype(dtype))
+
+
+@st.composite
+def _lm_head_inputs(draw: Any, shapes: list[tuple[int, ...]], low_h: int, high_h: int, low_v: int, high_v: int,
+                    max_logit: float, dtype: np.dtype) -> LMHeadCase:
+    lead = draw(st.sampled_from(shapes), label="leading shape")
+    n_hidden = draw(st.integers(low_h, high_h), label="hidden size H")
+    vocab = draw(st.integers(low_v, high_v), label="vocabulary size V")
+    temperature = draw(st.one_of(st.just(1.0), st.floats(0.25, 4.0)), label="temperature")
+    # log-uniform over [1e-3, 1], through the bit-portable exponential (the same example on every machine)
+    scale = float(portable.exp(draw(st.floats(-3.0, 0.0), label="log10 logit scale") * float(portable.log(10.0))))
+    hidden = _values(draw, lead + (n_hidden,), -1.0, 1.0, "hidden")
+    weight = _values(draw, (vocab, n_hidden), -1.0, 1.0, "weight")
+    # z_v = Σₖ hₖW_vk/τ with uniform entries has standard deviation ≈ c·√H/(3τ) for W ∈ [−c, c]: aim at a standard
+    # deviation of max_logit·scale/2, so the largest of the V logits reaches about max_logit·scale
+    weight = weight * (1.5 * max_logit * scale * temperature / math.sqrt(n_hidden))
+    ids_strategy = hnp.arrays(np.int64, lead, elements=st.integers(0, vocab - 1))
+    token_ids = draw(ids_strategy, label="token_ids")
+    log_probs_cotangent = _values(draw, lead, -1.0, 1.0, "log_probs_cotangent")
+    entropy_cotangent = _values(draw, lead, -1.0, 1.0, "entropy_cotangent")
+    return LMHeadCase(hidden.astype(dtype), weight.astype(dtype), token_ids, float(temperature),
+                      log_probs_cotangent, entropy_cotangent)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

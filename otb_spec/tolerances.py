@@ -23,6 +23,13 @@ OTB advantages and returns      per-element forward error bound               :f
                                                                               of the whole pipeline with per-token work in the
                                                                               dtype given and sums in the accumulation dtype;
                                                                               +inf where the problem is ill-conditioned
+token statistics from hidden    per element: logit error of the matmul         :func:`hidden_statistics_tolerance`: the logits
+states and the LM head          E = ((H+2)ε_a + 2ε_w)·|h||W|ᵀ/τ + 2ε_w|z|,    h·Wᵀ/τ carry the error E of an H-term dot product
+(log π, H, Σπ²) and their       propagated through each statistic, plus its   in the accumulation dtype; each statistic then
+gradients                       evaluation error from those logits            adds the error of any correct evaluation from
+                                                                              logits; :func:`hidden_gradient_tolerance` carries
+                                                                              both through ∂z = g_lp(e_y − π) − g_Hπ(log π + H)
+                                                                              and the two matmuls of the backward pass
 output rounding                 ``rtol = ε_out, atol = smallest normal``       :func:`output_rounding`
 input range checks              :func:`input_range_slack` table               admits rounding of the producer, not mis-scaling
 ==============================  ============================================  ===============================================
@@ -35,14 +42,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from otb_spec import _validation
 from otb_spec._baseline import Grid, forced_zero, grid_baseline, validated_otb_inputs
 from otb_spec._dtypes import dtype_name as _dtype_name
 from otb_spec._dtypes import input_range_slack, machine_epsilon, smallest_normal
 from otb_spec.groups import Segments, segment_sums
+from otb_spec.lm_head import validated_lm_head_inputs
 from otb_spec.trajectory import cumulative_energy, reward_to_go
 
 __all__ = [
@@ -60,6 +69,10 @@ __all__ = [
     "otb_tolerance",
     "otb_comparison_tolerance",
     "output_rounding",
+    "HiddenStatisticsTolerance",
+    "hidden_statistics_tolerance",
+    "hidden_gradient_tolerance",
+    "hidden_comparison_tolerances",
 ]
 
 @dataclass(frozen=True)
@@ -392,3 +405,245 @@ def otb_comparison_tolerance(
         output_dtype = given if machine_epsilon(given) >= machine_epsilon(compute_dtype) else compute_dtype
     rounding = output_rounding(output_dtype)
     return (implementation[0] + reference[0] + rounding, implementation[1] + reference[1] + rounding)
+
+
+class HiddenStatisticsTolerance(NamedTuple):
+    """Per-token tolerances ([...] arrays) of the three statistics computed from hidden states and the LM head."""
+
+    log_probs: Tolerance
+    entropy: Tolerance
+    sum_pi_squared: Tolerance
+
+
+class _HiddenErrorTerms(NamedTuple):
+    """Exact quantities and first-order error terms of one chunk of tokens (float64, [n, V] or [n])."""
+
+    logits: np.ndarray          # z
+    probs: np.ndarray           # π
+    log_probs: np.ndarray       # log π (every token of the vocabulary)
+    entropy: np.ndarray         # H [n]
+    spp: np.ndarray             # Σπ² [n]
+    logit_error: np.ndarray     # E: bound on |Δz| of the implementation's logits
+    lse_error: np.ndarray       # |Δ lse| caused by E [n]
+    evaluation: np.ndarray      # r: error of a log-domain quantity evaluated from given logits [n]
+    entropy_error: np.ndarray   # total bound on |ΔH| [n]
+
+
+def _hidden_error_terms(hidden: np.ndarray, weight: np.ndarray, temperature: float, working: float,
+                        accumulation: float) -> _HiddenErrorTerms:
+    """The error analysis of docs/tolerances.md ("Token statistics from hidden states") for a chunk of tokens.
+
+    An implementation forms z = h·Wᵀ/τ with an H-term dot product accumulated with unit ε_a and may round per-token
+    values to its working precision ε_w (the dtype it was given, e.g. bfloat16 logits): |Δz_v| ≤ E_v. Then, with
+    p a probability vector and ‖δ‖∞ ≤ Ē, |log Σ_v p_v e^{δ_v}| ≤ e^{2Ē}·Σ_v p_v|δ_v| (from e^x − 1 ≤ |x|e^{|x|} and
+    log(1 − s) ≥ −s/(1 − s)), which bounds how the log-sum-exps move. Evaluating from the (perturbed) logits adds
+    r = 3ε_w·L + (V + 2)ε_a (L = max|z| + ln V + 1) to every log-domain quantity: the shift and exponent roundings
+    and a V-term sum in any order.
+    """
+    n_hidden = hidden.shape[1]
+    vocab = weight.shape[0]
+    logits = hidden @ weight.T / temperature
+    magnitude = np.abs(hidden) @ np.abs(weight).T / temperature
+    logit_error = ((n_hidden + 2) * accumulation + 2 * working) * magnitude + 2 * working * np.abs(logits)
+    worst = logit_error.max(axis=-1)
+    peak = logits.max(axis=-1, keepdims=True)
+    shifted = np.exp(logits - peak)
+    total = shifted.sum(axis=-1, keepdims=True)
+    probs = shifted / total
+    log_probs = logits - peak - np.log(total)
+    entropy = -np.sum(probs * log_probs, axis=-1)
+    spp = np.sum(np.square(probs), axis=-1)
+    with np.errstate(over="ignore"):
+        lse_error = np.exp(2 * worst) * np.sum(probs * logit_error, axis=-1)
+        perturbation = np.exp(4 * worst) * np.sum(probs * (np.abs(log_probs + entropy[:, None]) + 4 * worst[:, None])
+                                                  * logit_error, axis=-1)
+    scale = np.abs(logits).max(axis=-1) + math.log(vocab) + 1.0
+    evaluation = 3 * working * scale + (vocab + 2) * accumulation
+    entropy_error = perturbation + 2 * scale * (evaluation + (vocab + 2) * accumulation + working)
+    return _HiddenErrorTerms(logits, probs, log_probs, entropy, spp, logit_error, lse_error, evaluation, entropy_error)
+
+
+def _hidden_units(dtype: Any, accumulation_dtype: Any) -> tuple[float, float]:
+    working = machine_epsilon(dtype)
+    accumulation = machine_epsilon(_accumulation_dtype(dtype, accumulation_dtype))
+    return max(working, accumulation), accumulation
+
+
+def _accumulation_dtype(dtype: Any, accumulation_dtype: Any) -> Any:
+    if accumulation_dtype is not None:
+        return accumulation_dtype
+    return "float64" if _dtype_name(dtype) == "float64" else "float32"
+
+
+def _working_underflow(dtype: Any, accumulation_dtype: Any) -> float:
+    """η_w: the smallest normal number of the working precision (the less precise of the two dtypes)."""
+    accumulation = _accumulation_dtype(dtype, accumulation_dtype)
+    working = dtype if machine_epsilon(dtype) >= machine_epsilon(accumulation) else accumulation
+    return smallest_normal(working)
+
+
+def _chunks(n_rows: int, vocab: int) -> list[slice]:
+    step = max(1, 2**21 // max(vocab, 1))
+    return [slice(start, min(start + step, n_rows)) for start in range(0, n_rows, step)]
+
+
+def hidden_statistics_tolerance(hidden: Any, weight: Any, token_ids: Any, *, temperature: float = 1.0,
+                                dtype: Any = np.float32, accumulation_dtype: Any = None) -> HiddenStatisticsTolerance:
+    """Per-token bounds on |computed − exact| of log π(y), H and Σπ² from hidden states and the LM head.
+
+    For an implementation given ``hidden`` and ``weight`` in ``dtype`` (its working precision ε_w: per-token values
+    such as the logits may be rounded to it) that accumulates its dot products and vocabulary sums with the unit ε_a
+    of ``accumulation_dtype`` (default float32, float64 for float64 inputs), in any order and chunking — tokens or
+    vocabulary, with or without online rescaling (docs/tolerances.md, "Token statistics from hidden states"):
+
+      logit error   E_v = ((H + 2)ε_a + 2ε_w)·Σₖ|hₖ||W_vk|/τ + 2ε_w|z_v|,   Ē = max_v E_v
+      |Δ log π(y)| ≤ E_y + e^{2Ē}Σ_v π_v E_v + 2r + ε_w|log π(y)|
+      |ΔH|         ≤ e^{4Ē}Σ_v π_v(|log π_v + H| + 4Ē)E_v + 2L(r + (V + 2)ε_a + ε_w)
+      |ΔΣπ²|/Σπ²   ≤ expm1(2e^{4Ē}Σ_v(π_v²/Σπ²)E_v + 2e^{2Ē}Σ_v π_v E_v) ⊕ (the rtol of :func:`sum_pi_squared_tolerance`)
+
+    with L = max|z| + ln V + 1 and r = 3ε_w·L + (V + 2)ε_a (a ⊕ b = a + b + ab). The entropy's evaluation term covers
+    lse(z) − Σπz (verl's form, which cancels), −Σπ log π and log S₁ + Σ(a/S₁)(m − z) alike.
+
+    Args:
+      hidden, weight, token_ids, temperature: the inputs of the call being checked (as for
+        :func:`otb_spec.token_statistics_from_hidden`).
+      dtype: the dtype the implementation was given.
+      accumulation_dtype: the precision of its sums (default: float32, or float64 for float64 inputs).
+    Returns:
+      :class:`HiddenStatisticsTolerance` with per-token ([...]) bounds.
+    """
+    inputs = validated_lm_head_inputs(hidden, weight, token_ids, temperature)
+    if inputs.token_ids is None:
+        raise TypeError("token_ids: expected integer token ids, got None")
+    working, accumulation = _hidden_units(dtype, accumulation_dtype)
+    n_rows, vocab = inputs.hidden.shape[0], inputs.weight.shape[0]
+    log_prob_atol, entropy_atol, spp_rtol = (np.empty(n_rows) for _ in range(3))
+    for rows in _chunks(n_rows, vocab):
+        terms = _hidden_error_terms(inputs.hidden[rows], inputs.weight, inputs.temperature, working, accumulation)
+        ids = inputs.token_ids[rows, None]
+        chosen = np.take_along_axis(terms.log_probs, ids, axis=-1)[:, 0]
+        log_prob_atol[rows] = (np.take_along_axis(terms.logit_error, ids, axis=-1)[:, 0] + terms.lse_error
+                               + 2 * terms.evaluation + working * np.abs(chosen))
+        entropy_atol[rows] = terms.entropy_error
+        worst = terms.logit_error.max(axis=-1)
+        with np.errstate(over="ignore"):
+            moved = np.expm1(2 * np.exp(4 * worst) * np.sum(np.square(terms.probs) * terms.logit_error, axis=-1)
+                             / terms.spp + 2 * terms.lse_error)
+        evaluated = np.asarray(sum_pi_squared_tolerance(terms.logits, dtype=dtype,
+                                                        accumulation_dtype=accumulation_dtype).rtol)
+        spp_rtol[rows] = moved + evaluated + moved * evaluated
+    shape = inputs.lead_shape
+    where = f"from hidden states given in {_dtype_name(dtype)} (V={vocab}, H={inputs.hidden.shape[1]})"
+    underflow = 2.0 * (vocab + 2) * smallest_normal(dtype)
+    return HiddenStatisticsTolerance(
+        Tolerance(rtol=0.0, atol=log_prob_atol.reshape(shape), reason=f"log π {where}: logit error + evaluation"),
+        Tolerance(rtol=0.0, atol=entropy_atol.reshape(shape), reason=f"entropy {where}: logit error + evaluation"),
+        Tolerance(rtol=spp_rtol.reshape(shape), atol=underflow, reason=f"Σπ² {where}: logit error + evaluation"))
+
+
+def hidden_gradient_tolerance(hidden: Any, weight: Any, token_ids: Any, log_probs_cotangent: Any,
+                              entropy_cotangent: Any, *, temperature: float = 1.0, dtype: Any = np.float32,
+                              accumulation_dtype: Any = None) -> tuple[Tolerance, Tolerance]:
+    """Bounds (hidden [..., H], weight [V, H]) on |computed − exact| of the vector-Jacobian product of (log π, H)
+    (:func:`otb_spec.lm_head.token_statistics_vjp`) for an implementation with the precisions of
+    :func:`hidden_statistics_tolerance`.
+
+    Each log π_v carries λ_v = E_v + e^{2Ē}Σπ E + r, so π_v carries the relative error ρ_v = expm1(λ_v); H carries the
+    entropy bound ΔH above. The logit cotangent ∂z_v = g_lp(δ_vy − π_v) − g_Hπ_v(log π_v + H) then carries
+
+      D_v = |g_lp|π_vρ_v + |g_H|π_v(ρ_v|log π_v + H| + (1 + ρ_v)(λ_v + ΔH)) + 4ε_w(|g_lp|(δ_vy + π_v) + |g_H|π_v(|log π_v| + H))
+
+    (the last term: forming and storing ∂z in the working precision), plus, because π_v = e^{log π_v} and the
+    products forming ∂z may be flushed to zero below η_w, the smallest normal number of the working precision,
+
+      U_v = η_w·(2 + |g_lp| + |g_H|(|log π_v + H| + 1))
+
+    (negligible unless the gradients are returned more precisely than they were computed: a float32 program
+    returning float64 gradients gives 0 where the exact ∂W is π_v·… ≈ 1e-168). The two matmuls of the backward pass
+    add their sums' errors, and each of their products and partial sums may be flushed to zero below η_a, the smallest
+    normal number of the accumulation precision (XLA's CPU backend flushes subnormals):
+
+      |Δ∂h_k|  ≤ (Σ_v (D_v + U_v)|W_vk| + ((V + 2)ε_a + 2ε_w)Σ_v|∂z_v||W_vk|)/τ + ε_w|∂h_k| + (2V + 2)η_a·max(1, 1/τ)
+      |Δ∂W_vk| ≤ (Σₙ (Dₙᵥ + Uₙᵥ)|hₙₖ| + ((N + 2)ε_a + 2ε_w)Σₙ|∂zₙᵥ||hₙₖ|)/τ + ε_w|∂W_vk| + (2N + 2)η_a·max(1, 1/τ)
+
+    for N tokens, any order of the sums and any chunking. ``log_probs_cotangent`` / ``entropy_cotangent``: [...] or
+    None (0).
+    """
+    inputs = validated_lm_head_inputs(hidden, weight, token_ids, temperature)
+    if inputs.token_ids is None:
+        raise TypeError("token_ids: expected integer token ids, got None")
+    n_rows, vocab = inputs.hidden.shape[0], inputs.weight.shape[0]
+    cotangents = []
+    for name, value in (("log_probs_cotangent", log_probs_cotangent), ("entropy_cotangent", entropy_cotangent)):
+        cotangents.append(np.zeros(n_rows) if value is None else
+                          _validation.float_array(name, value, shape=inputs.lead_shape, like="token_ids").reshape(-1))
+    g_lp, g_h = cotangents
+    working, accumulation = _hidden_units(dtype, accumulation_dtype)
+    underflow = _working_underflow(dtype, accumulation_dtype)
+    tau = inputs.temperature
+    # a product or partial sum of the two matmuls below η_a may be flushed to zero (XLA's CPU backend flushes
+    # subnormals), and the scaling by 1/τ multiplies what was lost
+    flushed = smallest_normal(_accumulation_dtype(dtype, accumulation_dtype)) * max(1.0, 1.0 / tau)
+    hidden_error = np.empty_like(inputs.hidden)
+    weight_error = np.zeros_like(inputs.weight)
+    weight_gradient = np.zeros_like(inputs.weight)
+    abs_weight = np.abs(inputs.weight)
+    for rows in _chunks(n_rows, vocab):
+        terms = _hidden_error_terms(inputs.hidden[rows], inputs.weight, tau, working, accumulation)
+        count = rows.stop - rows.start
+        chosen = np.zeros_like(terms.probs)
+        chosen[np.arange(count), inputs.token_ids[rows]] = 1.0
+        glp, gh = np.abs(g_lp[rows])[:, None], np.abs(g_h[rows])[:, None]
+        log_error = terms.logit_error + terms.lse_error[:, None] + terms.evaluation[:, None]
+        with np.errstate(over="ignore"):
+            relative = np.expm1(log_error)
+        centred = np.abs(terms.log_probs + terms.entropy[:, None])
+        d_logits_error = (glp * terms.probs * relative
+                          + gh * terms.probs * (relative * centred
+                                                + (1 + relative) * (log_error + terms.entropy_error[:, None]))
+                          + 4 * working * (glp * (chosen + terms.probs)
+                                           + gh * terms.probs * (np.abs(terms.log_probs) + terms.entropy[:, None]))
+                          + underflow * (2 + glp + gh * (centred + 1)))
+        d_logits = (g_lp[rows, None] * (chosen - terms.probs)
+                    - g_h[rows, None] * terms.probs * (terms.log_probs + terms.entropy[:, None]))
+        abs_d_logits = np.abs(d_logits)
+        abs_hidden = np.abs(inputs.hidden[rows])
+        hidden_error[rows] = (d_logits_error @ abs_weight
+                              + ((vocab + 2) * accumulation + 2 * working) * (abs_d_logits @ abs_weight)) / tau \
+            + working * np.abs(d_logits @ inputs.weight / tau) + (2 * vocab + 2) * flushed
+        weight_error += (d_logits_error.T @ abs_hidden
+                         + ((n_rows + 2) * accumulation + 2 * working) * (abs_d_logits.T @ abs_hidden)) / tau
+        weight_gradient += d_logits.T @ inputs.hidden[rows] / tau
+    weight_error += working * np.abs(weight_gradient) + (2 * n_rows + 2) * flushed
+    where = f"from hidden states given in {_dtype_name(dtype)} (N={n_rows}, V={vocab}, H={inputs.hidden.shape[1]})"
+    return (Tolerance(rtol=0.0, atol=hidden_error.reshape(inputs.lead_shape + (inputs.hidden.shape[1],)),
+                      reason=f"∂hidden {where}"),
+            Tolerance(rtol=0.0, atol=weight_error, reason=f"∂weight {where}"))
+
+
+def hidden_comparison_tolerances(hidden: Any, weight: Any, token_ids: Any, *, temperature: float = 1.0,
+                                 log_probs_cotangent: Any = None, entropy_cotangent: Any = None,
+                                 input_dtype: Any = np.float32, compute_dtype: Any = None,
+                                 output_dtype: Any = None) -> tuple[HiddenStatisticsTolerance, tuple[Tolerance, Tolerance]]:
+    """Tolerances for |implementation − float64 reference| of the three statistics and of the two gradients.
+
+    = the implementation's bounds (given ``input_dtype``, accumulating in ``compute_dtype``, default float32 or
+    float64 for float64 inputs) + the reference's own float64 bounds + the rounding of each output to ``output_dtype``
+    (default: the lower precision of the input and compute dtypes).
+    """
+    compute = compute_dtype if compute_dtype is not None else (
+        "float64" if _dtype_name(input_dtype) == "float64" else "float32")
+    if output_dtype is None:
+        output_dtype = input_dtype if machine_epsilon(input_dtype) >= machine_epsilon(compute) else compute
+    rounding = output_rounding(output_dtype)
+    implementation = hidden_statistics_tolerance(hidden, weight, token_ids, temperature=temperature, dtype=input_dtype,
+                                                 accumulation_dtype=compute)
+    reference = hidden_statistics_tolerance(hidden, weight, token_ids, temperature=temperature, dtype=np.float64)
+    statistics = HiddenStatisticsTolerance(*(mine + theirs + rounding for mine, theirs in zip(implementation, reference)))
+    gradients = tuple(
+        mine + theirs + rounding for mine, theirs in zip(
+            hidden_gradient_tolerance(hidden, weight, token_ids, log_probs_cotangent, entropy_cotangent,
+                                      temperature=temperature, dtype=input_dtype, accumulation_dtype=compute),
+            hidden_gradient_tolerance(hidden, weight, token_ids, log_probs_cotangent, entropy_cotangent,
+                                      temperature=temperature, dtype=np.float64)))
+    return statistics, gradients

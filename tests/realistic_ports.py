@@ -5,8 +5,9 @@ Every port here is written from the math (docs/verl-differences.md), independent
 another, the way a trainer's author would: dict-of-groups loops, ``index_add_``, ``scatter_add_``,
 ``index_put_(accumulate=True)``, sorted segments with ``np.add.reduceat``, one-hot matrix products, a [B, B]
 same-group matrix, returns as total minus prefix, the energy as (1 − π)² + (Σπ² − π²), and Σπ² as a shifted or
-unshifted log-sum-exp, softmax-then-square or a chunked online pass. Half-precision inputs are computed in float32,
-as a correct port must; results come back in the input's dtype.
+unshifted log-sum-exp, softmax-then-square or a chunked online pass; and, for fused token statistics, the plain
+unfused program (logits, log_softmax, gather) a fused kernel replaces. Half-precision inputs are computed in float32,
+as a correct port must; results come back in the input's dtype (the unfused program returns its float32 statistics).
 
 ``CORRECT``: name → (kind, convention, function) — the verifier must accept every one.
 ``BUGGY``: name → (kind, convention, function, what is wrong) — the verifier must reject every one.
@@ -466,6 +467,29 @@ def spp_in_float16(logits, **kwargs):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# fused token statistics (f(hidden, weight, token_ids, temperature=τ) → (log π, entropy, Σπ²))
+
+
+def torch_unfused_token_statistics(hidden, weight, token_ids, temperature=1.0, bugs=frozenset(), **kwargs):
+    """The plain program a fused kernel replaces: the whole [N, V] logits (float32 for half precision inputs),
+    log_softmax, a gather, H = −Σ p·log p and Σπ² = Σ p²; autograd does the backward pass."""
+    compute = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
+    if "logits_cast_to_float32" in bugs:          # verl's FusedLinearForPPO: logits in the inputs' dtype, then float32
+        logits = (hidden @ weight.T / temperature).to(torch.float32)
+    else:
+        logits = hidden.to(compute) @ weight.to(compute).T
+    if "temperature_after_log_softmax" not in bugs and "logits_cast_to_float32" not in bugs:
+        logits = logits / temperature
+    log_probs = torch.log_softmax(logits, dim=-1)
+    if "temperature_after_log_softmax" in bugs:
+        log_probs = log_probs / temperature
+    probs = log_probs.exp()
+    chosen = log_probs.gather(-1, token_ids[..., None].to(torch.int64))[..., 0]
+    entropy = -(log_probs if "entropy_without_probabilities" in bugs else probs * log_probs).sum(-1)
+    return chosen, entropy, probs.square().sum(-1).detach()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # the net
 
 def _variant(function: Callable, *bugs: str) -> Callable:
@@ -505,6 +529,7 @@ CORRECT: dict[str, tuple[str, str, Callable[..., Any]]] = {
     "spp_softmax_then_square": ("sum-pi-squared", "verl", spp_softmax_then_square),
     "spp_chunked_online": ("sum-pi-squared", "verl", spp_chunked_online),
     "spp_numpy_ratio": ("sum-pi-squared", "numpy", spp_numpy_ratio),
+    "torch_unfused_token_statistics": ("fused-token-statistics", "verl", torch_unfused_token_statistics),
 }
 
 BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
@@ -547,4 +572,10 @@ BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
     "spp_in_float16": ("sum-pi-squared", "verl", spp_in_float16, "Σπ² evaluated in float16"),
     "spp_chunk_local_softmax": ("sum-pi-squared", "verl", _variant(spp_chunked_online, "chunk_local_softmax"),
                                 "Σπ² from a chunk-local softmax (chunks never rescaled to the row maximum)"),
+    "temperature_after_log_softmax": ("fused-token-statistics", "verl",
+                                      _variant(torch_unfused_token_statistics, "temperature_after_log_softmax"),
+                                      "log_softmax of h·Wᵀ, then divided by τ (instead of the softmax of h·Wᵀ/τ)"),
+    "entropy_without_probabilities": ("fused-token-statistics", "verl",
+                                      _variant(torch_unfused_token_statistics, "entropy_without_probabilities"),
+                                      "the entropy as −Σ log π (the probabilities forgotten)"),
 }

@@ -24,8 +24,9 @@ from otb_spec.conformance.mutants import CONTROLS, MUTANTS, kill_table  # noqa: 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Bugs that no value comparison of float32/float64 inputs can see, and the layer built to catch each:
-STRUCTURAL = {"mutates_inputs": "structure", "upcasts_output": "structure"}
-HALF_PRECISION = {"accumulates_in_input_dtype": "special", "spp_accumulates_in_input_dtype": "special"}
+STRUCTURAL = {"mutates_inputs": "structure", "upcasts_output": "structure", "fused_mutates_hidden": "structure"}
+HALF_PRECISION = {"accumulates_in_input_dtype": "special", "spp_accumulates_in_input_dtype": "special",
+                  "fused_accumulates_in_input_dtype": "special"}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,8 @@ def table():
 def test_there_are_at_least_twelve_distinct_realistic_bugs():
     assert len(MUTANTS) >= 12
     assert len({mutant.bug for mutant in MUTANTS.values()}) == len(MUTANTS)
-    assert {mutant.kind for mutant in MUTANTS.values()} == {"otb", "tir-otb", "sum-pi-squared"}
+    assert {mutant.kind for mutant in MUTANTS.values()} == {"otb", "tir-otb", "sum-pi-squared",
+                                                            "fused-token-statistics"}
 
 
 @pytest.mark.parametrize("name", list(MUTANTS))

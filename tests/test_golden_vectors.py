@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from otb_spec.cli import main
-from otb_spec.conformance import KINDS, golden_cases
-from otb_spec.conformance.vectors import read_vector, vector_json_schema, write_vectors
+from otb_spec.conformance import golden_cases
+from otb_spec.conformance.vectors import VECTOR_KINDS, read_vector, vector_json_schema, write_vectors
 
 pytestmark = pytest.mark.bitexact  # bit-for-bit assertions: .ci/run repeats them at baseline SIMD, one thread
 
@@ -38,12 +38,12 @@ def _holds(got, expected, rtol, atol) -> bool:
 def test_manifest_lists_every_file_and_every_kind(written):
     directory, manifest = written
     assert manifest["schema"] == "otb-spec-vectors" and manifest["schema_version"] == 1
-    assert {entry["kind"] for entry in manifest["cases"]} == set(KINDS)
+    assert {entry["kind"] for entry in manifest["cases"]} == set(VECTOR_KINDS)     # every kind but the fused one
     assert {entry["source"] for entry in manifest["cases"]} == {"golden", "generated"}
     for entry in manifest["cases"]:
         assert os.path.isfile(os.path.join(directory, entry["json"]))
         assert os.path.isfile(os.path.join(directory, entry["npz"]))
-    golden = sum(len(golden_cases(kind)) for kind in KINDS)
+    golden = sum(len(golden_cases(kind)) for kind in VECTOR_KINDS)
     assert sum(entry["source"] == "golden" for entry in manifest["cases"]) == golden
     with open(os.path.join(directory, "manifest.json"), encoding="utf-8") as handle:
         assert json.load(handle) == manifest

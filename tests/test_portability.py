@@ -68,7 +68,8 @@ def transcendental_functions_forbidden(*, math_everywhere: bool = True):
 
 
 def _inputs(case):
-    names = ("rewards", "response_mask", "log_probs", "sum_pi_squared", "is_weights", "logits")
+    names = ("rewards", "response_mask", "log_probs", "sum_pi_squared", "is_weights", "logits", "hidden", "weight",
+             "token_ids", "log_probs_cotangent", "entropy_cotangent")
     return {name: getattr(case, name) for name in names if getattr(case, name) is not None}
 
 

@@ -34,4 +34,5 @@ def test_every_realistic_bug_is_rejected(name):
 
 def test_the_net_is_as_wide_as_promised():
     assert len(realistic_ports.CORRECT) >= 10 and len(realistic_ports.BUGGY) >= 20
-    assert {kind for kind, _, _ in realistic_ports.CORRECT.values()} == {"otb", "tir-otb", "loo-otb", "sum-pi-squared"}
+    assert {kind for kind, _, _ in realistic_ports.CORRECT.values()} == {"otb", "tir-otb", "loo-otb", "sum-pi-squared",
+                                                                         "fused-token-statistics"}

@@ -11,9 +11,11 @@ Half-precision inputs are accumulated in float32; float64 needs ``jax_enable_x64
 reference's messages) for concrete arrays only — inside a trace they are unknown. Results equal the NumPy reference
 ``otb_spec`` within the derived tolerances (tests/test_adapters.py, tests/test_jax_adapter.py). Over named mesh axes,
 ``otb_jax.distributed`` (imported on demand) runs vocab-, data- and context-parallel OTB with ``shard_map``
-(docs/distributed.md).
+(docs/distributed.md). ``fused_linear_token_statistics`` gives log π, entropy and Σπ² from hidden states and the LM
+head without materialising the logits (a ``lax.scan`` over blocks and a custom VJP).
 """
 
+from otb_jax._fused import fused_linear_token_statistics
 from otb_jax._logits import (
     ShardPartials,
     TokenStatistics,
@@ -55,6 +57,7 @@ __all__ = [
     "sum_pi_squared",
     "TokenStatistics",
     "token_statistics_from_logits",
+    "fused_linear_token_statistics",
     "ShardPartials",
     "vocab_shard_partials",
     "combine_vocab_shards",

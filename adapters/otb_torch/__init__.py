@@ -24,9 +24,13 @@ OTB for batches split over data- and context-parallel ranks (docs/distributed.md
 To make verl 0.9.1 itself call the port, ``import otb_torch.verl`` and ``otb_torch.verl.install()`` (or
 ``install(variant="leave_one_out")`` for the unbiased estimator under verl's OTB names; ``uninstall()`` undoes it) —
 imported on demand, so ``otb_torch`` never imports verl (docs/verl.md).
+
+For TRL 1.16, ``from otb_torch.trl import OTBGRPOTrainer`` — ``trl.GRPOTrainer`` with per-token OTB advantages
+(imported on demand too; needs the ``trl`` extra; docs/trl.md).
 """
 
 from otb_torch._core import Segments, segments_from_index
+from otb_torch._fused import fused_linear_token_statistics
 from otb_torch._logits import (
     ShardPartials,
     TokenStatistics,
@@ -78,6 +82,7 @@ __all__ = [
     "sum_pi_squared",
     "TokenStatistics",
     "token_statistics_from_logits",
+    "fused_linear_token_statistics",
     "ShardPartials",
     "vocab_shard_partials",
     "combine_vocab_shards",

@@ -125,6 +125,27 @@ class TokenStatistics(NamedTuple):
     sum_pi_squared: torch.Tensor
 
 
+def checked_token_ids(token_ids: Any, lead: tuple[int, ...], vocab: int, device: torch.device,
+                      check_values: bool, source: str = "logits") -> torch.Tensor:
+    """Token ids as an int64 tensor of shape ``lead`` on ``device`` (that of ``source``, the argument they go with);
+    with ``check_values``, ids outside [0, V) raise the reference's error (one host synchronisation)."""
+    ids = check.tensor("token_ids", token_ids)
+    if ids.is_floating_point() or ids.dtype == torch.bool:
+        raise TypeError(f"token_ids: expected integer token ids, got dtype {ids.dtype}")
+    if tuple(ids.shape) != tuple(lead):
+        axis = "vocabulary" if source == "logits" else "hidden"
+        raise ValueError(f"token_ids: expected shape {tuple(lead)} ({source} without the {axis} axis), got "
+                         f"{tuple(ids.shape)}")
+    if ids.device != device:
+        raise ValueError(f"token_ids: on {ids.device} but {source} is on {device}")
+    if check_values and ids.numel() and bool(((ids < 0) | (ids >= vocab)).any()):
+        host = check._host(ids)
+        first = tuple(int(i) for i in torch.nonzero(torch.as_tensor((host < 0) | (host >= vocab)))[0])
+        raise ValueError(f"token_ids: must lie in [0, {vocab}) (the vocabulary), found {int(host[first])} at index "
+                         f"{first}")
+    return ids.to(torch.int64)
+
+
 @torch.no_grad()
 def token_statistics_from_logits(logits: Any, token_ids: Any = None, *, chunk_size: int | None = None,
                                  check_values: bool = True) -> TokenStatistics:
@@ -135,22 +156,8 @@ def token_statistics_from_logits(logits: Any, token_ids: Any = None, *, chunk_si
     """
     z = _logits("logits", logits)
     lead, vocab = z.shape[:-1], z.shape[-1]
-    ids = None
-    if token_ids is not None:
-        ids = check.tensor("token_ids", token_ids)
-        if ids.is_floating_point() or ids.dtype == torch.bool:
-            raise TypeError(f"token_ids: expected integer token ids, got dtype {ids.dtype}")
-        if tuple(ids.shape) != tuple(lead):
-            raise ValueError(f"token_ids: expected shape {tuple(lead)} (logits without the vocabulary axis), got "
-                             f"{tuple(ids.shape)}")
-        if ids.device != z.device:
-            raise ValueError(f"token_ids: on {ids.device} but logits is on {z.device}")
-        if check_values and bool(((ids < 0) | (ids >= vocab)).any()):
-            host = check._host(ids)
-            first = tuple(int(i) for i in torch.nonzero(torch.as_tensor((host < 0) | (host >= vocab)))[0])
-            raise ValueError(f"token_ids: must lie in [0, {vocab}) (the vocabulary), found {int(host[first])} at index "
-                             f"{first}")
-        ids = ids.reshape(-1).to(torch.int64)
+    ids = None if token_ids is None else checked_token_ids(token_ids, tuple(lead), vocab, z.device,
+                                                           check_values).reshape(-1)
     rows = z.reshape(-1, vocab)
     n = rows.shape[0]
     dtype = _compute_dtype(z)

@@ -35,6 +35,7 @@ names the missing package when verl (or one of its imports) is not installed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -42,7 +43,7 @@ import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -81,6 +82,22 @@ _VERL_FUNCTIONS = {
     "tir_optimal_token_baseline": "compute_multi_turn_optimal_token_baseline_advantage",
 }
 _SUM_PI_SQUARED = "calculate_sum_pi_squared_from_logits"
+# the fused-kernel route (install(sum_pi_squared=True)): verl's torch fused backend, its model forwards, the FSDP engine
+_EXPERIMENTAL_FUNCTIONAL = "verl.utils.experimental.torch_functional"
+_FUSED_LINEAR = "FusedLinearForPPO"
+_FUSED_FORWARD_MODULES = ("verl.models.transformers.dense_common", "verl.models.transformers.qwen2_vl",
+                          "verl.models.transformers.qwen3_vl", "verl.models.transformers.glm4v",
+                          "verl.models.transformers.qwen3_5")
+_FUSED_FORWARD = "forward_with_torch_backend"
+_FSDP_ENGINE = "verl.workers.engine.fsdp.transformer_impl"
+_FSDP_ACTOR_ENGINE = "FSDPEngineWithLMHead"
+_PREPARE_OUTPUTS = "prepare_model_outputs"
+_FUSED_REFUSAL = (
+    "calculate_sum_pi_squared=True with use_fused_kernels=True: this fused forward did not return Σπ². otb_torch "
+    "supplies it from verl's torch fused backend: set actor_rollout_ref.model.fused_kernel_options.impl_backend=torch "
+    "and call otb_torch.verl.install(sum_pi_squared=True) in the actor workers before the model is built (the Ray "
+    "worker setup hook otb_torch.verl.install_from_environment with OTB_VERL_SUM_PI_SQUARED=yes does; docs/verl.md). "
+    "Otherwise set actor_rollout_ref.model.use_fused_kernels=False.")
 _INSTALL_HINT = ('install verl 0.9.1 and what its advantage code imports: pip install "otb-spec[verl]" && '
                  "pip install --no-deps verl==0.9.1 torchdata==0.11.0 torchtitan==0.3.0")
 
@@ -154,6 +171,181 @@ def _with_options(function: Callable, options: dict, label: str) -> Callable:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Σπ² from verl's fused torch backend (install(sum_pi_squared=True))
+
+_COLLECTING = threading.local()
+
+
+@contextlib.contextmanager
+def _collecting_sum_pi_squared() -> Iterator[list]:
+    """Collect the Σπ² of every fused pass that runs in this thread inside the block (nested blocks each get their
+    own list)."""
+    stack = getattr(_COLLECTING, "stack", None)
+    if stack is None:
+        stack = _COLLECTING.stack = []
+    collected: list = []
+    stack.append(collected)
+    try:
+        yield collected
+    finally:
+        stack.pop()
+
+
+def _hand_over_sum_pi_squared(value: torch.Tensor) -> None:
+    stack = getattr(_COLLECTING, "stack", None)
+    if stack:
+        stack[-1].append(value)
+
+
+def _logits_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype verl's ``hidden_states @ vocab_weights.t()`` has: the autocast dtype under autocast (verl's
+    ``forward_step`` runs the model under ``torch.autocast`` unless the param dtype is float32), else the inputs'."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device) and hidden.is_floating_point():
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def _fused_linear_class(verl_class: type, check_values: bool) -> type:
+    """A subclass of verl's ``FusedLinearForPPO`` whose torch backend is :func:`otb_torch.fused_linear_token_statistics`."""
+
+    class FusedLinearForPPOWithSumPiSquared(verl_class):
+        """verl's ``FusedLinearForPPO`` with otb_torch's torch backend: the same (log π, entropy) — log π in float32,
+        the entropy in the logits' dtype, as verl returns them, with exact gradients — computed without
+        materialising the logits, and Σπ² from the same pass, handed to the enclosing model forward (which attaches
+        it to its output as ``sum_pi_squared``). The Liger backend, when installed and chosen, runs unchanged and
+        gives no Σπ²."""
+
+        def forward(self, hidden_states: torch.Tensor, vocab_weights: torch.Tensor, input_ids: torch.Tensor,
+                    temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+            functional = sys.modules.get(_EXPERIMENTAL_FUNCTIONAL)
+            liger = getattr(functional, "_LIGER_FUSED_LINEAR_SCALED_CROSS_ENTROPY", None)
+            if self.impl_backend != "torch" and liger is not None:
+                return super().forward(hidden_states, vocab_weights, input_ids, temperature)
+            statistics = otb_torch.fused_linear_token_statistics(
+                hidden_states, vocab_weights, input_ids, temperature=temperature, check_values=check_values)
+            _hand_over_sum_pi_squared(statistics.sum_pi_squared)
+            return (statistics.log_probs.to(torch.float32),
+                    statistics.entropy.to(_logits_dtype(hidden_states, vocab_weights)))
+
+    FusedLinearForPPOWithSumPiSquared.__qualname__ = f"otb_torch.verl.{FusedLinearForPPOWithSumPiSquared.__name__}"
+    return FusedLinearForPPOWithSumPiSquared
+
+
+def _forward_with_sum_pi_squared(verl_forward: Callable) -> Callable:
+    """verl's fused model forward (``forward_with_torch_backend``), with the Σπ² of its fused pass attached to the
+    output as the attribute ``sum_pi_squared`` (shaped like ``log_probs``) when exactly one pass ran."""
+
+    @functools.wraps(verl_forward)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with _collecting_sum_pi_squared() as collected:
+            output = verl_forward(self, *args, **kwargs)
+        log_probs = getattr(output, "log_probs", None)
+        if len(collected) == 1 and log_probs is not None:
+            output.sum_pi_squared = collected[0].reshape(log_probs.shape)
+        return output
+
+    forward.__qualname__ = f"{verl_forward.__qualname__}[otb_torch.verl: + sum_pi_squared]"
+    return forward
+
+
+def _prepare_model_outputs_with_sum_pi_squared(verl_method: Callable) -> Callable:
+    """``FSDPEngineWithLMHead.prepare_model_outputs`` that accepts ``calculate_sum_pi_squared`` with fused kernels
+    when the fused forward supplied Σπ², and returns it as verl returns its entropy (unpadded, one nested row per
+    sequence); without Σπ² from the forward, it refuses with a message saying what to do."""
+
+    @functools.wraps(verl_method)
+    def prepare_model_outputs(self: Any, output: Any, output_args: dict, micro_batch: Any,
+                              logits_processor_func: Any) -> dict:
+        tu = sys.modules["verl.utils.tensordict_utils"]
+        wanted = tu.get_non_tensor_data(data=micro_batch, key="calculate_sum_pi_squared", default=False)
+        fused = tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False)
+        if not (wanted and fused):
+            return verl_method(self, output, output_args, micro_batch, logits_processor_func)
+        supplied = getattr(output, "sum_pi_squared", None)
+        if supplied is None:
+            raise NotImplementedError(_FUSED_REFUSAL)
+        tu.assign_non_tensor(micro_batch, calculate_sum_pi_squared=False)
+        try:
+            model_output = verl_method(self, output, output_args, micro_batch, logits_processor_func)
+        finally:
+            tu.assign_non_tensor(micro_batch, calculate_sum_pi_squared=True)
+        offsets = micro_batch["input_ids"].offsets()
+        if tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
+            values = self._gather_and_unpad_packed(supplied.squeeze(0), output_args["pad_size"])
+        else:                                           # dense [bsz, seqlen]: keep each sequence's valid columns
+            lengths = offsets.diff()
+            valid = torch.arange(supplied.shape[1], device=supplied.device) < lengths.unsqueeze(1)
+            values = supplied[valid]
+        model_output["sum_pi_squared"] = torch.nested.nested_tensor_from_jagged(values, offsets)
+        return model_output
+
+    prepare_model_outputs.__qualname__ = f"{verl_method.__qualname__}[otb_torch.verl: + fused sum_pi_squared]"
+    return prepare_model_outputs
+
+
+@dataclass(frozen=True)
+class _ClassPatch:
+    """``owner.attribute`` is ``replacement`` while installed, verl's ``original`` otherwise."""
+
+    owner: type
+    attribute: str
+    original: Any
+    replacement: Any
+
+
+def _loaded_subclasses(root: type) -> list[type]:
+    seen: dict[int, type] = {}
+    pending = [root]
+    while pending:
+        for child in pending.pop().__subclasses__():
+            if id(child) not in seen:
+                seen[id(child)] = child
+                pending.append(child)
+    return list(seen.values())
+
+
+def _fused_route(check_values: bool) -> tuple[list[_Replacement], list[_ClassPatch], list[str]]:
+    """The replacements of the fused-kernel route: verl's FusedLinearForPPO, its fused model forwards (module
+    attributes, and model classes verl already patched), the FSDP actor engine's prepare_model_outputs; and the
+    places that could not be patched here, with the reason."""
+    replacements: list[_Replacement] = []
+    patches: list[_ClassPatch] = []
+    unavailable: list[str] = []
+    functional = _import_verl(_EXPERIMENTAL_FUNCTIONAL)
+    verl_class = getattr(functional, _FUSED_LINEAR)
+    replacements.append(_Replacement(verl_class, _fused_linear_class(verl_class, check_values), _FUSED_LINEAR))
+    forwards: dict[int, tuple[Callable, Callable]] = {}
+    for module_name in _FUSED_FORWARD_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            unavailable.append(f"{module_name}.{_FUSED_FORWARD}: cannot be imported here ({exc})")
+            continue
+        original = getattr(module, _FUSED_FORWARD)
+        wrapped = _forward_with_sum_pi_squared(original)
+        forwards[id(original)] = (original, wrapped)
+        replacements.append(_Replacement(original, wrapped, _FUSED_FORWARD))
+    transformers = sys.modules.get("transformers")
+    if transformers is not None:                     # model classes verl's apply_monkey_patch already patched
+        for model_class in _loaded_subclasses(transformers.PreTrainedModel):
+            current = model_class.__dict__.get("forward")
+            pair = forwards.get(id(current))
+            if pair is not None and current is pair[0]:
+                patches.append(_ClassPatch(model_class, "forward", pair[0], pair[1]))
+    try:
+        engine_module = importlib.import_module(_FSDP_ENGINE)
+    except ImportError as exc:
+        unavailable.append(f"{_FSDP_ENGINE}.{_FSDP_ACTOR_ENGINE}.{_PREPARE_OUTPUTS}: cannot be imported here ({exc})")
+    else:
+        engine = getattr(engine_module, _FSDP_ACTOR_ENGINE)
+        original = engine.__dict__[_PREPARE_OUTPUTS]
+        patches.append(_ClassPatch(engine, _PREPARE_OUTPUTS, original,
+                                   _prepare_model_outputs_with_sum_pi_squared(original)))
+    return replacements, patches, unavailable
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # installation
 
 
@@ -173,7 +365,10 @@ class Installation:
     Attributes:
       variant, compile, check_values, sum_pi_squared: the options of :func:`install`.
       estimators: registry name → the function verl now gets from ``get_adv_estimator_fn``.
-      places: every patched place, as text (``module.attribute`` or ``module.ADV_ESTIMATOR_REGISTRY['name']``).
+      places: every patched place, as text (``module.attribute``, ``module.ADV_ESTIMATOR_REGISTRY['name']`` or
+        ``module.Class.attribute``).
+      unavailable: places of the fused-kernel route (``sum_pi_squared=True``) that could not be patched in this
+        process, with the reason (a verl module that does not import here).
     """
 
     variant: str
@@ -182,7 +377,9 @@ class Installation:
     sum_pi_squared: bool
     estimators: dict[str, Callable]
     places: list[str] = field(default_factory=list)
+    unavailable: list[str] = field(default_factory=list)
     _replacements: list[_Replacement] = field(default_factory=list, repr=False)
+    _class_patches: list[_ClassPatch] = field(default_factory=list, repr=False)
     _active: bool = field(default=True, repr=False)
 
     @property
@@ -253,10 +450,16 @@ def install(variant: str = "verl", *, compile: bool = False, check_values: bool 
       check_values: validate the inputs (one host synchronisation per call; bad input raises the reference's error
         naming the argument — verl's names under ``"verl"``, the reference's under ``"leave_one_out"`` — instead of
         producing NaN).
-      sum_pi_squared: also replace ``verl.utils.torch_functional.calculate_sum_pi_squared_from_logits`` (the actor's
-        Σπ², FSDP engine) with the port's memory-bounded ratio form S₂/S₁² accumulated in float32 — call it this way
-        in the actor workers. The port's Σπ² is not differentiable (verl only uses Σπ² under no_grad, for
-        advantages and metrics).
+      sum_pi_squared: also give the actor's Σπ² (FSDP engine) from the port — call it this way in the actor workers:
+        ``verl.utils.torch_functional.calculate_sum_pi_squared_from_logits`` becomes the port's memory-bounded ratio
+        form S₂/S₁² accumulated in float32; and with fused kernels (``use_fused_kernels=True``, torch backend), which
+        verl 0.9.1 refuses with Σπ², ``FusedLinearForPPO`` becomes :func:`otb_torch.fused_linear_token_statistics`
+        (the same log π and entropy with exact gradients, never materialising the logits, and Σπ² from the same
+        pass), verl's fused model forwards attach that Σπ² to their output, and
+        ``FSDPEngineWithLMHead.prepare_model_outputs`` returns it instead of refusing (it still refuses, saying what
+        to do, where the forward gave none: the Liger or Triton backends). Call it before the model is built, or
+        after: model classes verl already patched are found. The port's Σπ² is not differentiable (verl only uses
+        Σπ² under no_grad, for advantages and metrics).
 
     Returns:
       The :class:`Installation` (a context manager: ``with otb_torch.verl.install(): ...`` uninstalls on exit).
@@ -299,12 +502,21 @@ def install(variant: str = "verl", *, compile: bool = False, check_values: bool 
             replacements.append(_Replacement(
                 original, _with_options(otb_torch.calculate_sum_pi_squared_from_logits,
                                         {"check_values": options["check_values"]}, "otb_torch.verl"), _SUM_PI_SQUARED))
-        installation = Installation(estimators=estimators, _replacements=replacements, **options)
+        class_patches: list[_ClassPatch] = []
+        unavailable: list[str] = []
+        if options["sum_pi_squared"]:
+            fused_replacements, class_patches, unavailable = _fused_route(options["check_values"])
+            replacements.extend(fused_replacements)
+        installation = Installation(estimators=estimators, unavailable=unavailable, _replacements=replacements,
+                                    _class_patches=class_patches, **options)
         for name, estimator in estimators.items():
             registry[name] = estimator
             installation.places.append(f"{_CORE_ALGOS}.{_REGISTRY}[{name!r}]")
         _swap_module_attributes({id(r.original): (r.original, r.replacement, r.name) for r in replacements},
                                 installation.places)
+        for patch in class_patches:
+            setattr(patch.owner, patch.attribute, patch.replacement)
+            installation.places.append(f"{patch.owner.__module__}.{patch.owner.__qualname__}.{patch.attribute}")
         _ACTIVE = installation
         return installation
 
@@ -326,6 +538,19 @@ def _uninstall_locked(installation: Installation) -> None:
                               "otb_torch.verl.install(); left as found", stacklevel=3)
     _swap_module_attributes({id(r.replacement): (r.replacement, r.original, r.name)
                              for r in installation._replacements}, None)
+    for patch in installation._class_patches:
+        if patch.owner.__dict__.get(patch.attribute) is patch.replacement:
+            setattr(patch.owner, patch.attribute, patch.original)
+        else:
+            warnings.warn(f"{patch.owner.__qualname__}.{patch.attribute} was changed after otb_torch.verl.install(); "
+                          "left as found", stacklevel=3)
+    transformers = sys.modules.get("transformers")
+    wrapped_forwards = {id(r.replacement): r.original for r in installation._replacements if r.name == _FUSED_FORWARD}
+    if transformers is not None and wrapped_forwards:   # classes verl's apply_monkey_patch patched while installed
+        for model_class in _loaded_subclasses(transformers.PreTrainedModel):
+            original = wrapped_forwards.get(id(model_class.__dict__.get("forward")))
+            if original is not None:
+                model_class.forward = original
     installation._active = False
     if _ACTIVE is installation:
         _ACTIVE = None

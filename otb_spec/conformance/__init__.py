@@ -18,8 +18,11 @@ implementation that behaves exactly as verl does there is listed, not failed, un
 
 Calling conventions (``CONVENTIONS``; add one with :func:`register_convention`): ``verl`` (torch tensors, NumPy
 ``index``, returns ``(advantages, returns)`` — verl 0.9.1's functions), ``numpy`` (the reference's signature),
-``grouped`` ([G, N, T] arrays of contiguous equal-size groups), ``jax`` (segment ids + a static count). Ports written
-against the adapter protocol (``otb_spec.adapters``) are checked with :func:`verify_adapter`.
+``grouped`` ([G, N, T] arrays of contiguous equal-size groups), ``jax`` (segment ids + a static count). Fused kernels
+(kind ``fused-token-statistics``: log π, entropy and Σπ² from hidden states and the LM head, values and gradients)
+are called ``f(hidden, weight, token_ids, temperature=τ)`` under ``verl`` (torch autograd), ``jax`` (``jax.vjp``) and
+``numpy`` (values only). Ports written against the adapter protocol (``otb_spec.adapters``) are checked with
+:func:`verify_adapter`.
 
 For your own property tests: :func:`generated_cases` / :func:`golden_cases` / :func:`special_cases` give
 :class:`Case` objects (inputs, options, ``case.expected()``, ``case.tolerances()``), and
@@ -31,12 +34,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 import time
+from dataclasses import replace
 from typing import Any, Callable, Iterable
 
-from otb_spec.conformance._cases import (GENERATED_PROFILES, KINDS, Case, compute_dtype_for, generated_cases,
+from otb_spec.conformance._cases import (FUSED, GENERATED_PROFILES, KINDS, Case, compute_dtype_for, generated_cases,
                                          golden_cases, robustness_cases, special_cases)
 from otb_spec.conformance._checks import (DEFAULT_TIMEOUT, LAYERS, SHRINK_BUDGET, STATUSES, CheckResult, Comparison,
                                           TargetTimeout, compare, read_skip_file, run_checks)
@@ -44,6 +49,7 @@ from otb_spec.conformance._deviations import DEVIATIONS, Deviation
 from otb_spec.conformance._conventions import (CONVENTIONS, Convention, Outcome, Subject, adapter_subject,
                                                register_convention)
 from otb_spec.conformance._report import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, Report
+from otb_spec.tolerances import machine_epsilon
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -120,7 +126,8 @@ def load_target(spec: str) -> Callable:
     return value
 
 
-def _subject(target: Callable | str, kind: str, convention: str, device: str) -> tuple[Subject, str]:
+def _subject(target: Callable | str, kind: str, convention: str, device: str,
+             working_dtype: str | None = None) -> tuple[Subject, str]:
     if kind not in KINDS:
         raise TargetError(f"kind: expected one of {', '.join(KINDS)}, got {kind!r}")
     if convention not in CONVENTIONS:
@@ -128,6 +135,10 @@ def _subject(target: Callable | str, kind: str, convention: str, device: str) ->
     chosen = CONVENTIONS[convention]
     if kind not in chosen.kinds:
         raise TargetError(f"kind: the {convention} convention has no {kind!r} (it has {', '.join(chosen.kinds)})")
+    if working_dtype is not None and kind != FUSED:
+        raise TargetError(f"working_dtype: only for the {FUSED} kind (the other kinds' bounds take the inputs' dtype)")
+    if working_dtype is not None and working_dtype not in ("float64", "float32", "float16", "bfloat16"):
+        raise TargetError(f"working_dtype: expected float64, float32, float16 or bfloat16, got {working_dtype!r}")
     if isinstance(target, str):
         spec, function = target, load_target(target)
     elif callable(target):
@@ -135,22 +146,55 @@ def _subject(target: Callable | str, kind: str, convention: str, device: str) ->
         function = target
     else:
         raise TargetError(f"target: expected a callable or 'module:callable', got {type(target).__name__}")
+    built_from = spec
+    if inspect.isclass(function):         # e.g. verl's FusedLinearForPPO, a torch.nn.Module: call an instance
+        try:
+            function = function()
+        except Exception as exc:
+            raise TargetError(f"TARGET: {spec} is a class; instantiating it with no arguments failed: "
+                              f"{type(exc).__name__}: {exc}") from exc
+        built_from = f"{spec}()"
     try:
-        return chosen.build(function, spec, kind, device), spec
+        subject = chosen.build(function, built_from, kind, device)
     except (ImportError, RuntimeError) as exc:
         raise TargetError(f"convention {convention!r}: {exc}") from exc
+    if kind == FUSED:
+        subject = _with_fused_bound(subject, working_dtype)
+    return subject, spec
+
+
+def _with_fused_bound(subject: Subject, working_dtype: str | None) -> Subject:
+    """The subject with its working precision and a report line saying which bound judges it."""
+    if working_dtype is None:
+        rule = ("working precision = the inputs' dtype (the logits and per-token values may be rounded to it: "
+                "bfloat16 inputs are judged with bfloat16's ε, as verl forms its logits in the inputs' dtype)")
+        working = subject.working_dtype
+    else:
+        limit = machine_epsilon(working_dtype)
+        rule = (f"working precision = the inputs' dtype or {working_dtype}, whichever is more precise "
+                f"(working_dtype={working_dtype!r}: a target that widens its inputs before the matmul)")
+
+        def working(dtype: str) -> str:
+            return dtype if machine_epsilon(dtype) <= limit else working_dtype
+
+    bound = (f"bound:       otb_spec.tolerances.hidden_statistics_tolerance and hidden_gradient_tolerance (+ the "
+             f"reference's float64 bound + each output's rounding), {rule}; sums accumulated in float32 (float64 for "
+             "float64 inputs)")
+    return replace(subject, working_dtype=working, notes=subject.notes + (bound,))
 
 
 def verify(target: Callable | str, kind: str, *, convention: str = "verl", device: str = "cpu",
            max_examples: int = 100, seed: int = 0, layers: Iterable[str] = LAYERS,
            skips: Iterable[tuple[str, str]] = (), shrink_budget: int = SHRINK_BUDGET, strict: bool = False,
            timeout: float | None = DEFAULT_TIMEOUT, progress: Callable[[str], None] | None = None,
-           fail_fast: bool = False) -> Report:
+           fail_fast: bool = False, working_dtype: str | None = None) -> Report:
     """Check an implementation of ``kind`` against the reference; returns a :class:`Report`.
 
     Args:
-      target: the callable, or ``"package.module:callable"`` / ``"path/to/file.py:callable"``.
-      kind: ``"otb"``, ``"tir-otb"``, ``"loo-otb"`` or ``"sum-pi-squared"``.
+      target: the callable, or ``"package.module:callable"`` / ``"path/to/file.py:callable"``; a class (e.g. a
+        ``torch.nn.Module`` such as verl's ``FusedLinearForPPO``) is instantiated once with no arguments and the
+        instance is called.
+      kind: ``"otb"``, ``"tir-otb"``, ``"loo-otb"``, ``"sum-pi-squared"`` or ``"fused-token-statistics"``.
       convention: how the callable is called (``CONVENTIONS``; default ``"verl"``).
       device: where inputs are placed (``"cpu"``, ``"cuda"``; for the jax convention a JAX platform).
       max_examples: Hypothesis examples per profile of the generated layer (:data:`GENERATED_PROFILES`).
@@ -163,16 +207,19 @@ def verify(target: Callable | str, kind: str, *, convention: str = "verl", devic
         check, and the remaining checks are not run.
       progress: called with a short label before each check (the command line shows it on a terminal).
       fail_fast: stop at the first failing check.
+      working_dtype: fused-token-statistics only — hold the target to the bound of a program working in at least
+        this precision (e.g. ``"float32"`` for a kernel that widens bfloat16 inputs before its matmul); default: the
+        inputs' dtype (verl's ``FusedLinearForPPO`` forms its logits in the inputs' dtype). The report says which.
     Raises:
       TargetError: the target cannot be loaded, or the convention does not offer ``kind`` or ``device``.
     """
     start = time.perf_counter()
-    subject, spec = _subject(target, kind, convention, device)
+    subject, spec = _subject(target, kind, convention, device, working_dtype)
     results = run_checks(subject, kind, max_examples=max_examples, seed=seed, layers=layers, skips=skips,
                          shrink_budget=shrink_budget, strict=strict, timeout=timeout, progress=progress,
                          fail_fast=fail_fast)
     return Report(spec, convention, subject.name, (kind,), device, seed, max_examples, results,
-                  time.perf_counter() - start, strict)
+                  time.perf_counter() - start, strict, notes=subject.notes)
 
 
 def verify_adapter(adapter: Any, *, kinds: Iterable[str] | None = None, max_examples: int = 100, seed: int = 0,
@@ -207,8 +254,10 @@ def verify_adapter(adapter: Any, *, kinds: Iterable[str] | None = None, max_exam
 
 
 def find_case(kind: str, name: str, dtype: str) -> Case:
-    """The golden or special case of ``kind`` called ``name``, delivered in ``dtype`` (used by report snippets)."""
-    for case in golden_cases(kind, (dtype,)) + special_cases(kind) + special_cases(kind, equal_groups=True):
+    """The golden, special or robustness case of ``kind`` called ``name``, delivered in ``dtype`` (used by report
+    snippets)."""
+    for case in (golden_cases(kind, (dtype,)) + special_cases(kind) + special_cases(kind, equal_groups=True)
+                 + robustness_cases(kind)):
         if case.name == name and case.dtype == dtype:
             return case
     raise ValueError(f"name: no golden or special {kind!r} case {name!r} in {dtype}")
@@ -216,8 +265,10 @@ def find_case(kind: str, name: str, dtype: str) -> Case:
 
 def assert_matches_reference(case: Case, *, output_dtypes: dict[str, str] | None = None,
                              compute_dtype: str | None = None, **outputs: Any) -> None:
-    """Raise :class:`AssertionError` unless ``outputs`` (``advantages=…, returns=…`` or ``sum_pi_squared=…``, any
-    array-likes, torch tensors included) match the reference on ``case`` — the rule ``verify`` uses."""
+    """Raise :class:`AssertionError` unless ``outputs`` (``advantages=…, returns=…``, ``sum_pi_squared=…`` or, for
+    fused token statistics, ``log_probs=…, entropy=…`` and optionally ``sum_pi_squared``, ``grad_hidden``,
+    ``grad_weight``; any array-likes, torch tensors included) match the reference on ``case`` — the rule ``verify``
+    uses."""
     hosted = {name: _to_numpy(value) for name, value in outputs.items()}
     dtypes = dict(output_dtypes or {})
     for name, value in outputs.items():

@@ -7,11 +7,18 @@ values). Kinds:
 * ``"otb"`` — single-turn OTB (verl ``compute_optimal_token_baseline_advantage``): outputs advantages, returns;
 * ``"tir-otb"`` — multi-turn OTB (verl ``compute_multi_turn_optimal_token_baseline_advantage``): same outputs;
 * ``"loo-otb"`` — leave-one-out OTB (position alignment): same outputs;
-* ``"sum-pi-squared"`` — Σπ² from logits: output sum_pi_squared.
+* ``"sum-pi-squared"`` — Σπ² from logits: output sum_pi_squared;
+* ``"fused-token-statistics"`` — log π(y), entropy and (where given) Σπ² of softmax(h·Wᵀ/τ) from hidden states
+  [..., H], the LM head [V, H], token ids and τ, without the logits (verl ``FusedLinearForPPO``,
+  ``otb_torch.fused_linear_token_statistics``): outputs log_probs, entropy, sum_pi_squared (optional) and the
+  gradients grad_hidden, grad_weight of Σ g_lp·log π + g_H·H for the case's cotangents (where the convention can
+  differentiate).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -20,16 +27,20 @@ from hypothesis import strategies as st
 
 from otb_spec import _portable as portable
 from otb_spec import strategies as otb_st
+from otb_spec.lm_head import token_statistics_from_hidden, token_statistics_vjp
 from otb_spec.otb import leave_one_out_token_baseline, multi_turn_optimal_token_baseline, optimal_token_baseline
 from otb_spec.proxy import sum_pi_squared
-from otb_spec.tolerances import (Tolerance, logit_spread, logsumexp_tolerance, otb_comparison_tolerance,
-                                 output_rounding, sum_pi_squared_tolerance)
+from otb_spec.tolerances import (Tolerance, hidden_gradient_tolerance, hidden_statistics_tolerance, logit_spread,
+                                 logsumexp_tolerance, otb_comparison_tolerance, output_rounding,
+                                 sum_pi_squared_tolerance)
 
 __all__ = ["KINDS", "GENERATED_PROFILES", "Case", "golden_cases", "generated_cases", "special_cases",
            "robustness_cases", "compute_dtype_for"]
 
-KINDS = ("otb", "tir-otb", "loo-otb", "sum-pi-squared")
+FUSED = "fused-token-statistics"
+KINDS = ("otb", "tir-otb", "loo-otb", "sum-pi-squared", FUSED)
 _OTB_KINDS = ("otb", "tir-otb", "loo-otb")
+_FUSED_OUTPUTS = ("log_probs", "entropy", "sum_pi_squared", "grad_hidden", "grad_weight")
 
 
 def compute_dtype_for(input_dtype: str) -> str:
@@ -52,7 +63,8 @@ def _round_to(dtype: str, array: np.ndarray) -> np.ndarray:
     return rounded.astype(np.uint32).view(np.float32)
 
 
-_ARRAY_FIELDS = ("rewards", "response_mask", "group_ids", "log_probs", "sum_pi_squared", "is_weights", "logits")
+_ARRAY_FIELDS = ("rewards", "response_mask", "group_ids", "log_probs", "sum_pi_squared", "is_weights", "logits",
+                 "hidden", "weight", "token_ids", "log_probs_cotangent", "entropy_cotangent")
 
 
 @dataclass(frozen=True)
@@ -67,6 +79,11 @@ class Case:
       group_ids: [B] ids (object array of strings, ints or other hashables).
       handle_zero_tail, epsilon: OTB options.
       logits: [..., V] (Σπ² kind).
+      hidden, weight, token_ids, temperature: [..., H], [V, H], [...] and τ (fused kind; hidden is [N, H] or
+        [B, T, H], as trainers pass it).
+      log_probs_cotangent, entropy_cotangent: [...] g_lp and g_H, the upstream gradients the fused kind's backward
+        pass is checked with (multiples of 1/64 in [−1, 1]: exact in every dtype, so casting them to the dtype of
+        the outputs they belong to changes nothing).
       note: why the case is there when its expected value is a definition of otb-spec rather than verl's behaviour
         (shown in reports, so that a user reproducing verl bit for bit knows what to skip).
     """
@@ -83,6 +100,12 @@ class Case:
     handle_zero_tail: bool = True
     epsilon: float = 1e-8
     logits: np.ndarray | None = None
+    hidden: np.ndarray | None = None
+    weight: np.ndarray | None = None
+    token_ids: np.ndarray | None = None
+    temperature: float = 1.0
+    log_probs_cotangent: np.ndarray | None = None
+    entropy_cotangent: np.ndarray | None = None
     note: str = ""
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -103,18 +126,41 @@ class Case:
             return None if array is None else _round_to(dtype, array)
         return replace(self, dtype=dtype, rewards=convert(self.rewards), log_probs=convert(self.log_probs),
                        sum_pi_squared=convert(self.sum_pi_squared), is_weights=convert(self.is_weights),
-                       logits=convert(self.logits), response_mask=None if self.response_mask is None else
+                       logits=convert(self.logits), hidden=convert(self.hidden), weight=convert(self.weight),
+                       response_mask=None if self.response_mask is None else
                        np.asarray(self.response_mask, dtype=np.float32 if dtype != "float64" else np.float64),
                        _cache={})
 
     @property
     def output_names(self) -> tuple[str, ...]:
+        if self.kind == FUSED:
+            return _FUSED_OUTPUTS
         return ("sum_pi_squared",) if self.kind == "sum-pi-squared" else ("advantages", "returns")
+
+    @property
+    def optional_outputs(self) -> tuple[str, ...]:
+        """Outputs compared only where the implementation gives them: Σπ² of a fused kernel (verl's gives log π and
+        the entropy only) and the gradients (a convention without automatic differentiation checks values only)."""
+        return ("sum_pi_squared", "grad_hidden", "grad_weight") if self.kind == FUSED else ()
+
+    def output_shape(self, name: str) -> tuple[int, ...]:
+        """The shape output ``name`` must have."""
+        if self.kind == FUSED:
+            return {"grad_hidden": self.hidden.shape, "grad_weight": self.weight.shape}.get(name, self.token_ids.shape)
+        return self.logits.shape[:-1] if self.kind == "sum-pi-squared" else self.rewards.shape
 
     def expected(self) -> dict[str, np.ndarray]:
         """The reference's outputs (float64)."""
         if "expected" not in self._cache:
-            if self.kind == "sum-pi-squared":
+            if self.kind == FUSED:
+                statistics = token_statistics_from_hidden(self.hidden, self.weight, self.token_ids,
+                                                          temperature=self.temperature)
+                gradients = token_statistics_vjp(self.hidden, self.weight, self.token_ids, self.log_probs_cotangent,
+                                                 self.entropy_cotangent, temperature=self.temperature)
+                self._cache["expected"] = {"log_probs": statistics.log_probs, "entropy": statistics.entropy,
+                                           "sum_pi_squared": statistics.sum_pi_squared,
+                                           "grad_hidden": gradients.hidden, "grad_weight": gradients.weight}
+            elif self.kind == "sum-pi-squared":
                 self._cache["expected"] = {"sum_pi_squared": sum_pi_squared(self.logits)}
             else:
                 function = {"otb": optimal_token_baseline, "tir-otb": multi_turn_optimal_token_baseline,
@@ -127,13 +173,22 @@ class Case:
                 self._cache["expected"] = {"advantages": result.advantages, "returns": result.returns}
         return self._cache["expected"]
 
-    def tolerances(self, output_dtype: str | None = None, compute_dtype: str | None = None) -> dict[str, Tolerance]:
+    def tolerances(self, output_dtype: str | None = None, compute_dtype: str | None = None,
+                   working_dtype: str | None = None) -> dict[str, Tolerance]:
         """Per-output tolerance for |implementation − reference|: the bound of a correct implementation given the
         case's dtype and accumulating in ``compute_dtype`` (default :func:`compute_dtype_for` the case's dtype) + the
         reference's own float64 bound + the rounding of the output to ``output_dtype`` (default the case's dtype).
-        Per row for Σπ² (each row's largest logit), per element for OTB (``otb_spec.tolerances``)."""
+        Per row for Σπ² (each row's largest logit), per element for OTB (``otb_spec.tolerances``). Fused kind: per
+        token and per gradient element (:func:`otb_spec.tolerances.hidden_statistics_tolerance` and
+        :func:`~otb_spec.tolerances.hidden_gradient_tolerance`) for an implementation whose working precision — the
+        precision of its logits and per-token values — is ``working_dtype`` (default the case's dtype: verl forms
+        its logits in the inputs' dtype)."""
         compute = compute_dtype or compute_dtype_for(self.dtype)
         out = output_dtype or self.dtype
+        if self.kind == FUSED:
+            rounding = output_rounding(out)
+            return {name: bound + rounding
+                    for name, bound in self._fused_bounds(working_dtype or self.dtype, compute).items()}
         key = ("tolerances", out, compute)
         if key not in self._cache:
             if self.kind == "sum-pi-squared":
@@ -151,7 +206,28 @@ class Case:
                 self._cache[key] = {"advantages": advantages, "returns": returns}
         return self._cache[key]
 
+    def _fused_bounds(self, working: str, compute: str) -> dict[str, Tolerance]:
+        """The implementation's bounds (working precision ``working``, sums in ``compute``) + the reference's own
+        float64 bounds, per output, before the rounding of the output."""
+        key = ("fused-bounds", working, compute)
+        if key not in self._cache:
+            arguments = (self.hidden, self.weight, self.token_ids)
+            cotangents = (self.log_probs_cotangent, self.entropy_cotangent)
+            implementation = hidden_statistics_tolerance(*arguments, temperature=self.temperature, dtype=working,
+                                                         accumulation_dtype=compute)
+            reference = hidden_statistics_tolerance(*arguments, temperature=self.temperature, dtype="float64")
+            gradients = hidden_gradient_tolerance(*arguments, *cotangents, temperature=self.temperature,
+                                                  dtype=working, accumulation_dtype=compute)
+            exact = hidden_gradient_tolerance(*arguments, *cotangents, temperature=self.temperature, dtype="float64")
+            bounds = {name: mine + theirs for name, mine, theirs in zip(_FUSED_OUTPUTS[:3], implementation, reference)}
+            bounds.update(grad_hidden=gradients[0] + exact[0], grad_weight=gradients[1] + exact[1])
+            self._cache[key] = bounds
+        return self._cache[key]
+
     def describe(self) -> str:
+        if self.kind == FUSED:
+            return (f"{self.name} — hidden {tuple(self.hidden.shape)}, V={self.weight.shape[0]}, "
+                    f"τ={self.temperature:g}, {self.dtype}")
         if self.kind == "sum-pi-squared":
             return f"{self.name} — logits {tuple(self.logits.shape)} {self.dtype}"
         groups = len({repr(g) for g in np.asarray(self.group_ids, dtype=object).tolist()})
@@ -278,12 +354,86 @@ def _spp_golden() -> list[Case]:
     ]
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# fused token statistics: hidden states, an LM head, sampled tokens, τ and cotangents (bit-portable inputs)
+
+
+def _grid_cotangents(rng: Any, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """g_lp, g_H: multiples of 1/64 in [−1, 1] (exact in bfloat16, float16, float32 and float64)."""
+    return (np.divide(rng.integers(-64, 65, shape).astype(np.float64), 64.0),
+            np.divide(rng.integers(-64, 65, shape).astype(np.float64), 64.0))
+
+
+def _lm_head_case(name: str, seed: int, lead: tuple[int, ...], n_hidden: int, vocab: int, *, logit_scale: float,
+                  temperature: float = 1.0, **changes: Any) -> Case:
+    """Hidden states N(0, 1) and a head scaled so that the logits z = h·Wᵀ/τ have a standard deviation of about
+    ``logit_scale``; uniform token ids; grid cotangents. ``changes`` override any field."""
+    rng = portable.PortableRandom(seed)
+    hidden = rng.normal(lead + (n_hidden,))
+    weight = np.multiply(rng.normal((vocab, n_hidden)), logit_scale * temperature / math.sqrt(n_hidden))
+    ids = rng.integers(0, vocab, lead)
+    g_lp, g_h = _grid_cotangents(rng, lead)
+    fields = dict(hidden=hidden, weight=weight, token_ids=ids, temperature=temperature, log_probs_cotangent=g_lp,
+                  entropy_cotangent=g_h)
+    fields.update(changes)
+    return Case(FUSED, name, "float64", **fields)
+
+
+def _peaked(name: str, seed: int, n_tokens: int, n_hidden: int, vocab: int, peak: float) -> Case:
+    """Token 5 of the vocabulary sits ``peak`` above the rest (logits of the others ~N(0, 1)): the even tokens sample
+    it (π ≈ 1, H ≈ 0), the odd ones another token (log π ≈ −peak)."""
+    base = _lm_head_case(name, seed, (n_tokens,), n_hidden, vocab, logit_scale=1.0)
+    hidden = np.array(base.hidden)
+    hidden[:, 0] = 4.0
+    weight = np.array(base.weight)
+    weight[5] = 0.0
+    weight[5, 0] = peak / 4.0
+    ids = np.where(np.arange(n_tokens) % 2 == 0, 5, np.add(np.multiply(np.arange(n_tokens), 7) % (vocab - 6), 6))
+    return replace(base, hidden=hidden, weight=weight, token_ids=ids, _cache={})
+
+
+def _fused_golden() -> list[Case]:
+    rng = portable.PortableRandom(20)
+    g_lp, g_h = _grid_cotangents(rng, (2,))
+    worked = Case(FUSED, "worked example: π = (¾, ¼) and a uniform pair", "float64",
+                  hidden=np.array([[float(portable.log(3.0))], [0.0]]), weight=np.array([[1.0], [0.0]]),
+                  token_ids=np.array([0, 1]), log_probs_cotangent=g_lp, entropy_cotangent=g_h)
+    ordinary = _lm_head_case("ordinary hidden states (N = 7, H = 16, V = 50), τ = 0.7", 21, (7,), 16, 50,
+                             logit_scale=2.0, temperature=0.7)
+    edges = _lm_head_case("token ids at the edges of the vocabulary (0 and V − 1), V = 37", 27, (6,), 6, 37,
+                          logit_scale=2.0, token_ids=np.array([0, 36, 0, 36, 18, 35]))
+    flat = _lm_head_case("flat softmax: h = 0, so π is uniform (H = log V, Σπ² = 1/V)", 26, (3,), 5, 29,
+                         logit_scale=1.0)
+    return [
+        worked,
+        ordinary,
+        _lm_head_case("3-D hidden states [B, T, H] = [2, 3, 8], V = 40", 22, (2, 3), 8, 40, logit_scale=2.0),
+        _lm_head_case("τ = 0.5 (sharper than the logits)", 23, (6,), 12, 33, logit_scale=3.0, temperature=0.5),
+        _lm_head_case("τ = 3 (flatter than the logits)", 24, (6,), 12, 33, logit_scale=3.0, temperature=3.0),
+        _peaked("peaked softmax: tokens at the peak (H ≈ 0) and 60 below it (log π ≈ −60)", 25, 4, 4, 24, 60.0),
+        replace(flat, hidden=np.zeros(flat.hidden.shape)),
+        edges,
+        _lm_head_case("logits up to about ±400 (exp overflows without the max shift)", 28, (5,), 8, 45,
+                      logit_scale=150.0),
+        replace(ordinary, name="only the entropy in the loss (g_lp = 0)", temperature=1.0,
+                log_probs_cotangent=np.zeros(7), _cache={}),
+    ]
+
+
 def golden_cases(kind: str, dtypes: tuple[str, ...] = ("float64", "float32")) -> list[Case]:
     """The hand-built cases of ``kind``, each in every dtype of ``dtypes``."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {', '.join(KINDS)}, got {kind!r}")
+    if kind == FUSED:
+        return list(_fused_golden_in(tuple(dtypes)))
     base = _spp_golden() if kind == "sum-pi-squared" else _otb_golden(kind)
     return [case.with_dtype(dtype) for case in base for dtype in dtypes]
+
+
+@functools.lru_cache(maxsize=4)
+def _fused_golden_in(dtypes: tuple[str, ...]) -> tuple[Case, ...]:
+    """Built once per process and dtypes: their references and bounds are kept across verify runs."""
+    return tuple(case.with_dtype(dtype) for case in _fused_golden() for dtype in dtypes)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -315,12 +465,40 @@ GENERATED_PROFILES: dict[str, dict[str, tuple[str, dict, dict]]] = {
         "extreme": ("logits near ±1e4 (exp overflows without the max shift)", {}, {}),
         "excluded-tokens": ("−inf logits (excluded tokens), at least one finite per row", {}, {}),
     },
+    FUSED: {
+        "general": ("hidden [N, H] or [B, T, H] with N ≤ 10, H ≤ 24, V ≤ 96, logits up to about ±40 from flat to "
+                    "sharply peaked softmaxes, τ = 1 or drawn in [0.25, 4], cotangents in [−1, 1]",
+                    dict(lead_shapes=((1,), (7,), (2, 5))), {}),
+        "large-logits": ("as general with logits up to about ±400: exp overflows (float32 already at 89) without the "
+                         "max shift", dict(lead_shapes=((1,), (7,), (2, 5)), max_logit=400.0), {}),
+    },
 }
 GENERATED_PROFILES["tir-otb"] = GENERATED_PROFILES["loo-otb"] = GENERATED_PROFILES["otb"]
 
 
+# one shape for conventions that compile per shape (jax): the generated fused cases then compile once per dtype
+_FIXED_LM_HEAD_SHAPE = dict(lead_shapes=((2, 5),), min_hidden_size=8, max_hidden_size=8, min_vocab_size=23,
+                            max_vocab_size=23)
+
+
+def _fused_generated(profile: str, dtypes: tuple[str, ...], fixed_shapes: bool) -> st.SearchStrategy[Case]:
+    options = dict(GENERATED_PROFILES[FUSED][profile][1])
+    if fixed_shapes:
+        options.update(_FIXED_LM_HEAD_SHAPE)
+
+    def build(inputs: otb_st.LMHeadCase, dtype: str) -> Case:
+        grid = [np.divide(np.round(np.multiply(g, 64.0)), 64.0) for g in (inputs.log_probs_cotangent,
+                                                                          inputs.entropy_cotangent)]
+        return Case(FUSED, "generated", "float64", hidden=inputs.hidden, weight=inputs.weight,
+                    token_ids=inputs.token_ids, temperature=inputs.temperature, log_probs_cotangent=grid[0],
+                    entropy_cotangent=grid[1]).with_dtype(dtype)
+
+    return st.builds(build, otb_st.lm_head_inputs(**options), st.sampled_from(dtypes))
+
+
 def generated_cases(kind: str, *, profile: str = "general", dtypes: tuple[str, ...] = ("float32", "float64"),
-                    equal_groups: bool = False, max_length: int = 12) -> st.SearchStrategy[Case]:
+                    equal_groups: bool = False, max_length: int = 12,
+                    fixed_shapes: bool = False) -> st.SearchStrategy[Case]:
     """Hypothesis strategy of cases of ``kind`` from one of :data:`GENERATED_PROFILES`.
 
     OTB kinds — ``"general"``: shuffled non-contiguous groups with string (and other) ids, singletons, unequal lengths
@@ -328,13 +506,17 @@ def generated_cases(kind: str, *, profile: str = "general", dtypes: tuple[str, .
     ε ∈ {1e-8, 1e-3}, masked positions holding what a trainer leaves there (the padding token's log π ≤ 0 and Σπ², or
     zeros; :func:`robustness_cases` has wilder values); ``"zero-tail"`` and ``"holes-empty-rows-weights"`` concentrate
     on those features. (ε = 0, where verl divides 0/0, is in the golden cases, marked with a note.) Σπ² — ``"general"``,
-    ``"extreme"`` (±1e4), ``"excluded-tokens"`` (−inf). Cases come in each dtype of ``dtypes``. ``equal_groups``
-    restricts to contiguous groups of one size (conventions with a [G, N, T] layout).
+    ``"extreme"`` (±1e4), ``"excluded-tokens"`` (−inf). Fused token statistics — ``"general"`` and
+    ``"large-logits"`` (:func:`otb_spec.strategies.lm_head_inputs`; ``fixed_shapes``: one shape, hidden [2, 5, 8]
+    and V = 23, for conventions that compile once per shape). Cases come in each dtype of ``dtypes``.
+    ``equal_groups`` restricts to contiguous groups of one size (conventions with a [G, N, T] layout).
     """
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {', '.join(KINDS)}, got {kind!r}")
     if profile not in GENERATED_PROFILES[kind]:
         raise ValueError(f"profile: expected one of {', '.join(GENERATED_PROFILES[kind])}, got {profile!r}")
+    if kind == FUSED:
+        return _fused_generated(profile, dtypes, fixed_shapes)
     if kind == "sum-pi-squared":
         logits = {"general": otb_st.logits((3,), min_vocab_size=1, max_vocab_size=64),
                   "extreme": otb_st.logits((2, 3), min_vocab_size=2, max_vocab_size=64, extreme=True),
@@ -366,10 +548,40 @@ def generated_cases(kind: str, *, profile: str = "general", dtypes: tuple[str, .
     return st.builds(build, batches, st.sampled_from(dtypes), zero_tail, st.sampled_from([1e-8, 1e-3]))
 
 
+@functools.lru_cache(maxsize=1)
+def _fused_special() -> tuple[Case, ...]:
+    flat = _lm_head_case("nearly flat softmax, V = 4096 (logits within about ±0.003)", 32, (8,), 32, 4096,
+                         logit_scale=1e-3)
+    return (
+        _lm_head_case("large |z|: logits up to about ±3000", 30, (8,), 32, 512, logit_scale=1000.0).with_dtype(
+            "float32"),
+        _peaked("peaked softmax, V = 4096: tokens at the peak and 80 below it", 31, 8, 32, 4096, 80.0).with_dtype(
+            "float32"),
+        flat.with_dtype("float32"),
+        _lm_head_case("τ = 0.25, V = 2048", 33, (8,), 32, 2048, logit_scale=4.0, temperature=0.25).with_dtype(
+            "float32"),
+        _lm_head_case("τ = 4, V = 2048", 34, (8,), 32, 2048, logit_scale=4.0, temperature=4.0).with_dtype("float32"),
+        _lm_head_case("vocabulary not a multiple of any chunk (V = 4099, a prime), N = 520 tokens", 35, (520,), 16,
+                      4099, logit_scale=3.0).with_dtype("float32"),
+        _lm_head_case("3-D hidden states [B, T, H] = [4, 130, 16], V = 1031", 36, (4, 130), 16, 1031,
+                      logit_scale=3.0).with_dtype("float32"),
+        _lm_head_case("bfloat16 hidden states and LM head, V = 32768, nearly flat (logits ~N(0, ½²))", 37, (16,), 64,
+                      32768, logit_scale=0.5).with_dtype("bfloat16"),
+        _lm_head_case("float16 hidden states and LM head, V = 8192", 38, (16,), 64, 8192,
+                      logit_scale=4.0).with_dtype("float16"),
+    )
+
+
 def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
     """Cases where low precision shows: long sequences (T = 4096) in float32 and as bfloat16 inputs (which must be
     accumulated in float32), and for Σπ² a large vocabulary, extreme logits in float32, and bfloat16 logits — spread
-    (N(0, 4²)) and nearly flat (N(0, ½²), where summing 32768 comparable terms in bfloat16 would stall)."""
+    (N(0, 4²)) and nearly flat (N(0, ½²), where summing 32768 comparable terms in bfloat16 would stall). Fused token
+    statistics (float32 unless said): logits up to ±3000, peaked and nearly flat softmaxes over V = 4096, τ = 0.25 and
+    τ = 4, a prime vocabulary (4099) over 520 tokens (more than one of verl's 512-token chunks), 3-D hidden states
+    [4, 130, 16], and bfloat16 (V = 32768, nearly flat: summing 32768 comparable terms in bfloat16 would stall) and
+    float16 (V = 8192) hidden states and heads."""
+    if kind == FUSED:
+        return list(_fused_special())       # built once per process: their references and bounds are kept
     if kind == "sum-pi-squared":
         rng = portable.PortableRandom(11)
         large = rng.normal((8, 65536), scale=3.0)
@@ -432,9 +644,16 @@ def robustness_cases(kind: str) -> list[Case]:
     positions holding log π up to +50 (π = e⁵⁰), Σπ² outside [0, 1], ρ up to 50 and rewards up to ±99 (float32 and
     float64; a correct implementation may overflow on them, e.g. by forming (1 − π)² before masking), and group ids
     of mixed types that cannot be ordered (a port using ``np.unique`` on the ids fails there). None for
-    ``"sum-pi-squared"`` (logits have neither masks nor ids)."""
+    ``"sum-pi-squared"`` (logits have neither masks nor ids). Fused token statistics: a one-token vocabulary (V = 1:
+    π = 1, log π = 0, H = 0, Σπ² = 1) and logits near ±1e4 in float32 — no language model has either."""
     if kind not in KINDS:
         raise ValueError(f"kind: expected one of {', '.join(KINDS)}, got {kind!r}")
+    if kind == FUSED:
+        single = _lm_head_case("a one-token vocabulary (V = 1)", 40, (5,), 4, 1, logit_scale=3.0,
+                               note="robustness only: a vocabulary of one token")
+        huge = _lm_head_case("logits near ±1e4", 41, (6,), 16, 64, logit_scale=5000.0,
+                             note="robustness only: no language model produces logits of this size")
+        return [single.with_dtype("float64"), single.with_dtype("float32"), huge.with_dtype("float32")]
     if kind == "sum-pi-squared":
         return []
     base = next(case for case in golden_cases(kind, ("float64",)) if case.name.startswith("tool-output holes"))

@@ -179,29 +179,37 @@ def _json_safe(value: Any) -> Any:
 
 
 def compare(case: Case, outputs: dict[str, Any], *, output_dtypes: dict[str, str] | None = None,
-            compute_dtype: str | None = None, expected: dict[str, np.ndarray] | None = None) -> list[Comparison]:
+            compute_dtype: str | None = None, expected: dict[str, np.ndarray] | None = None,
+            working_dtype: str | None = None) -> list[Comparison]:
     """Compare an implementation's outputs on ``case`` with the reference, output by output.
 
     Args:
       case: the conformance case.
-      outputs: ``{"advantages": …, "returns": …}`` (OTB kinds) or ``{"sum_pi_squared": …}``, any array-likes.
+      outputs: ``{"advantages": …, "returns": …}`` (OTB kinds), ``{"sum_pi_squared": …}`` or, for fused token
+        statistics, ``{"log_probs": …, "entropy": …}`` with optionally ``sum_pi_squared``, ``grad_hidden`` and
+        ``grad_weight`` (:attr:`Case.optional_outputs` are compared only where given); any array-likes.
       output_dtypes: the dtype name of each output as the implementation returned it (its rounding is allowed for);
         default the case's dtype.
       compute_dtype: the precision the implementation accumulates in; default float64 for float64 inputs, float32
         otherwise.
       expected: compare with these outputs instead of the reference's (a documented deviation's model); NaN there
         is matched only by NaN.
+      working_dtype: fused kind: the precision of the implementation's logits and per-token values (default the
+        case's dtype).
     """
     expected = case.expected() if expected is None else expected
-    mask = None if case.kind == "sum-pi-squared" else np.asarray(case.response_mask)
+    mask = np.asarray(case.response_mask) if case.response_mask is not None else None
     comparisons = []
     for name in case.output_names:
+        if name in case.optional_outputs and name not in outputs:
+            continue
         dtype = (output_dtypes or {}).get(name) or case.dtype
         try:
             machine_epsilon(dtype)
         except ValueError:
             dtype = case.dtype                                   # an integer or unknown dtype: judged by the values
-        tolerance = case.tolerances(output_dtype=dtype, compute_dtype=compute_dtype)[name]
+        tolerance = case.tolerances(output_dtype=dtype, compute_dtype=compute_dtype,
+                                    working_dtype=working_dtype)[name]
         want = np.asarray(expected[name], dtype=np.float64)
         if name not in outputs:
             comparisons.append(Comparison(name, want.size, want.size, math.inf, math.inf, 0.0, None, None, None,
@@ -357,7 +365,8 @@ def _target_traceback(exc: BaseException) -> str:
 
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower().replace("ε", "epsilon").replace("ρ", "rho").replace("σ", "sigma")
-                  .replace("π", "pi").replace("±", "pm").replace("²", "2").replace("→", "to")).strip("-")
+                  .replace("π", "pi").replace("τ", "tau").replace("±", "pm").replace("²", "2")
+                  .replace("→", "to")).strip("-")
 
 
 def _matching_deviation(session: _Session, case: Case, outcome: Outcome | None,
@@ -373,8 +382,10 @@ def _matching_deviation(session: _Session, case: Case, outcome: Outcome | None,
             continue
         if model == RAISES:
             continue
+        judged = deviation.judged_as(case) if deviation.judged_as is not None else None
         comparisons = compare(case, outcome.outputs, output_dtypes=outcome.output_dtypes,
-                              compute_dtype=session.subject.compute_dtype(case.dtype), expected=model)
+                              compute_dtype=judged or session.subject.compute_dtype(case.dtype), expected=model,
+                              working_dtype=judged or session.subject.working_dtype(case.dtype))
         if all(c.ok for c in comparisons):
             return deviation, comparisons
     return None
@@ -400,7 +411,8 @@ def _value_check(session: _Session, case: Case, check_id: str, layer: str, snipp
         result.call, result.traceback = subject.describe_call(case), _target_traceback(exc)
     else:
         result.comparisons = compare(case, outcome.outputs, output_dtypes=outcome.output_dtypes,
-                                     compute_dtype=subject.compute_dtype(case.dtype))
+                                     compute_dtype=subject.compute_dtype(case.dtype),
+                                     working_dtype=subject.working_dtype(case.dtype))
         failed = [c for c in result.comparisons if not c.ok]
         if failed:
             result.status = "fail"
@@ -440,7 +452,7 @@ def _precision_rank(dtype: str) -> float:
         return -math.inf
 
 
-def _structure_checks(session: _Session, kind: str) -> list[CheckResult]:
+def _structure_checks(session: _Session, kind: str, deviations: tuple[Deviation, ...] = ()) -> list[CheckResult]:
     start = time.perf_counter()
     subject = session.subject
     base = _probe_case(kind)
@@ -450,6 +462,7 @@ def _structure_checks(session: _Session, kind: str) -> list[CheckResult]:
     names = ("runs", "shapes", "dtypes", "devices", "inputs-unchanged", "deterministic")
     problems: dict[str, list[str]] = {name: [] for name in names}
     notes: dict[str, list[str]] = {name: [] for name in names}
+    documented: dict[str, list[tuple[str, Deviation]]] = {name: [] for name in names}   # explained by a deviation
     snippets: dict[str, str] = {}
     details: dict[str, tuple[str, str]] = {}
     for dtype in dtypes:
@@ -467,21 +480,30 @@ def _structure_checks(session: _Session, kind: str) -> list[CheckResult]:
             if session.hung:
                 break
             continue
-        shape = case.logits.shape[:-1] if kind == "sum-pi-squared" else case.rewards.shape
-        complete = all(name in first.outputs and name in second.outputs for name in case.output_names)
+        names_here = [name for name in case.output_names
+                      if name not in case.optional_outputs or name in first.outputs]
+        complete = all(name in first.outputs and name in second.outputs for name in names_here)
         drift = {c.output: c for c in compare(case, second.outputs, output_dtypes=first.output_dtypes,
-                                              compute_dtype=subject.compute_dtype(dtype), expected=first.outputs)
+                                              compute_dtype=subject.compute_dtype(dtype), expected=first.outputs,
+                                              working_dtype=subject.working_dtype(dtype))
                  } if complete else {}
-        for name in case.output_names:
+        for name in names_here:
             value = first.outputs.get(name)
             if value is None:
                 problems["shapes"].append(f"{dtype}: output {name} missing")
                 continue
+            shape = case.output_shape(name)
             if tuple(value.shape) != tuple(shape):
                 problems["shapes"].append(f"{dtype}: {name} has shape {tuple(value.shape)}, expected {tuple(shape)}")
             got_dtype = first.output_dtypes.get(name, "?")
             if _precision_rank(got_dtype) < _precision_rank(dtype):
-                problems["dtypes"].append(f"{dtype} inputs: {name} returned as {got_dtype} (less precise)")
+                text = f"{dtype} inputs: {name} returned as {got_dtype} (less precise)"
+                explained = next((d for d in deviations if d.structure is not None
+                                  and d.structure("dtypes", case, name, got_dtype)), None)
+                if explained is None:
+                    problems["dtypes"].append(text)
+                else:
+                    documented["dtypes"].append((text, explained))
             elif subject.dtype_rule == "same" and got_dtype != dtype:
                 notes["dtypes"].append(f"{dtype} inputs: {name} returned as {got_dtype} (more precise than the input; "
                                        "verl returns the input's dtype)")
@@ -504,11 +526,23 @@ def _structure_checks(session: _Session, kind: str) -> list[CheckResult]:
               "inputs-unchanged": "inputs not modified", "deterministic": "two identical calls, identical outputs"}
     results = []
     for name in names:
-        found, noted = problems[name], notes[name]
+        found, noted, explained = problems[name], notes[name], documented[name]
         status = "fail" if found else ("warn" if noted else "pass")
         result = CheckResult(f"{kind}/structure/{name}", "structure", kind, status,
                              "; ".join(found or noted) if (found or noted) else titles[name], case=base.describe(),
                              ratio=math.inf if found else 0.0)
+        if explained and not found:
+            deviation = explained[0][1]
+            what = "; ".join(text for text, _ in explained)
+            result.deviation = deviation.id
+            if session.strict:
+                result.status, result.ratio = "fail", math.inf
+                result.message = (f"{what} — documented deviation {deviation.id} ({deviation.category}); failed "
+                                  "because of --strict")
+            else:
+                result.status = "deviation"
+                result.message = (f"documented deviation {deviation.id} ({deviation.category}): {what}, as verl does "
+                                  f"— {deviation.title}; the reference: {deviation.reference}")
         if name == "runs" and found:
             result.snippet = snippets.get("runs", "")
             result.call, result.traceback = details.get("runs", ("", ""))
@@ -532,8 +566,10 @@ class _ShrinkBudgetSpent(BaseException):
 def _fingerprint(case: Case) -> str:
     import hashlib
 
-    digest = hashlib.sha256(repr((case.kind, case.dtype, case.handle_zero_tail, case.epsilon)).encode())
-    for name in ("rewards", "response_mask", "log_probs", "sum_pi_squared", "is_weights", "logits"):
+    digest = hashlib.sha256(repr((case.kind, case.dtype, case.handle_zero_tail, case.epsilon, case.temperature)
+                                 ).encode())
+    for name in ("rewards", "response_mask", "log_probs", "sum_pi_squared", "is_weights", "logits", "hidden",
+                 "weight", "token_ids", "log_probs_cotangent", "entropy_cotangent"):
         value = getattr(case, name)
         digest.update(b"-" if value is None else repr(value.shape).encode() + value.tobytes())
     digest.update(repr(None if case.group_ids is None else case.group_ids.tolist()).encode())
@@ -561,7 +597,7 @@ def _private_hypothesis_storage():
 
 
 def _generated_check(session: _Session, kind: str, profile: str, max_examples: int, seed: int,
-                     shrink_budget: int) -> CheckResult:
+                     shrink_budget: int, deviations: tuple[Deviation, ...] = ()) -> CheckResult:
     from hypothesis import HealthCheck, Phase, Verbosity, given, settings
     from hypothesis import seed as hypothesis_seed
     from hypothesis.errors import Flaky
@@ -570,8 +606,10 @@ def _generated_check(session: _Session, kind: str, profile: str, max_examples: i
     subject = session.subject
     check_id = f"{kind}/generated/{profile}"
     dtypes = tuple(dtype for dtype in _VALUE_DTYPES if subject.supports_dtype(dtype))
-    strategy = generated_cases(kind, profile=profile, dtypes=dtypes, equal_groups=subject.equal_groups)
-    state: dict[str, Any] = {"examples": 0, "failure": None, "after_failure": 0, "failed": set(), "worst": None}
+    strategy = generated_cases(kind, profile=profile, dtypes=dtypes, equal_groups=subject.equal_groups,
+                               fixed_shapes=subject.fixed_shapes)
+    state: dict[str, Any] = {"examples": 0, "failure": None, "after_failure": 0, "failed": set(), "worst": None,
+                             "deviating": {}}
 
     def fails(case: Case) -> bool:
         key = _fingerprint(case)
@@ -585,7 +623,10 @@ def _generated_check(session: _Session, kind: str, profile: str, max_examples: i
             raise _ShrinkBudgetSpent
         state["examples"] += 1
         session.tell(f"{kind} generated {profile} {state['examples']}/{max_examples}")
-        result = _value_check(session, case, check_id, "generated", snippet=False)
+        result = _value_check(session, case, check_id, "generated", snippet=False, deviations=deviations)
+        state["last"] = result.comparisons
+        if result.status == "deviation" or (result.status == "fail" and result.deviation):
+            state["deviating"].setdefault(result.deviation, []).append(case.dtype)
         if result.status == "fail":
             state["failure"] = (case, result)
             state["failed"].add(key)
@@ -611,10 +652,21 @@ def _generated_check(session: _Session, kind: str, profile: str, max_examples: i
         except Flaky as exc:
             flaky = f" (Hypothesis reports the failure as flaky — the implementation may be nondeterministic: {exc})"
     description = GENERATED_PROFILES[kind][profile][0]
-    if state["failure"] is None:
+    if state["failure"] is None and state["deviating"]:
+        identifier, dtypes_seen = next(iter(state["deviating"].items()))
+        deviation = next(d for d in deviations if d.id == identifier)
+        result = CheckResult(check_id, "generated", kind, "deviation",
+                             f"documented deviation {deviation.id} ({deviation.category}): {len(dtypes_seen)} of "
+                             f"{state['examples']} generated cases ({', '.join(sorted(set(dtypes_seen)))}) differ "
+                             f"from the reference exactly as verl does — {deviation.title}; the others agree with the "
+                             f"reference (seed {seed})", case=f"profile {profile}: {description}",
+                             examples=state["examples"], deviation=deviation.id,
+                             comparisons=list(state.get("last", [])))      # the last example's
+    elif state["failure"] is None:
         result = CheckResult(check_id, "generated", kind, "pass",
                              f"{state['examples']} generated cases agree with the reference (seed {seed})",
-                             case=f"profile {profile}: {description}", examples=state["examples"])
+                             case=f"profile {profile}: {description}", examples=state["examples"],
+                             comparisons=list(state.get("last", [])))      # the last example's
     else:
         case, result = state["failure"]
         worst_case, worst = state["worst"]
@@ -688,7 +740,7 @@ def run_checks(subject: Subject, kind: str, *, max_examples: int = 100, seed: in
         return bool(session.hung) or (fail_fast and any(result.status == "fail" for result in results))
 
     if "structure" in layers:
-        for result in _structure_checks(session, kind):
+        for result in _structure_checks(session, kind, deviations):
             if not skipped(result.id, "structure"):
                 results.append(result)
     sources = {"golden": lambda: golden_cases(kind, _VALUE_DTYPES),
@@ -700,7 +752,8 @@ def run_checks(subject: Subject, kind: str, *, max_examples: int = 100, seed: in
         if layer == "generated":
             for profile in GENERATED_PROFILES[kind]:
                 if not stop() and not skipped(f"{kind}/generated/{profile}", layer):
-                    results.append(_generated_check(session, kind, profile, max_examples, seed, shrink_budget))
+                    results.append(_generated_check(session, kind, profile, max_examples, seed, shrink_budget,
+                                                    deviations))
             continue
         cases = sources[layer]()
         for number, case in enumerate(cases, 1):

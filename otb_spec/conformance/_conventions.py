@@ -15,66 +15,28 @@ writes a copy-pasteable snippet reproducing a call. Built in:
 * ``jax`` — ``jax.Array`` inputs with integer segment ids and a static count: (rewards, response_mask, segment_ids,
   num_segments, log_probs, sum_pi_squared, *, is_weights, handle_zero_tail, epsilon) → (advantages, returns, …).
 
+The fused-token-statistics kind is called the same way under all three conventions that offer it — ``verl`` (torch
+tensors; gradients by ``torch.autograd.grad``), ``numpy`` (values only) and ``jax`` (gradients by ``jax.vjp``):
+``target(hidden, weight, token_ids, temperature=τ)`` → ``(log_probs, entropy)``, ``(log_probs, entropy,
+sum_pi_squared)`` or an object with those attributes (``otb_spec.conformance._fused``). A target that is a class (verl's
+``FusedLinearForPPO``, a ``torch.nn.Module``) is instantiated once with no arguments and the instance is called.
+
 Add one with :func:`register_convention`. Adapters (``otb_spec.adapters``) are subjects too (:func:`adapter_subject`).
 """
 
 from __future__ import annotations
 
-import inspect
-import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
-from otb_spec.conformance._cases import Case, compute_dtype_for
+from otb_spec.conformance._cases import FUSED, Case
+from otb_spec.conformance._fused import subject_for as _fused_subject
+from otb_spec.conformance._subjects import (Outcome, Subject, _bind_problem, _case_source, _import_line, _jax_device,
+                                            _numpy_dtype, _outcome, _Shown, _torch, _torch_dtype)
 
 __all__ = ["Outcome", "Subject", "Convention", "CONVENTIONS", "register_convention", "adapter_subject"]
-
-
-@dataclass
-class Outcome:
-    """What one call produced: float64 outputs, their dtypes and devices, the input devices, mutated inputs."""
-
-    outputs: dict[str, np.ndarray]
-    output_dtypes: dict[str, str]
-    output_devices: set[str] = field(default_factory=set)
-    input_devices: set[str] = field(default_factory=set)
-    mutated: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Subject:
-    """An implementation as the checks see it.
-
-    Attributes:
-      name: shown in reports (target and convention).
-      kinds: the kinds it can be checked for.
-      device: where its inputs are placed.
-      run: runs a case → :class:`Outcome` (raises whatever the implementation raises).
-      snippet: a copy-pasteable program reproducing a case's call and the reference's answer.
-      signature_problem: ``kind → None`` or why the callable cannot be called as the convention requires.
-      equal_groups: only contiguous equal-size groups can be expressed (a [G, N, T] layout).
-      supports_dtype: whether the convention can deliver inputs of a dtype (NumPy has no bfloat16 without ml_dtypes).
-      dtype_rule: ``"same"`` — outputs in the input dtype; ``"at-least"`` — a floating dtype at least as precise.
-      compute_dtype: the precision it accumulates in for an input dtype (decides the tolerance).
-      expressible: ``case → None`` or why this subject cannot take that case (the check is skipped with the reason).
-      describe_call: ``case → text`` naming the arguments the target is called with (types, shapes, dtypes, devices
-        and options), shown when the target raises.
-    """
-
-    name: str
-    kinds: tuple[str, ...]
-    device: str
-    run: Callable[[Case], Outcome]
-    snippet: Callable[[Case], str]
-    signature_problem: Callable[[str], str | None] = lambda kind: None
-    equal_groups: bool = False
-    supports_dtype: Callable[[str], bool] = lambda dtype: True
-    dtype_rule: str = "same"
-    compute_dtype: Callable[[str], str] = compute_dtype_for
-    expressible: Callable[[Case], str | None] = lambda case: None
-    describe_call: Callable[[Case], str] = lambda case: ""
 
 
 @dataclass(frozen=True)
@@ -104,19 +66,6 @@ def register_convention(convention: Convention) -> None:
 # helpers
 
 
-def _bind_problem(target: Callable, args: int, keywords: dict) -> str | None:
-    try:
-        signature = inspect.signature(target)
-    except (TypeError, ValueError):
-        return None                                         # builtins without a signature: the call will tell
-    try:
-        signature.bind(*range(args), **keywords)
-    except TypeError as exc:
-        return f"cannot be called as f({', '.join(['·'] * args)}{', ' if keywords else ''}" \
-               f"{', '.join(f'{k}=…' for k in keywords)}): {exc}"
-    return None
-
-
 def _signature_check(target: Callable, positional: int, weights_name: str) -> Callable[[str], str | None]:
     """``kind → problem``: Σπ² takes one argument; OTB kinds ``positional`` ones plus the weights (``weights_name``),
     ``epsilon`` and, except leave-one-out, ``handle_zero_tail`` as keywords."""
@@ -136,36 +85,6 @@ _ARRAY_OUTPUTS = ("np.asarray(got[0], dtype=np.float64)", "np.asarray(got[1], dt
                   "np.asarray(got, dtype=np.float64)")
 
 
-def _literal(name: str, array: np.ndarray | None, dtype: str) -> str:
-    if array is None:
-        return f"{name} = None"
-    if array.dtype == object or array.dtype.kind in "USO":
-        return f"{name} = np.array({array.tolist()!r}, dtype=object)"
-    if name == "group_ids":
-        return f"{name} = np.array({array.tolist()!r}, dtype=np.{array.dtype.name})"
-    numpy_dtype = "float64" if dtype == "float64" else "float32"
-    return f"{name} = np.array({np.asarray(array, dtype=np.float64).tolist()!r}, dtype=np.{numpy_dtype})"
-
-
-def _case_source(case: Case) -> str:
-    """Code that builds the case's arrays: literals for small cases, the library for large ones."""
-    arrays = ("logits",) if case.kind == "sum-pi-squared" else (
-        "rewards", "response_mask", "group_ids", "log_probs", "sum_pi_squared", "is_weights")
-    size = sum(np.size(getattr(case, name)) for name in arrays if getattr(case, name) is not None)
-    if case.name == "generated" or size <= 400:
-        lines = ["import numpy as np"] + [_literal(name, getattr(case, name), case.dtype) for name in arrays]
-        if case.kind != "sum-pi-squared":
-            lines.append(f"handle_zero_tail, epsilon = {case.handle_zero_tail!r}, {case.epsilon!r}")
-        return "\n".join(lines)
-    lines = ["import numpy as np",
-             "from otb_spec.conformance import find_case",
-             f"case = find_case({case.kind!r}, {case.name!r}, {case.dtype!r})"]
-    lines += [f"{name} = case.{name}" for name in arrays]
-    if case.kind != "sum-pi-squared":
-        lines.append("handle_zero_tail, epsilon = case.handle_zero_tail, case.epsilon")
-    return "\n".join(lines)
-
-
 def _reference_line(case: Case) -> str:
     if case.kind == "sum-pi-squared":
         return "expected = otb_spec.sum_pi_squared(logits)"
@@ -182,30 +101,6 @@ def _difference_line(case: Case, got_advantages: str, got_returns: str, got_spp:
         return f'print("max |got - expected|: sum_pi_squared", abs({got_spp} - expected).max())'
     return (f'print("max |got - expected|: advantages", abs({got_advantages} - expected.advantages).max(), '
             f'"returns", abs({got_returns} - expected.returns).max())')
-
-
-def _import_line(target_spec: str) -> str:
-    """The line binding ``target``: an import for ``module:name`` / ``file.py:name`` (``name`` may be dotted)."""
-    module, _, attribute = target_spec.rpartition(":")
-    if "<" in attribute or not module:               # a lambda or nested function passed as an object
-        return f"target = ...  # bind `target` to the function you passed to verify() ({target_spec})"
-    if module.endswith(".py"):
-        return (f"import importlib.util; spec = importlib.util.spec_from_file_location('target', {module!r}); "
-                f"target_module = importlib.util.module_from_spec(spec); spec.loader.exec_module(target_module); "
-                f"target = target_module.{attribute}")
-    first, _, rest = attribute.partition(".")
-    return f"from {module} import {first} as target" + (f"; target = target.{rest}" if rest else "")
-
-
-class _Shown:
-    """Stands for an argument in a call description: its type name, shape, dtype and device."""
-
-    def __init__(self, type_name: str, array: np.ndarray, dtype: str, device: str | None = None):
-        self.shape, self.dtype, self.device, self.type_name = tuple(np.shape(array)), dtype, device, type_name
-
-    def __str__(self) -> str:
-        where = f" on {self.device}" if self.device else ""
-        return f"{self.type_name}[{', '.join(str(n) for n in self.shape)}] {self.dtype}{where}"
 
 
 def _described_call(case: Case, names: dict[str, str], array: Callable[[np.ndarray, str], _Shown],
@@ -241,38 +136,9 @@ def _pair(result: Any, names: tuple[str, str] = ("advantages", "returns")) -> tu
 # verl (torch)
 
 
-def _torch():
-    import torch  # the verl convention needs torch; imported only when it is used
-
-    return torch
-
-
-def _torch_dtype(dtype: str):
-    torch = _torch()
-    return {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
-            "float16": torch.float16}[dtype]
-
-
-def _to_host(value: Any) -> tuple[np.ndarray, str, str]:
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.Tensor):
-        dtype = str(value.dtype).replace("torch.", "")
-        host = value.detach().cpu()
-        if host.dtype in (torch.bfloat16, torch.float16):
-            host = host.float()
-        return host.numpy().astype(np.float64), dtype, str(value.device)
-    jax = sys.modules.get("jax")
-    if jax is not None and isinstance(value, jax.Array):
-        host = np.asarray(value)
-        dtype = host.dtype.name
-        devices = getattr(value, "devices", None)
-        device = str(next(iter(devices()))) if callable(devices) else "jax"
-        return host.astype(np.float64), dtype, device
-    host = np.asarray(value)
-    return host.astype(np.float64), host.dtype.name, "cpu"
-
-
 def _verl(target: Callable, target_spec: str, kind: str, device: str) -> Subject:
+    if kind == FUSED:
+        return _fused_subject("verl", target, target_spec, device)
     torch = _torch()
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: torch sees no CUDA device on this machine")
@@ -332,28 +198,8 @@ def _verl(target: Callable, target_spec: str, kind: str, device: str) -> Subject
                    snippet, _signature_check(target, 5, "rollout_is_weights"), describe_call=describe_call)
 
 
-def _outcome(results: tuple, input_devices: set[str]) -> Outcome:
-    outputs, dtypes, devices = {}, {}, set()
-    for name, value in results:
-        outputs[name], dtypes[name], where = _to_host(value)
-        devices.add(where)
-    return Outcome(outputs, dtypes, devices, input_devices)
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # numpy and grouped
-
-
-def _numpy_dtype(dtype: str):
-    if dtype in ("float64", "float32", "float16"):
-        return np.dtype(dtype)
-    ml_dtypes = sys.modules.get("ml_dtypes")
-    if ml_dtypes is None:
-        try:
-            import ml_dtypes  # optional: NumPy has no bfloat16 of its own
-        except ImportError:
-            return None
-    return np.dtype(ml_dtypes.bfloat16)
 
 
 def _group_order(group_ids: np.ndarray) -> tuple[np.ndarray, int] | str:
@@ -368,6 +214,8 @@ def _group_order(group_ids: np.ndarray) -> tuple[np.ndarray, int] | str:
 
 
 def _numpy(target: Callable, target_spec: str, kind: str, device: str, grouped: bool = False) -> Subject:
+    if kind == FUSED and not grouped:
+        return _fused_subject("numpy", target, target_spec, device)
     def array(values: np.ndarray, dtype: str) -> np.ndarray:
         return np.asarray(values, dtype=np.float32 if dtype != "float64" else np.float64).astype(_numpy_dtype(dtype))
 
@@ -460,6 +308,8 @@ def _numpy(target: Callable, target_spec: str, kind: str, device: str, grouped: 
 
 
 def _jax(target: Callable, target_spec: str, kind: str, device: str) -> Subject:
+    if kind == FUSED:
+        return _fused_subject("jax", target, target_spec, device)
     import jax
     import jax.numpy as jnp
 
@@ -518,21 +368,17 @@ def _jax(target: Callable, target_spec: str, kind: str, device: str) -> Subject:
                    str(placement), run, snippet, _signature_check(target, 6, "is_weights"), describe_call=describe_call)
 
 
-def _jax_device(value: Any) -> str:
-    devices = getattr(value, "devices", None)
-    return str(next(iter(devices()))) if callable(devices) else "jax"
-
-
 for _convention in (
-    Convention("verl", "verl 0.9.1: torch tensors, NumPy index, returns (advantages, returns)",
-               ("otb", "tir-otb", "sum-pi-squared"), _verl),
-    Convention("numpy", "the reference's signature on NumPy arrays", ("otb", "tir-otb", "loo-otb", "sum-pi-squared"),
-               _numpy),
+    Convention("verl", "verl 0.9.1: torch tensors, NumPy index, returns (advantages, returns); fused kernels: "
+               "f(hidden, weight, token_ids, temperature=τ), gradients by torch autograd",
+               ("otb", "tir-otb", "sum-pi-squared", FUSED), _verl),
+    Convention("numpy", "the reference's signature on NumPy arrays (fused kernels: values only)",
+               ("otb", "tir-otb", "loo-otb", "sum-pi-squared", FUSED), _numpy),
     Convention("grouped", "contiguous equal-size groups as [G, N, T] NumPy arrays, no ids",
                ("otb", "tir-otb", "loo-otb"),
                lambda target, spec, kind, device: _numpy(target, spec, kind, device, grouped=True)),
-    Convention("jax", "jax.Array inputs with integer segment ids and a static segment count",
-               ("otb", "tir-otb", "loo-otb", "sum-pi-squared"), _jax),
+    Convention("jax", "jax.Array inputs with integer segment ids and a static segment count (fused kernels: "
+               "gradients by jax.vjp)", ("otb", "tir-otb", "loo-otb", "sum-pi-squared", FUSED), _jax),
 ):
     register_convention(_convention)
 

@@ -16,6 +16,10 @@ Two categories (docs/verl-differences.md lists both with their case ids):
   lengths as ``response_mask.sum(-1)`` in that dtype, which rounds lengths above 256 (float16: 2048). The single-turn
   zero tail then follows the rounded lengths (wrong member, wrong start, or a tie that hides it); the multi-turn
   compaction raises a shape error.
+* **known verl defect** — ``fused-float64-in-float32`` (fused token statistics): verl's ``FusedLinearForPPO`` casts
+  the logits to float32 whatever the inputs' dtype, so float64 hidden states and weights give log π in float32 and
+  statistics and gradients only as accurate as float32's. Its model: the reference's values, judged with the bound of
+  a program working in float32; the structure layer's "less precise output" finding for log π is recognised too.
 """
 
 from __future__ import annotations
@@ -51,6 +55,10 @@ class Deviation:
       kinds: the kinds it concerns.
       applies: ``case → bool``: the case exercises it (the model differs from the reference there).
       model: ``case → {output: expected array (NaN where verl gives NaN)}`` or :data:`RAISES`.
+      judged_as: ``case → dtype`` or None: compare with the model within the bound of a program whose working and
+        accumulation precision is that dtype (a precision deviation), instead of the subject's own.
+      structure: ``(check, case, output, returned dtype) → bool`` or None: the deviation explains this finding of the
+        structure layer (e.g. ``"dtypes"``: an output less precise than the inputs).
     """
 
     id: str
@@ -63,6 +71,8 @@ class Deviation:
     kinds: tuple[str, ...]
     applies: Callable[[Case], bool]
     model: Callable[[Case], Any]
+    judged_as: Callable[[Case], str] | None = None
+    structure: Callable[[str, Case, str, str], bool] | None = None
 
     def to_dict(self) -> dict:
         return {"id": self.id, "category": self.category, "title": self.title, "verl": self.verl,
@@ -147,6 +157,18 @@ def _half_lengths_model(case: Case) -> Any:
     return {"advantages": (untailed.returns - untailed.baselines * keep) * mask, "returns": untailed.returns}
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# fused token statistics of float64 inputs computed in float32
+
+
+def _float64_inputs(case: Case) -> bool:
+    return case.kind == "fused-token-statistics" and case.dtype == "float64"
+
+
+def _float32_statistics(check: str, case: Case, output: str, returned: str) -> bool:
+    return check == "dtypes" and _float64_inputs(case) and returned == "float32"
+
+
 DEVIATIONS: tuple[Deviation, ...] = (
     Deviation(
         id="epsilon-zero-nan", category="by definition",
@@ -169,10 +191,25 @@ DEVIATIONS: tuple[Deviation, ...] = (
         why="lengths are integers; rounding them is a defect of verl 0.9.1, listed so that it stays visible",
         doc="docs/verl-differences.md #11", kinds=("otb", "tir-otb"),
         applies=_half_lengths_applies, model=_half_lengths_model),
+    Deviation(
+        id="fused-float64-in-float32", category="known verl defect",
+        title="float64 hidden states and LM head: verl's FusedLinearForPPO computes in float32",
+        verl="casts the logits h·Wᵀ/τ to float32 whatever the inputs' dtype (`logits.to(torch.float32)`, meant to "
+             "widen bfloat16), so with float64 inputs log π comes back as float32 and log π, the entropy and both "
+             "gradients are only as accurate as a float32 computation (observed: within float32's bound, 10⁵ to 10⁷ "
+             "times float64's)",
+        reference="computes float64 inputs in float64",
+        why="a kernel given float64 must not lose precision silently (float64 is what gradient checks run in); the "
+            "cast is a defect of verl 0.9.1, harmless for its bfloat16/float32 training, listed so that it stays "
+            "visible",
+        doc="docs/verl-differences.md #13", kinds=("fused-token-statistics",),
+        applies=_float64_inputs, model=lambda case: case.expected(), judged_as=lambda case: "float32",
+        structure=_float32_statistics),
 )
 
 
 def deviations_for(kind: str) -> tuple[Deviation, ...]:
     """The documented deviations that concern ``kind`` (none for loo-otb and sum-pi-squared: verl has no
-    leave-one-out OTB, and its Σπ² is within the tolerance of a correct implementation)."""
+    leave-one-out OTB, and its Σπ² is within the tolerance of a correct implementation; for fused token statistics the
+    float64-in-float32 cast of ``FusedLinearForPPO``)."""
     return tuple(deviation for deviation in DEVIATIONS if kind in deviation.kinds)

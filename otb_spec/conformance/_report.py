@@ -36,6 +36,8 @@ class Report:
       results: every check's :class:`CheckResult`, in the order run.
       seconds: wall time of the whole run.
       strict: documented deviations of verl were counted as failures.
+      notes: header lines from the subject — how it was called, how gradients were taken (or that they were not),
+        which bound judged it (fused token statistics).
     """
 
     target: str
@@ -48,6 +50,26 @@ class Report:
     results: list[CheckResult] = field(default_factory=list)
     seconds: float = 0.0
     strict: bool = False
+    notes: tuple[str, ...] = ()
+
+    @property
+    def compared_outputs(self) -> list[str]:
+        """The outputs some value check compared with the reference, in order of first appearance."""
+        seen = [c.output for r in self.results for c in r.comparisons]
+        return list(dict.fromkeys(seen))
+
+    def _output_lines(self) -> list[str]:
+        """Fused token statistics: which outputs were compared, and which optional ones were not."""
+        if "fused-token-statistics" not in self.kinds or not self.compared_outputs:
+            return []
+        compared = self.compared_outputs
+        missing = [name for name in ("sum_pi_squared", "grad_hidden", "grad_weight") if name not in compared]
+        why = {"sum_pi_squared": "not returned by the target", "grad_hidden": "no gradients taken",
+               "grad_weight": "no gradients taken"}
+        text = f"outputs:     compared {', '.join(compared)}"
+        if missing:
+            text += "; NOT CHECKED: " + ", ".join(f"{name} ({why[name]})" for name in missing)
+        return [text]
 
     @property
     def failures(self) -> list[CheckResult]:
@@ -120,6 +142,8 @@ class Report:
             "conformant": self.conformant,
             "exit_status": self.exit_status,
             "seconds": round(self.seconds, 3),
+            "notes": list(self.notes) + self._output_lines(),
+            "compared_outputs": self.compared_outputs,
             "summary": self._summary(),
             "deviations": [dict(deviation.to_dict(), observed=deviation.id in self.observed_deviations,
                                 checks=[r.id for r in self.results if r.deviation == deviation.id])
@@ -157,8 +181,11 @@ class Report:
                  "tolerances:  otb_spec.tolerances (per element, from the dtypes and the problem size; "
                  "docs/tolerances.md)",
                  f"deviations:  {deviation_note}",
+                 *self.notes, *self._output_lines(),
                  ""]
-        for key, counts in self._summary().items():
+        summary = self._summary()
+        width = max([26] + [len(key) for key in summary])
+        for key, counts in summary.items():
             if counts["fail"]:
                 verdict = "FAIL"
             elif counts["deviation"]:
@@ -171,7 +198,7 @@ class Report:
             extra = "".join(f", {counts[status]} {label}{'s' if counts[status] != 1 and status != 'skip' else ''}"
                             for status, label in (("deviation", "documented deviation"), ("warn", "warning"),
                                                   ("skip", "skipped")) if counts[status])
-            lines.append(f"  {key:<26} {verdict:<8} {counts['pass']}/{total} passed{extra}")
+            lines.append(f"  {key:<{width}} {verdict:<8} {counts['pass']}/{total} passed{extra}")
         lines.append("")
         failures = sorted(self.failures, key=lambda r: -(r.ratio if not math.isnan(r.ratio) else math.inf))
         if failures:

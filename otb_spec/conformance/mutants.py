@@ -3,8 +3,11 @@
 Each mutant is a function with verl 0.9.1's signature (the ``verl`` convention) carrying exactly one realistic bug —
 the kind found in trainers' OTB code: a mask forgotten in one place, π where log π belongs, ρ instead of ρ², a sum
 along the wrong axis, a group layout assumed, a zero-tail length off by one, half-precision accumulation, an input
-modified in place. They share one straightforward, correct torch implementation (``straightforward_*``, the controls):
-the bug is the only difference, so a mutant is rejected for its bug and nothing else.
+modified in place; and, for fused kernels (``fused_*``, called ``f(hidden, weight, token_ids, temperature=τ)``), a
+chunked pass that forgets the global maximum, a backward pass without the entropy term or without 1/τ, Σπ² from
+unshifted exponentials, log π off by the temperature, an entropy term with the wrong sign. They share one
+straightforward, correct torch implementation per kind (``straightforward_*``, the controls): the bug is the only
+difference, so a mutant is rejected for its bug and nothing else.
 
 ``otb-spec mutants`` runs the verifier over every mutant and the controls and prints which layers caught each
 (docs/conformance.md has the table); ``tests/test_conformance_mutants.py`` asserts that every mutant is rejected and
@@ -24,7 +27,7 @@ import numpy as np
 import torch
 
 __all__ = ["Mutant", "MUTANTS", "CONTROLS", "KillTable", "kill_table", "straightforward_otb",
-           "straightforward_multi_turn_otb", "straightforward_sum_pi_squared"]
+           "straightforward_multi_turn_otb", "straightforward_sum_pi_squared", "straightforward_fused_token_statistics"]
 
 
 @dataclass(frozen=True)
@@ -235,6 +238,129 @@ def _sum_pi_squared(logits, bugs=frozenset()):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# fused token statistics: a chunked kernel with a custom backward, with switches for the bugs
+
+def _fused_chunk(vocab: int) -> int:
+    """Vocabulary columns per block: 16, or V/8 for large vocabularies (at most about nine blocks per pass)."""
+    return max(16, vocab // 8)
+
+
+def _row_sum(values, bugs, running=None):
+    """``running`` (the rescaled total of the earlier chunks) + Σ over the vocabulary axis; with the half-precision
+    bug, one running total kept in the inputs' precision across the whole vocabulary and fed 16-column tiles (as a
+    kernel with a bfloat16 accumulator does: torch's own sum accumulates in float32)."""
+    if "accumulates_in_input_dtype" not in bugs or values.dtype not in (torch.bfloat16, torch.float16):
+        return values.sum(1) if running is None else running + values.sum(1)
+    total = torch.zeros(values.shape[0], dtype=values.dtype) if running is None else running
+    for tile in values.split(16, dim=1):
+        total = total + tile.sum(1)
+    return total
+
+
+class _FusedStatistics(torch.autograd.Function):
+    """(hidden [N, H], weight [V, H], ids [N]) → (log π, H, Σπ²) [N], walking the vocabulary in chunks of
+    max(16, V/8) columns with online rescaling; the backward pass rebuilds each block of ∂z from lse and H."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, temperature, bugs):
+        half = hidden.dtype in (torch.bfloat16, torch.float16)
+        compute = hidden.dtype if half and "accumulates_in_input_dtype" in bugs else (
+            torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32)
+        if "mutates_hidden" in bugs:
+            hidden.mul_(1.0 / temperature)                   # "scale once, in place, to save a copy"
+            h = hidden.to(compute)
+        else:
+            h = hidden.to(compute) / temperature
+        w = weight.to(compute)
+        n, vocab = h.shape[0], w.shape[0]
+        chunk = _fused_chunk(vocab)
+        columns = vocab // chunk * chunk if "drops_partial_chunk" in bugs and vocab > chunk else vocab
+        peak = torch.full((n,), -torch.inf, dtype=compute)
+        s1, s2, tilt, chosen = (torch.zeros(n, dtype=compute) for _ in range(4))
+        unshifted = torch.zeros(n, dtype=compute)
+        for start in range(0, columns, chunk):
+            stop = min(start + chunk, columns)
+            z = h @ w[start:stop].T
+            inside = (ids >= start) & (ids < stop)
+            local_ids = (ids - start).clamp(0, stop - start - 1)
+            picked = z.gather(1, local_ids[:, None])[:, 0]
+            if "log_probs_off_by_temperature" in bugs:
+                picked = picked * temperature                # the chosen logit taken before dividing by τ
+            chosen = torch.where(inside, picked, chosen)
+            unshifted = unshifted + torch.exp(2 * z).sum(1)  # only read by the unshifted-Σπ² bug
+            local = z.amax(1)
+            if "forgets_global_max" in bugs:                 # each chunk against its own maximum, never rescaled
+                a = torch.exp(z - local[:, None])
+                s1, s2 = s1 + a.sum(1), s2 + (a * a).sum(1)
+                tilt = tilt + (a * (z - local[:, None])).sum(1)
+                peak = torch.maximum(peak, local)
+                continue
+            new = torch.maximum(peak, local)
+            a = torch.exp(z - new[:, None])
+            terms = (a, a * a, a * (z - new[:, None]))
+            if start == 0:
+                s1, s2, tilt = (_row_sum(x, bugs) for x in terms)
+            else:
+                shift = peak - new
+                factor = torch.exp(shift)
+                tilt = _row_sum(terms[2], bugs, factor * (tilt + shift * s1))
+                s1 = _row_sum(terms[0], bugs, factor * s1)
+                s2 = _row_sum(terms[1], bugs, factor * factor * s2)
+            peak = new
+        lse = peak + torch.log(s1)
+        log_probs = chosen - lse
+        entropy = torch.log(s1) + tilt / s1 if "entropy_wrong_sign" in bugs else torch.log(s1) - tilt / s1
+        if "sum_pi_squared_unshifted" in bugs:
+            spp = unshifted / torch.square(torch.exp(lse))
+        else:
+            spp = s2 / torch.square(s1)
+        ctx.save_for_backward(hidden, weight, ids, lse, entropy)
+        ctx.configuration = (temperature, bugs, compute)
+        ctx.mark_non_differentiable(spp)
+        return log_probs, entropy, spp
+
+    @staticmethod
+    def backward(ctx, g_log_probs, g_entropy, _):
+        hidden, weight, ids, lse, entropy = ctx.saved_tensors
+        temperature, bugs, compute = ctx.configuration
+        scale = 1.0 if "backward_forgets_temperature" in bugs else 1.0 / temperature
+        if "mutates_hidden" in bugs:                         # the saved tensor holds h/τ
+            scaled, h = hidden.to(compute), hidden.to(compute) * temperature
+        else:
+            scaled, h = hidden.to(compute) / temperature, hidden.to(compute)
+        w = weight.to(compute)
+        g_lp = torch.zeros_like(lse) if g_log_probs is None else g_log_probs.to(compute)
+        g_h = torch.zeros_like(lse) if g_entropy is None else g_entropy.to(compute)
+        d_hidden, d_weight = torch.zeros_like(h), torch.zeros_like(w)
+        chunk = _fused_chunk(w.shape[0])
+        for start in range(0, w.shape[0], chunk):
+            stop = min(start + chunk, w.shape[0])
+            log_probs = scaled @ w[start:stop].T - lse[:, None]
+            probs = torch.exp(log_probs)
+            d_logits = -g_lp[:, None] * probs
+            if "backward_without_entropy_term" not in bugs:
+                d_logits = d_logits - g_h[:, None] * probs * (log_probs + entropy[:, None])
+            inside = (ids >= start) & (ids < stop)
+            rows = torch.nonzero(inside)[:, 0]
+            d_logits[rows, ids[rows] - start] += g_lp[rows]
+            d_hidden += d_logits @ w[start:stop] * scale
+            d_weight[start:stop] += d_logits.T @ h * scale
+        return d_hidden.to(hidden.dtype), d_weight.to(weight.dtype), None, None, None
+
+
+def _fused(hidden, weight, token_ids, temperature=1.0, bugs=frozenset()):
+    n_hidden = hidden.shape[-1]
+    lead = token_ids.shape
+    if "flattens_3d_in_wrong_order" in bugs and hidden.dim() == 3:
+        flat = hidden.transpose(0, 1).reshape(-1, n_hidden)          # [T, B, H] order; the ids stay [B, T]
+    else:
+        flat = hidden.reshape(-1, n_hidden)
+    log_probs, entropy, spp = _FusedStatistics.apply(flat, weight, token_ids.reshape(-1).to(torch.int64),
+                                                     float(temperature), bugs)
+    return log_probs.reshape(lead), entropy.reshape(lead), spp.reshape(lead)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # the controls (correct) and the mutants
 
 
@@ -257,10 +383,18 @@ def straightforward_sum_pi_squared(logits, **kwargs):
     return _sum_pi_squared(logits)
 
 
+def straightforward_fused_token_statistics(hidden, weight, token_ids, temperature=1.0, **kwargs):
+    """A correct fused kernel (verl's signature for FusedLinearForPPO's forward): log π, entropy and Σπ² through
+    vocabulary chunks of max(16, V/8) columns with online rescaling, a custom backward that rebuilds each block from
+    lse and H, float32 accumulation for half precision."""
+    return _fused(hidden, weight, token_ids, temperature)
+
+
 CONTROLS: dict[str, tuple[str, Callable[..., Any]]] = {
     "otb": ("straightforward_otb", straightforward_otb),
     "tir-otb": ("straightforward_multi_turn_otb", straightforward_multi_turn_otb),
     "sum-pi-squared": ("straightforward_sum_pi_squared", straightforward_sum_pi_squared),
+    "fused-token-statistics": ("straightforward_fused_token_statistics", straightforward_fused_token_statistics),
 }
 
 _OTB_BUGS = {
@@ -301,12 +435,31 @@ _SPP_BUGS = {
     "inverted_log_ratio": "Σπ² = exp(2·lse(z) − lse(2z)) — the log-ratio inverted",
 }
 
+_FUSED_BUGS = {
+    "forgets_global_max": "vocabulary chunks each summed against their own maximum and added without rescaling to "
+                          "the global one",
+    "backward_without_entropy_term": "the backward pass drops the entropy's term −g_H·π(log π + H) from ∂z",
+    "backward_forgets_temperature": "the backward pass forgets 1/τ: ∂h = ∂z·W and ∂W = ∂zᵀh",
+    "sum_pi_squared_unshifted": "Σπ² as Σe^{2z}/(Σe^z)² from unshifted exponentials, which overflow",
+    "log_probs_off_by_temperature": "log π from the chosen logit taken before dividing by τ (z_y·τ − lse)",
+    "entropy_wrong_sign": "the entropy as log S₁ + T/S₁: the sign of the tilt term flipped",
+    "drops_partial_chunk": "the vocabulary loop stops at the last full chunk: the final tokens (V mod the chunk) are "
+                           "left out",
+    "flattens_3d_in_wrong_order": "3-D hidden states [B, T, H] flattened as [T, B, H] while the ids stay [B, T]",
+    "mutates_hidden": "the hidden states scaled by 1/τ in place, overwriting the caller's tensor",
+    "accumulates_in_input_dtype": "bfloat16 inputs: logits, exponentials and the running sums over 16-column tiles "
+                                  "kept in bfloat16",
+}
+
 
 def _make(kind: str, bug: str, description: str) -> Mutant:
     bugs = frozenset({bug})
     if kind == "sum-pi-squared":
         def function(logits, **kwargs):
             return _sum_pi_squared(logits, bugs)
+    elif kind == "fused-token-statistics":
+        def function(hidden, weight, token_ids, temperature=1.0, **kwargs):
+            return _fused(hidden, weight, token_ids, temperature, bugs)
     else:
         core = _multi_turn if kind == "tir-otb" else _single_turn
 
@@ -314,7 +467,7 @@ def _make(kind: str, bug: str, description: str) -> Mutant:
                      rollout_is_weights=None, handle_zero_tail=True, epsilon=1e-8, **kwargs):
             return core(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, rollout_is_weights,
                         handle_zero_tail, epsilon, bugs)
-    prefix = {"otb": "", "tir-otb": "", "sum-pi-squared": "spp_"}[kind]
+    prefix = {"otb": "", "tir-otb": "", "sum-pi-squared": "spp_", "fused-token-statistics": "fused_"}[kind]
     name = prefix + bug
     function.__name__ = function.__qualname__ = name
     function.__doc__ = f"Mutant ({kind}): {description}."
@@ -322,7 +475,8 @@ def _make(kind: str, bug: str, description: str) -> Mutant:
 
 
 MUTANTS: dict[str, Mutant] = {}
-for _kind, _bugs in (("otb", _OTB_BUGS), ("tir-otb", _TIR_BUGS), ("sum-pi-squared", _SPP_BUGS)):
+for _kind, _bugs in (("otb", _OTB_BUGS), ("tir-otb", _TIR_BUGS), ("sum-pi-squared", _SPP_BUGS),
+                     ("fused-token-statistics", _FUSED_BUGS)):
     for _bug, _description in _bugs.items():
         _mutant = _make(_kind, _bug, _description)
         MUTANTS[_mutant.name] = _mutant

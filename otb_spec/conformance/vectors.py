@@ -28,10 +28,14 @@ from otb_spec.conformance._cases import (GENERATED_PROFILES, KINDS, Case, comput
                                          golden_cases, special_cases)
 from otb_spec.conformance._checks import _fingerprint, _slug
 
-__all__ = ["VECTOR_SCHEMA", "VECTOR_SCHEMA_VERSION", "write_vectors", "read_vector", "vector_json_schema"]
+__all__ = ["VECTOR_SCHEMA", "VECTOR_SCHEMA_VERSION", "VECTOR_KINDS", "write_vectors", "read_vector",
+           "vector_json_schema"]
 
 VECTOR_SCHEMA = "otb-spec-vector"
 VECTOR_SCHEMA_VERSION = 1
+# The kinds with vectors. fused-token-statistics has none: its inputs (hidden states, an LM head) and its gradient
+# outputs are outside schema version 1, and a port in another language can run it through its own autodiff only.
+VECTOR_KINDS = tuple(kind for kind in KINDS if kind != "fused-token-statistics")
 _INPUTS = {"otb": ("rewards", "response_mask", "group_ids", "log_probs", "sum_pi_squared", "is_weights"),
            "sum-pi-squared": ("logits",)}
 _FUNCTIONS = {
@@ -174,14 +178,15 @@ def _sample_generated(kind: str, profile: str, count: int, seed: int) -> list[Ca
     return cases
 
 
-def write_vectors(directory: str, *, kinds: tuple[str, ...] = KINDS, generated: int = 10, special: bool = True,
+def write_vectors(directory: str, *, kinds: tuple[str, ...] = VECTOR_KINDS, generated: int = 10, special: bool = True,
                   seed: int = 0) -> dict:
     """Write golden (float64, float32), ``generated`` Hypothesis cases per profile (seeded) and, with ``special``,
     the special cases of every kind in ``kinds`` to ``directory``. Returns the manifest (also written as
     ``manifest.json``)."""
-    unknown = [kind for kind in kinds if kind not in KINDS]
+    unknown = [kind for kind in kinds if kind not in VECTOR_KINDS]
     if unknown:
-        raise ValueError(f"kinds: unknown {', '.join(unknown)}; expected some of {', '.join(KINDS)}")
+        raise ValueError(f"kinds: unknown {', '.join(unknown)}; expected some of {', '.join(VECTOR_KINDS)} (the "
+                         "fused-token-statistics kind has no vectors)")
     if not isinstance(generated, int) or generated < 0:
         raise ValueError(f"generated: expected a non-negative integer, got {generated!r}")
     os.makedirs(directory, exist_ok=True)
@@ -264,7 +269,7 @@ def vector_json_schema() -> dict:
             "schema_version": {"const": VECTOR_SCHEMA_VERSION},
             "otb_spec_version": {"type": "string"},
             "id": {"type": "string"},
-            "kind": {"enum": list(KINDS)},
+            "kind": {"enum": list(VECTOR_KINDS)},
             "function": {"type": "string"},
             "source": {"enum": ["golden", "generated", "special"]},
             "name": {"type": "string"},

@@ -1,0 +1,180 @@
+"""otb_torch.fused_linear_token_statistics: log π, entropy and Σπ² from hidden states and the LM head without the
+logits, equal to the reference (values and gradients, against the analytic formulas) within the derived bounds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import otb_spec as otb
+from otb_spec import strategies as otb_st
+from otb_spec.tolerances import hidden_comparison_tolerances
+
+torch = pytest.importorskip("torch")
+otb_torch = pytest.importorskip("otb_torch")
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _run(case: otb_st.LMHeadCase, dtype: torch.dtype, *, chunk_size=None, vocab_chunk_size=None,
+         use_log_probs: bool = True, use_entropy: bool = True):
+    """The port on ``case`` (cast to ``dtype``): its statistics and the gradients of Σ g_lp·log π + g_H·H."""
+    hidden = torch.tensor(case.hidden, dtype=dtype, requires_grad=True)
+    weight = torch.tensor(case.weight, dtype=dtype, requires_grad=True)
+    stats = otb_torch.fused_linear_token_statistics(hidden, weight, torch.tensor(case.token_ids),
+                                                    temperature=case.temperature, chunk_size=chunk_size,
+                                                    vocab_chunk_size=vocab_chunk_size)
+    loss = 0 * stats.log_probs.sum()
+    if use_log_probs:
+        loss = loss + (stats.log_probs * torch.tensor(case.log_probs_cotangent, dtype=stats.log_probs.dtype)).sum()
+    if use_entropy:
+        loss = loss + (stats.entropy * torch.tensor(case.entropy_cotangent, dtype=stats.entropy.dtype)).sum()
+    loss.backward()
+    return stats, hidden, weight
+
+
+def _assert_matches_reference(case, dtype, stats, hidden, weight, *, use_log_probs=True, use_entropy=True):
+    exact_hidden = hidden.detach().double().numpy()     # the values the port was given, exactly
+    exact_weight = weight.detach().double().numpy()
+    g_lp = case.log_probs_cotangent if use_log_probs else None
+    g_h = case.entropy_cotangent if use_entropy else None
+    reference = otb.token_statistics_from_hidden(exact_hidden, exact_weight, case.token_ids,
+                                                 temperature=case.temperature)
+    gradients = otb.token_statistics_vjp(exact_hidden, exact_weight, case.token_ids, g_lp, g_h,
+                                         temperature=case.temperature)
+    compute = "float64" if dtype == torch.float64 else "float32"
+    # the port upcasts half-precision inputs and works in float32: its bound is float32's, plus the output rounding
+    # of the gradients to the inputs' dtype
+    statistics, (bound_h, bound_w) = hidden_comparison_tolerances(
+        exact_hidden, exact_weight, case.token_ids, temperature=case.temperature, log_probs_cotangent=g_lp,
+        entropy_cotangent=g_h, input_dtype=compute, output_dtype=str(dtype).split(".")[1])
+    for name in ("log_probs", "entropy", "sum_pi_squared"):
+        value = getattr(stats, name)
+        assert value.dtype == DTYPES[compute] and tuple(value.shape) == case.token_ids.shape, name
+        getattr(statistics, name).assert_close(value.detach().numpy(), getattr(reference, name), name)
+    assert not stats.sum_pi_squared.requires_grad
+    assert hidden.grad.dtype == dtype and weight.grad.dtype == dtype
+    bound_h.assert_close(hidden.grad.double().numpy(), gradients.hidden, "∂hidden vs the analytic VJP")
+    bound_w.assert_close(weight.grad.double().numpy(), gradients.weight, "∂weight vs the analytic VJP")
+
+
+blocks = st.tuples(st.one_of(st.none(), st.integers(1, 9)), st.one_of(st.none(), st.integers(1, 40)))
+
+
+@given(case=otb_st.lm_head_inputs(), dtype=st.sampled_from(["float32", "float64"]), block=blocks)
+def test_values_and_gradients_equal_the_reference(case, dtype, block):
+    """For any row and vocabulary chunking (online rescaling across vocabulary chunks included)."""
+    stats, hidden, weight = _run(case, DTYPES[dtype], chunk_size=block[0], vocab_chunk_size=block[1])
+    _assert_matches_reference(case, DTYPES[dtype], stats, hidden, weight)
+
+
+@given(case=otb_st.lm_head_inputs(max_vocab_size=40, max_hidden_size=12), dtype=st.sampled_from(["bfloat16", "float16"]),
+       block=blocks)
+def test_half_precision_inputs_are_accumulated_in_float32(case, dtype, block):
+    """bf16/fp16 hidden states and weights: statistics in float32 with float32's bound (not the half precision's)."""
+    stats, hidden, weight = _run(case, DTYPES[dtype], chunk_size=block[0], vocab_chunk_size=block[1])
+    _assert_matches_reference(case, DTYPES[dtype], stats, hidden, weight)
+
+
+@given(case=otb_st.lm_head_inputs(lead_shapes=[(3, 4)]), use_log_probs=st.booleans())
+def test_a_loss_of_one_statistic_gets_its_own_gradient(case, use_log_probs):
+    """Only log π in the loss (a policy loss without entropy bonus) or only the entropy: the backward pass takes
+    the matching branch (the other cotangent is None)."""
+    use_entropy = not use_log_probs
+    stats, hidden, weight = _run(case, torch.float64, chunk_size=5, vocab_chunk_size=7, use_log_probs=use_log_probs,
+                                 use_entropy=use_entropy)
+    _assert_matches_reference(case, torch.float64, stats, hidden, weight, use_log_probs=use_log_probs,
+                              use_entropy=use_entropy)
+
+
+def test_gradcheck_in_float64():
+    """torch.autograd.gradcheck: the custom backward agrees with finite differences of the custom forward."""
+    rng = np.random.default_rng(0)
+    hidden = torch.tensor(rng.normal(size=(5, 3)), requires_grad=True)
+    weight = torch.tensor(rng.normal(size=(11, 3)), requires_grad=True)
+    ids = torch.tensor(rng.integers(0, 11, 5))
+
+    def both(h, w):
+        stats = otb_torch.fused_linear_token_statistics(h, w, ids, temperature=0.7, chunk_size=2, vocab_chunk_size=4)
+        return stats.log_probs, stats.entropy
+
+    assert torch.autograd.gradcheck(both, (hidden, weight))
+
+
+def test_only_the_gradients_asked_for_are_computed():
+    rng = np.random.default_rng(1)
+    hidden = torch.tensor(rng.normal(size=(4, 3)), dtype=torch.float32, requires_grad=True)
+    weight = torch.tensor(rng.normal(size=(9, 3)), dtype=torch.float32)          # a frozen LM head
+    stats = otb_torch.fused_linear_token_statistics(hidden, weight, torch.tensor([0, 3, 8, 2]))
+    stats.log_probs.sum().backward()
+    assert hidden.grad is not None and weight.grad is None
+    with torch.no_grad():
+        frozen = otb_torch.fused_linear_token_statistics(hidden, weight, torch.tensor([0, 3, 8, 2]))
+    assert not frozen.log_probs.requires_grad
+    torch.testing.assert_close(frozen.log_probs, stats.log_probs.detach(), rtol=0, atol=0)
+
+
+@given(case=otb_st.lm_head_inputs(lead_shapes=[(6,)], max_vocab_size=50))
+def test_autocast_does_not_lower_the_precision(case):
+    """Under torch.autocast (verl's forward_step runs the model under it) the matmuls stay in float32."""
+    hidden = torch.tensor(case.hidden, dtype=torch.float32)
+    weight = torch.tensor(case.weight, dtype=torch.float32)
+    plain = otb_torch.fused_linear_token_statistics(hidden, weight, torch.tensor(case.token_ids))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = otb_torch.fused_linear_token_statistics(hidden, weight, torch.tensor(case.token_ids))
+    for name in ("log_probs", "entropy", "sum_pi_squared"):
+        torch.testing.assert_close(getattr(autocast, name), getattr(plain, name), rtol=0, atol=0)
+
+
+def test_inputs_are_not_modified_and_empty_batches_work():
+    rng = np.random.default_rng(2)
+    hidden = torch.tensor(rng.normal(size=(2, 3, 4)), dtype=torch.float32, requires_grad=True)
+    weight = torch.tensor(rng.normal(size=(6, 4)), dtype=torch.float32, requires_grad=True)
+    ids = torch.tensor(rng.integers(0, 6, (2, 3)))
+    copies = hidden.detach().clone(), weight.detach().clone(), ids.clone()
+    stats = otb_torch.fused_linear_token_statistics(hidden, weight, ids, temperature=torch.tensor(0.5))
+    (stats.log_probs.sum() + stats.entropy.sum()).backward()
+    for before, after in zip(copies, (hidden.detach(), weight.detach(), ids)):
+        torch.testing.assert_close(before, after, rtol=0, atol=0)
+    empty = otb_torch.fused_linear_token_statistics(torch.zeros(0, 4, requires_grad=True), weight,
+                                                    torch.zeros(0, dtype=torch.int64))
+    assert empty.log_probs.shape == (0,)
+    empty.log_probs.sum().backward()
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(weight=torch.ones(5, 3)), "weight: expected shape \\[V, 4\\]"),
+    (dict(weight=torch.ones(5)), "weight: expected shape \\[V, H\\]"),
+    (dict(token_ids=torch.zeros(3, dtype=torch.int64)), "token_ids: expected shape \\(2,\\) \\(hidden without"),
+    (dict(token_ids=torch.tensor([0, 6])), "token_ids: must lie in \\[0, 6\\)"),
+    (dict(token_ids=torch.tensor([-1, 0])), "token_ids: must lie in \\[0, 6\\)"),
+    (dict(hidden=torch.tensor([[0.0, float("nan"), 0.0, 0.0]] * 2)), "hidden: contains NaN or ±inf"),
+    (dict(weight=torch.full((6, 4), float("inf"))), "weight: contains NaN or ±inf"),
+    (dict(temperature=0.0), "temperature: must be finite and > 0"),
+    (dict(temperature=-2.0), "temperature: must be finite and > 0"),
+    (dict(temperature=float("inf")), "temperature: must be finite and > 0"),
+    (dict(chunk_size=0), "chunk_size: expected a positive integer"),
+    (dict(vocab_chunk_size=2.5), "vocab_chunk_size: expected a positive integer"),
+])
+def test_bad_input_raises_naming_the_argument(change, match):
+    arguments = dict(hidden=torch.ones(2, 4), weight=torch.ones(6, 4), token_ids=torch.tensor([0, 5]))
+    options = {key: change.pop(key) for key in ("temperature", "chunk_size", "vocab_chunk_size") if key in change}
+    arguments.update(change)
+    with pytest.raises(ValueError, match=match):
+        otb_torch.fused_linear_token_statistics(arguments["hidden"], arguments["weight"], arguments["token_ids"],
+                                                **options)
+
+
+def test_bad_types_raise_naming_the_argument():
+    with pytest.raises(TypeError, match="hidden: expected a torch.Tensor"):
+        otb_torch.fused_linear_token_statistics(np.ones((2, 4)), torch.ones(6, 4), torch.tensor([0, 1]))
+    with pytest.raises(TypeError, match="weight: expected a floating tensor"):
+        otb_torch.fused_linear_token_statistics(torch.ones(2, 4), torch.ones(6, 4, dtype=torch.int64),
+                                                torch.tensor([0, 1]))
+    with pytest.raises(TypeError, match="token_ids: expected integer token ids"):
+        otb_torch.fused_linear_token_statistics(torch.ones(2, 4), torch.ones(6, 4), torch.tensor([0.0, 1.0]))
+    with pytest.raises(TypeError, match="temperature: expected a real number, got a bool"):
+        otb_torch.fused_linear_token_statistics(torch.ones(2, 4), torch.ones(6, 4), torch.tensor([0, 1]),
+                                                temperature=True)

@@ -1,0 +1,313 @@
+"""OTB with verl 0.9.1's fused kernels: ``otb_torch.verl.install(sum_pi_squared=True)`` makes
+``calculate_sum_pi_squared=True`` work with ``use_fused_kernels=True`` on verl's torch fused backend.
+
+Everything runs verl's own code on a tiny, randomly initialised Qwen2 built from a transformers config (no download):
+verl's ``patch_forward_with_backends`` (models/transformers/monkey_patch.py:234) installs its fused model forward
+(dense_common.py ``forward_with_torch_backend``), whose ``FusedLinearForPPO`` the port replaces; verl's
+``FSDPEngineWithLMHead.forward_step`` (workers/engine/fsdp/transformer_impl.py:1549) runs ``prepare_model_inputs``, the
+model and ``prepare_model_outputs`` on a micro-batch made by verl's ``left_right_2_no_padding`` as
+``RayPPOTrainer._compute_old_log_prob`` makes it (ray_trainer.py:1290–1322). Only the engine's two device helpers are
+pointed at the CPU (verl asks CUDA for the device id); the engine object is built without FSDP wrapping, which
+``forward_step`` does not need.
+
+Comparisons use the derived bounds (otb_spec.tolerances): verl's path and the port are two implementations, so they
+differ by at most the sum of their bounds; the port's Σπ² is judged against the reference on the gathered logits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+otb_torch = pytest.importorskip("otb_torch")
+
+import otb_spec as otb  # noqa: E402
+import otb_torch.verl as otb_verl  # noqa: E402
+from otb_spec.tolerances import (  # noqa: E402
+    hidden_gradient_tolerance,
+    hidden_statistics_tolerance,
+    otb_comparison_tolerance,
+    output_rounding,
+)
+
+VOCAB, PROMPT, RESPONSE = 300, 6, 9
+
+
+@pytest.fixture(scope="module")
+def verl():
+    try:
+        import transformers
+        from tensordict import TensorDict
+
+        from verl.models.transformers.monkey_patch import patch_forward_with_backends
+        from verl.protocol import DataProto
+        from verl.trainer.config import AlgoConfig
+        from verl.trainer.ppo.ray_trainer import compute_advantage
+        from verl.utils import tensordict_utils
+        from verl.utils.experimental import torch_functional as experimental
+        from verl.workers.engine.fsdp import transformer_impl
+        from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+    except ImportError as exc:
+        pytest.skip(f"verl 0.9.1 is not importable here ({exc}); install the 'verl' test extra (README test command)")
+    from types import SimpleNamespace
+    return SimpleNamespace(transformers=transformers, TensorDict=TensorDict,
+                           patch_forward_with_backends=patch_forward_with_backends, DataProto=DataProto,
+                           AlgoConfig=AlgoConfig, compute_advantage=compute_advantage, tu=tensordict_utils,
+                           experimental=experimental, transformer_impl=transformer_impl,
+                           left_right_2_no_padding=left_right_2_no_padding, no_padding_2_padding=no_padding_2_padding)
+
+
+@pytest.fixture(autouse=True)
+def _nothing_installed_after_a_test():
+    yield
+    otb_verl.uninstall()
+
+
+@pytest.fixture
+def model(verl):
+    """A tiny random Qwen2 with verl's fused forward (torch backend); the class's own forward is restored after."""
+    config = verl.transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    network = verl.transformers.Qwen2ForCausalLM(config).float()
+    model_class = type(network)
+    own_forward = model_class.__dict__["forward"]
+    verl.patch_forward_with_backends(network, use_fused_kernels=True, fused_kernels_backend="torch")
+    yield network
+    model_class.forward = own_forward
+
+
+def _hidden_of(network, **inputs) -> dict:
+    """Run ``network`` with a hook keeping the last hidden state (with its gradient) and the lm_head weight."""
+    kept = {}
+
+    def keep(module, args, output):
+        output[0].retain_grad()
+        kept["hidden"] = output[0]
+
+    handle = network.model.register_forward_hook(keep)
+    try:
+        output = network(**inputs)
+    finally:
+        handle.remove()
+    return {"output": output, "hidden": kept["hidden"]}
+
+
+def _sequences(seed: int):
+    """Left-padded prompts and right-padded responses, as verl's rollout returns them."""
+    rng = np.random.default_rng(seed)
+    rows = 4
+    prompt_lengths, response_lengths = rng.integers(2, PROMPT + 1, rows), rng.integers(1, RESPONSE + 1, rows)
+    prompts = np.zeros((rows, PROMPT), np.int64)
+    responses = np.zeros((rows, RESPONSE), np.int64)
+    prompt_mask, response_mask = np.zeros_like(prompts), np.zeros_like(responses)
+    for row in range(rows):
+        prompts[row, PROMPT - prompt_lengths[row]:] = rng.integers(1, VOCAB, prompt_lengths[row])
+        prompt_mask[row, PROMPT - prompt_lengths[row]:] = 1
+        responses[row, :response_lengths[row]] = rng.integers(1, VOCAB, response_lengths[row])
+        response_mask[row, :response_lengths[row]] = 1
+    return {name: torch.from_numpy(value) for name, value in
+            dict(prompts=prompts, responses=responses, prompt_mask=prompt_mask, response_mask=response_mask).items()}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the fused forward: the same log π and entropy (values and gradients), and Σπ² from the same pass
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_forward_equals_verls_and_returns_sum_pi_squared(verl, model, temperature):
+    """verl's patched forward with verl's FusedLinearForPPO, then with the port's: log π and entropy agree, and so
+    do the gradients at the fused boundary (the final hidden states and lm_head.weight), within the sum of the two
+    implementations' bounds; Σπ² from the fused pass equals the reference on the gathered logits."""
+    rng = np.random.default_rng(1)
+    ids = torch.from_numpy(rng.integers(0, VOCAB, (3, 11)))
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(11).expand(3, 11),
+                  temperature=temperature, return_dict=True, use_cache=False)
+    g_lp, g_h = rng.normal(size=(3, 11)), rng.normal(size=(3, 11))
+    runs = {}
+    for who in ("verl", "port"):
+        model.zero_grad()
+        with otb_verl.install(sum_pi_squared=True) if who == "port" else _nothing():
+            run = _hidden_of(model, **inputs)
+        output = run["output"]
+        assert output.log_probs.dtype == torch.float32 and output.entropy.dtype == torch.float32
+        (output.log_probs * torch.from_numpy(g_lp).float() + output.entropy * torch.from_numpy(g_h).float()).sum() \
+            .backward()
+        runs[who] = dict(log_probs=output.log_probs.detach().double().numpy(),
+                         entropy=output.entropy.detach().double().numpy(),
+                         hidden_grad=run["hidden"].grad.double().numpy(),
+                         weight_grad=model.lm_head.weight.grad.double().numpy(),
+                         hidden=run["hidden"].detach().double().numpy(),
+                         sum_pi_squared=getattr(output, "sum_pi_squared", None))
+    assert runs["verl"]["sum_pi_squared"] is None
+    np.testing.assert_array_equal(runs["verl"]["hidden"], runs["port"]["hidden"])
+    hidden, weight = runs["port"]["hidden"], model.lm_head.weight.detach().double().numpy()
+    labels = torch.roll(ids, -1, -1).numpy()                  # verl's rolled labels (dense_common.py)
+    one = hidden_statistics_tolerance(hidden, weight, labels, temperature=temperature, dtype=np.float32)
+    rounding = output_rounding(np.float32)
+    for name in ("log_probs", "entropy"):
+        (getattr(one, name) + getattr(one, name) + rounding).assert_close(
+            runs["port"][name], runs["verl"][name], f"{name}: port vs verl's FusedLinearForPPO")
+    bound_h, bound_w = hidden_gradient_tolerance(hidden, weight, labels, g_lp, g_h, temperature=temperature,
+                                                 dtype=np.float32)
+    (bound_h + bound_h + rounding).assert_close(runs["port"]["hidden_grad"], runs["verl"]["hidden_grad"],
+                                                "∂ final hidden states: port vs verl")
+    (bound_w + bound_w + rounding).assert_close(runs["port"]["weight_grad"], runs["verl"]["weight_grad"],
+                                                "∂ lm_head.weight: port vs verl")
+    reference = otb.token_statistics_from_hidden(hidden, weight, labels, temperature=temperature)
+    spp = runs["port"]["sum_pi_squared"]
+    assert spp.shape == ids.shape and not spp.requires_grad
+    bound = one.sum_pi_squared + hidden_statistics_tolerance(hidden, weight, labels, temperature=temperature,
+                                                             dtype=np.float64).sum_pi_squared + rounding
+    bound.assert_close(spp.numpy(), reference.sum_pi_squared, "Σπ² from the fused pass vs the reference")
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc_info):
+        return False
+
+
+def test_install_finds_models_patched_before_it_and_uninstall_restores_verls_forward(verl):
+    """install() after verl patched a model class: that class is found; before: verl's monkey patch picks the
+    wrapped forward up from its module. uninstall() gives every class verl's own function back."""
+    config = verl.transformers.Qwen2Config(vocab_size=50, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=1)
+    network = verl.transformers.Qwen2ForCausalLM(config)
+    model_class = type(network)
+    own_forward = model_class.__dict__["forward"]
+    dense_common = __import__("verl.models.transformers.dense_common", fromlist=["x"])
+    verls_forward = dense_common.forward_with_torch_backend
+    try:
+        verl.patch_forward_with_backends(network, use_fused_kernels=True, fused_kernels_backend="torch")
+        assert model_class.forward is verls_forward
+        installation = otb_verl.install(sum_pi_squared=True)
+        assert model_class.forward.__wrapped__ is verls_forward
+        assert f"{model_class.__module__}.{model_class.__qualname__}.forward" in installation.places
+        assert verl.experimental.FusedLinearForPPO.__name__ == "FusedLinearForPPOWithSumPiSquared"
+        otb_verl.uninstall()
+        assert model_class.forward is verls_forward
+        assert verl.experimental.FusedLinearForPPO.__module__ == "verl.utils.experimental.torch_functional"
+        model_class.forward = own_forward
+        with otb_verl.install(sum_pi_squared=True):
+            verl.patch_forward_with_backends(network, use_fused_kernels=True, fused_kernels_backend="torch")
+            assert model_class.forward.__wrapped__ is verls_forward
+        assert model_class.forward is verls_forward
+        assert dense_common.forward_with_torch_backend is verls_forward
+    finally:
+        model_class.forward = own_forward
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the FSDP engine: verl's refusal lifted where the port supplies Σπ², and the trainer's advantage step
+
+
+@pytest.fixture
+def engine(verl, model, monkeypatch):
+    """verl's FSDPEngineWithLMHead around the tiny model, with the attributes forward_step reads (no FSDP wrap)."""
+    monkeypatch.setattr(verl.transformer_impl, "get_device_id", lambda: "cpu")
+    monkeypatch.setattr(verl.transformer_impl, "get_device_name", lambda: "cpu")
+    instance = object.__new__(verl.transformer_impl.FSDPEngineWithLMHead)
+    instance.module, instance.use_ulysses_sp, instance.ulysses_sequence_parallel_size = model, False, 1
+    instance.pad_to_length, instance._autocast_dtype = False, torch.float32
+    return instance
+
+
+def _micro_batch(verl, sequences, *, remove_padding: bool, temperature: float):
+    """The micro-batch of RayPPOTrainer._compute_old_log_prob (ray_trainer.py:1290–1304) for these sequences."""
+    input_ids = torch.cat([sequences["prompts"], sequences["responses"]], 1)
+    attention_mask = torch.cat([sequences["prompt_mask"], sequences["response_mask"]], 1)
+    data = verl.TensorDict({"prompts": sequences["prompts"], "responses": sequences["responses"],
+                            "input_ids": input_ids, "attention_mask": attention_mask,
+                            "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
+                            "response_mask": sequences["response_mask"]}, batch_size=[input_ids.shape[0]])
+    data = verl.left_right_2_no_padding(data)
+    verl.tu.assign_non_tensor(data, calculate_entropy=True, calculate_sum_pi_squared=True, compute_loss=False,
+                              use_remove_padding=remove_padding, use_fused_kernels=True, temperature=temperature)
+    return data
+
+
+def _reference_response_statistics(model, sequences, temperature: float):
+    """The reference's log π and Σπ² of each response token, from the final hidden states and lm_head (float64)."""
+    input_ids = torch.cat([sequences["prompts"], sequences["responses"]], 1)
+    attention_mask = torch.cat([sequences["prompt_mask"], sequences["response_mask"]], 1)
+    with torch.no_grad():
+        hidden = model.model(input_ids=input_ids, attention_mask=attention_mask,
+                             position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state
+    # the token at response position t is predicted by the hidden state one position earlier
+    predicting = hidden[:, PROMPT - 1:PROMPT - 1 + RESPONSE].double().numpy()
+    weight = model.lm_head.weight.detach().double().numpy()
+    labels = sequences["responses"].numpy()
+    return predicting, weight, labels, otb.token_statistics_from_hidden(predicting, weight, labels,
+                                                                        temperature=temperature)
+
+
+@pytest.mark.parametrize("remove_padding", [True, False], ids=["remove padding", "padded"])
+def test_fsdp_engine_returns_sum_pi_squared_from_the_fused_pass(verl, engine, model, remove_padding):
+    sequences = _sequences(seed=2)
+    with pytest.raises(NotImplementedError, match="fused kernels do not materialize"):        # verl's own refusal
+        engine.forward_step(_micro_batch(verl, sequences, remove_padding=remove_padding, temperature=0.9),
+                            loss_function=None, forward_only=True)
+    with otb_verl.install(sum_pi_squared=True):
+        micro_batch = _micro_batch(verl, sequences, remove_padding=remove_padding, temperature=0.9)
+        with torch.no_grad():
+            _, result = engine.forward_step(micro_batch, loss_function=None, forward_only=True)
+    outputs = result["model_output"]
+    assert set(outputs) == {"log_probs", "entropy", "sum_pi_squared"}
+    assert outputs["sum_pi_squared"].is_nested
+    spp = verl.no_padding_2_padding(outputs["sum_pi_squared"], micro_batch).numpy()       # ray_trainer.py:1316
+    log_probs = verl.no_padding_2_padding(outputs["log_probs"], micro_batch).numpy()
+    hidden, weight, labels, reference = _reference_response_statistics(model, sequences, 0.9)
+    valid = sequences["response_mask"].numpy() > 0
+    ours = hidden_statistics_tolerance(hidden[valid], weight, labels[valid], temperature=0.9, dtype=np.float32)
+    exact = hidden_statistics_tolerance(hidden[valid], weight, labels[valid], temperature=0.9, dtype=np.float64)
+    rounding = output_rounding(np.float32)
+    (ours.sum_pi_squared + exact.sum_pi_squared + rounding).assert_close(
+        spp[valid], reference.sum_pi_squared[valid], "engine's Σπ² vs the reference")
+    (ours.log_probs + exact.log_probs + rounding).assert_close(
+        log_probs[valid], reference.log_probs[valid], "engine's log π vs the reference")
+
+
+def test_the_refusal_stays_where_the_forward_gave_no_sum_pi_squared(verl, engine):
+    """A fused forward without Σπ² (verl's Liger or Triton backends): the installed engine still refuses, and the
+    message says what to do."""
+    sequences = _sequences(seed=3)
+    micro_batch = _micro_batch(verl, sequences, remove_padding=True, temperature=1.0)
+    with otb_verl.install(sum_pi_squared=True):
+        model_inputs, output_args = engine.prepare_model_inputs(micro_batch)
+        output = type("FusedOutputWithoutSumPiSquared", (), {"log_probs": None, "entropy": None})()
+        with pytest.raises(NotImplementedError, match="impl_backend=torch.*install\\(sum_pi_squared=True\\)"):
+            engine.prepare_model_outputs(output, output_args, micro_batch, None)
+
+
+def test_otb_advantages_from_the_fused_pass(verl, engine, model):
+    """The whole step OTB needs, with fused kernels: the engine's old log π and Σπ² (no_padding_2_padding, as the
+    trainer does), then verl's own compute_advantage (routed to the port) — equal to the reference's OTB on those
+    token statistics, within the derived bounds (the statistics themselves: the test above)."""
+    sequences = _sequences(seed=4)
+    rows = sequences["responses"].shape[0]
+    with otb_verl.install(sum_pi_squared=True):
+        micro_batch = _micro_batch(verl, sequences, remove_padding=True, temperature=1.0)
+        with torch.no_grad():
+            _, result = engine.forward_step(micro_batch, loss_function=None, forward_only=True)
+        outputs = result["model_output"]
+        old_log_probs = verl.no_padding_2_padding(outputs["log_probs"], micro_batch).float()
+        sum_pi_squared = verl.no_padding_2_padding(outputs["sum_pi_squared"], micro_batch).float()
+        mask = sequences["response_mask"].float()
+        lengths = mask.sum(-1).long()
+        rewards = torch.zeros_like(mask)
+        rewards[torch.arange(rows), lengths - 1] = torch.tensor([1.0, 0.0, 1.0, 1.0])
+        uids = np.array(["a", "b", "a", "b"], dtype=object)
+        data = verl.DataProto.from_single_dict({"token_level_rewards": rewards, "response_mask": mask,
+                                                "old_log_probs": old_log_probs * mask,
+                                                "sum_pi_squared": sum_pi_squared * mask, "uid": uids})
+        data = verl.compute_advantage(data, adv_estimator="optimal_token_baseline", gamma=1.0, lam=1.0, num_repeat=2,
+                                      config=verl.AlgoConfig(adv_estimator="optimal_token_baseline"))
+    inputs = (rewards.numpy(), mask.numpy(), uids, (old_log_probs * mask).numpy(), (sum_pi_squared * mask).numpy())
+    expected = otb.optimal_token_baseline(*inputs)
+    bound, _ = otb_comparison_tolerance(*inputs)
+    bound.assert_close(data.batch["advantages"].numpy(), expected.advantages, "OTB advantages from the fused pass")
