@@ -11,8 +11,8 @@ over ``--repeat`` calls (after one warm-up) of:
   self-inclusive with the rows cut in P column blocks instead (context parallel). Per rank: the whole call; the time
   spent in gloo (issuing the collectives and waiting for them, waits for a slower rank included); and the rank's
   local compute = call − gloo. The slowest rank's figures are printed;
-* the gloo floor: the same collectives (handshake, for context parallel the row totals, the one SUM all-reduce of
-  the grid and its group statistics and flags) timed alone, with nothing computed — what the call's communication
+* the gloo floor: the native path's collectives (handshake, for context parallel the row totals, the one SUM
+  all-reduce of the grid and its group statistics and flags) timed alone, with nothing computed — what the call's communication
   costs at least on this machine;
 * the bytes each rank sends (from the shapes: the formulas of docs/distributed.md) and each rank's extra peak memory
   (the high-water mark of its resident set during a call less the outputs, in a second run of the workers whose C
@@ -222,7 +222,9 @@ def _single(args: argparse.Namespace) -> dict:
 
 
 def _bytes_sent(key, size: int, args: argparse.Namespace) -> int:
-    """Bytes one rank sends, ring algorithms: all-reduce 2(P−1)/P·S, all-gather (P−1)/P·S (S: the result's size)."""
+    """Bytes one rank sends, ring algorithms: all-reduce 2(P−1)/P·S, all-gather (P−1)/P·S (S: the result's size).
+    The native path sends the group statistics ([P, 4, G]) and the value verdicts (P) in the grid's float32
+    all-reduce; the eager path all-gathers the statistics as int64 (self-inclusive only) and checks values first."""
     reduce, gather = 2 * (size - 1) / size, (size - 1) / size
     handshake = gather * size * 8 * 19                   # 19 integers per rank (fixed size)
     if isinstance(key, tuple):
@@ -230,7 +232,9 @@ def _bytes_sent(key, size: int, args: argparse.Namespace) -> int:
         G, K, B = prompts, positions, prompts * samples
         planes = 3 if case == "leave-one-out" else 2
         sent = handshake + reduce * planes * G * K * 4
-        if case != "leave-one-out":
+        if args.kernel != "eager":
+            sent += reduce * (size * 4 * G + size) * 4   # the group statistics and verdicts, in the all-reduce
+        elif case != "leave-one-out":
             sent += gather * size * 4 * G * 8            # the group statistics
         if case == "context parallel":
             sent += gather * size * 3 * B * 8            # the row pieces' totals

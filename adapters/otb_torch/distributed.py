@@ -581,7 +581,7 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
         advantages, returns, baselines = _native_baseline(
             local, start, groups, width, columns_before, align=align, leave_one_out=leave_one_out,
             handle_zero_tail=handle_zero_tail, epsilon=epsilon, dtype=dtype, group=group,
-            context_group=context_group, timeout=timeout)
+            context_group=context_group, timeout=timeout, most_rows=max(verdicts.column(7)))
         out = check.output_dtype(local.rewards)
         return AdvantageResult(advantages.to(out), returns.to(out), baselines.to(out))
     scan = _scan(local, dtype, context_group, columns_before, timeout)
@@ -635,7 +635,7 @@ def _native_first_sweep(local: _Local, num_groups: int, dtype: torch.dtype, *, a
 
 def _native_baseline(local: _Local, start: _NativeStart, num_groups: int, width: int, columns_before: int, *,
                      align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float, dtype: torch.dtype,
-                     group: Any, context_group: Any, timeout: float | None
+                     group: Any, context_group: Any, timeout: float | None, most_rows: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The native path after the handshake: (context parallel) the other pieces' totals and the first sweep with
     their offsets; one SUM all-reduce over ``group`` of the grid, the group statistics and the value-check flags
@@ -662,8 +662,10 @@ def _native_baseline(local: _Local, start: _NativeStart, num_groups: int, width:
     slots = first.buffer.narrow(0, cells, start.extra)
     statistics = slots.narrow(0, 0, ranks * 4 * num_groups).view(ranks, 4, num_groups)
     flags = slots.narrow(0, ranks * 4 * num_groups, ranks)
-    exact = dtype == torch.float64 or width < 2**24                # lengths ≤ K are exact in the buffer's dtype
-    if exact:                                                      # (every rank knows K: the same choice on all)
+    # the statistics (members and counts ≤ a rank's rows, lengths ≤ K) are exact in the buffer's dtype below 2²⁴
+    # in float32; every rank knows K and the ranks' row counts (the handshake), so all make the same choice
+    exact = dtype == torch.float64 or max(width, most_rows) < 2**24
+    if exact:
         statistics[me] = first.stats.to(dtype)
     flags[me] = float(start.failure is not None)
     _all_reduce(first.buffer, dist.ReduceOp.SUM, group, timeout)
