@@ -14,6 +14,9 @@ over ``--repeat`` calls (after one warm-up) of:
 * the gloo floor: the native path's collectives (handshake, for context parallel the row totals, the one SUM
   all-reduce of the grid and its group statistics and flags) timed alone, with nothing computed — what the call's communication
   costs at least on this machine;
+* the one-process kernel on each rank's own rows, every rank computing at once with no collective inside the call:
+  what a rank's local compute costs at least while the ranks share the machine's cores, caches and memory bandwidth
+  (it separates the distributed path's own overhead from the slowdown of co-running processes);
 * the bytes each rank sends (from the shapes: the formulas of docs/distributed.md) and each rank's extra peak memory
   (the high-water mark of its resident set during a call less the outputs, in a second run of the workers whose C
   allocator maps every block of 64 KiB or more afresh, so that no temporary hides in reused pages);
@@ -161,6 +164,10 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
                     return ()
 
                 record["floor"] = measure(collectives)["total"]
+                if case != "context parallel":  # the one-process kernel on this rank's rows, every rank at once
+                    one = _one_process(case)
+                    record["concurrent"] = measure(lambda: one(local[0], local[1], local_ids, local[2],
+                                                               local[3]))["total"]
             record["share"] = local[0].numel() / rewards.size
             records[(prompts, samples, positions, case)] = record
     if args.section in ("all", "vocab"):
@@ -180,6 +187,15 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
             slowest[key]["share"] = max(record.get("share", 1.0 / size) for record in per_rank)
         out.put(slowest)
     dist.destroy_process_group()
+
+
+def _one_process(case: str):
+    """The one-process otb_torch function (native kernel on CPU) that computes what ``case`` does."""
+    import otb_torch
+
+    return {"leave-one-out": otb_torch.leave_one_out_token_baseline,
+            "multi-turn (valid token)": otb_torch.multi_turn_optimal_token_baseline}.get(
+        case, otb_torch.optimal_token_baseline)
 
 
 def _single(args: argparse.Namespace) -> dict:
@@ -207,9 +223,7 @@ def _single(args: argparse.Namespace) -> dict:
             rewards, mask, log_probs, spp, ids = (
                 torch.from_numpy(a) if isinstance(a, np.ndarray) and a.dtype != np.int64 else a
                 for a in _batch(prompts, samples, positions, holes=holes))
-            function = {"leave-one-out": otb_torch.leave_one_out_token_baseline,
-                        "multi-turn (valid token)": otb_torch.multi_turn_optimal_token_baseline}.get(
-                case, otb_torch.optimal_token_baseline)
+            function = _one_process(case)
             results[(prompts, samples, positions, case)] = timed(
                 lambda: function(rewards, mask, ids, log_probs, spp))
     if args.section in ("all", "vocab"):
@@ -298,9 +312,10 @@ def main() -> None:
     ms = lambda seconds: f"{seconds * 1e3:.2f} ms"  # noqa: E731
     for size, slowest in results.items():
         print(f"\n### P = {size} ranks (the slowest rank's medians)\n")
-        print("| batch | case | one process | rank's share | local compute | ≤ 1.3 × share × one process | gloo | "
-              "gloo floor | whole call | ≤ one process | sent/rank | extra peak memory/rank |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| batch | case | one process | rank's share | local compute | ≤ 1.3 × share × one process | "
+              "its rows, one-process kernel, ranks at once | local ÷ that | gloo | gloo floor | whole call | "
+              "≤ one process | sent/rank | extra peak memory/rank |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for key, record in slowest.items():
             if not isinstance(key, tuple):
                 continue
@@ -309,7 +324,10 @@ def main() -> None:
             bound = 1.3 * record["share"] * one
             print(f"| {prompts}×{samples}×{positions} | {case} | {ms(one)} | {record['share']:.2f} | "
                   f"{ms(record['local'])} | {ms(bound)}: {'met' if record['local'] <= bound else 'NOT met'} "
-                  f"({record['local'] / (record['share'] * one):.2f}×) | {ms(record['gloo'])} | "
+                  f"({record['local'] / (record['share'] * one):.2f}×) | "
+                  + (f"{ms(record['concurrent'])} | {record['local'] / record['concurrent']:.2f} | "
+                     if "concurrent" in record else "— | — | ")
+                  + f"{ms(record['gloo'])} | "
                   f"{ms(record['floor'])} | {ms(record['total'])} | {'met' if record['total'] <= one else 'NOT met'} "
                   f"({record['total'] / one:.2f}×) | {_bytes_sent(key, size, args) / 2**20:.2f} MiB | "
                   f"{record['extra'] / 2**20:.2f} MiB |")
