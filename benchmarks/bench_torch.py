@@ -48,6 +48,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import resource
 import subprocess
 import sys
@@ -108,7 +109,8 @@ def rounds(cases: dict, repeats: int, device: str) -> dict[str, float]:
     on a shared machine hit every case alike: wall clock, or (``--clock cpu``, one thread) the calling thread's CPU
     time — which a loaded machine inflates only through the caches and memory it shares, not by descheduling.
     Also records, in ``FAULTS``, the minor page faults of each case's best call: a drop-in's fresh outputs fault in
-    page by page unless the allocator hands it reused memory, which it does for some calls and not others."""
+    page by page unless the allocator hands it reused memory, which depends on the calls before it — hence each round
+    after the first runs the cases in another (seeded) order."""
     clock = CLOCKS[CLOCK]
 
     def once(function) -> tuple[float, int]:
@@ -125,9 +127,12 @@ def rounds(cases: dict, repeats: int, device: str) -> dict[str, float]:
         once(function)
     FAULTS.clear()
     best = {name: float("inf") for name in cases}
-    for _ in range(repeats):
-        for name, function in cases.items():
-            seconds, faults = once(function)
+    names = list(cases)
+    for round_ in range(repeats):
+        if round_:                  # each round in another order (seeded): no case always follows the same one
+            random.Random(round_).shuffle(names)
+        for name in names:
+            seconds, faults = once(cases[name])
             if seconds < best[name]:
                 best[name], FAULTS[name] = seconds, faults
     return best
