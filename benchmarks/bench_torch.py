@@ -19,10 +19,13 @@ or without verl installed, the loop transcriptions in benchmarks/loop_*.py), the
 ``index`` as verl passes it), the hot path (precomputed ``Segments``, ``check_values=False``) and the memory floor
 (read the four inputs, write the two outputs into freshly allocated tensors — no arithmetic; the same bytes in every
 layout, so the floor is the same), and otb_torch.verl's leave-one-out drop-in (value checks on) and hot path, with
-their ratio to the self-inclusive ones (issue 25: at most 1.2×). TIR-OTB rows use masks with tool-output holes. Context lines give the eager floor:
-the passes no eager-mode implementation avoids (two scans and one exp over the batch; for TIR also the compaction:
-a scan of the mask, two scatters, one gather), on top of the memory floor. On CPU the drop-ins run otb_torch's native
-kernel where it builds (the header says which kernel ran); ``--kernel eager`` times the eager kernel instead.
+their ratio to the self-inclusive ones (issue 25: at most 1.2×). TIR-OTB rows use masks with tool-output holes.
+The targets also print two parts of a drop-in call timed alone (CPU, native kernel): planning verl's uids into
+groups, and the kernel's exponential over the valid spans — with the memory floor, what a call cannot avoid. Context
+lines give the eager floor: the passes no eager-mode implementation avoids (two scans and one exp over the batch;
+for TIR also the compaction: a scan of the mask, two scatters, one gather), on top of the memory floor. On CPU the
+drop-ins run otb_torch's native kernel where it builds (the header says which kernel ran); ``--kernel eager`` times
+the eager kernel instead.
 
 Σπ² at [1, 4096, 32768] float32 (and [1, 1024, 32768], to show the extra memory does not grow with the batch): verl's
 ``calculate_sum_pi_squared_from_logits`` (or the plain formula) against the otb_torch drop-in, each in a fresh
@@ -191,6 +194,30 @@ def leave_one_out_drop_in(multi_turn: bool):
         otb_torch.verl.compute_leave_one_out_token_baseline_advantage
 
 
+def unavoidable_parts(rewards, mask, index, log_probs, device: str) -> dict:
+    """Two parts of a drop-in call besides the memory floor, each timed alone (CPU, native kernel): ``planning`` —
+    verl's uids turned into groups (``segments_from_index``), which a drop-in called with verl's ``index`` cannot
+    skip — and ``exp`` — the kernel's own exponential over every row's valid span (first to last valid token), from
+    one preallocated buffer into another (no page faults)."""
+    from otb_torch import _native
+
+    library = _native._load()[0] if device == "cpu" else None
+    if library is None:
+        return {}
+    valid = mask.numpy() != 0
+    any_valid = valid.any(axis=1)
+    first = valid.argmax(axis=1)
+    last = valid.shape[1] - 1 - valid[:, ::-1].argmax(axis=1)
+    count = int(np.where(any_valid, last - first + 1, 0).sum())
+    source = log_probs.flatten()[:count].clone()
+    target = torch.empty_like(source)
+
+    def exp() -> None:              # the closure keeps both buffers alive while the kernel writes
+        library.otb_expf_array(_native._pointer(source), _native._pointer(target), _native.ctypes.c_int64(count))
+
+    return {"planning": lambda: otb_torch.segments_from_index(index), "exp": exp}
+
+
 def bench_advantages(args, multi_turn: bool) -> list[dict]:
     label, against = competitor(multi_turn, args.against)
     drop_in = otb_torch.compute_multi_turn_optimal_token_baseline_advantage if multi_turn else \
@@ -216,6 +243,7 @@ def bench_advantages(args, multi_turn: bool) -> list[dict]:
                 "leave-one-out hot path": lambda: unbiased(rewards, mask, segments, log_probs, spp,
                                                            check_values=False),
             }
+            cases.update(unavoidable_parts(rewards, mask, index, log_probs, args.device))
             if args.compile:
                 cases["hot path, compile=True"] = lambda: drop_in(rewards, mask, segments, log_probs, spp,
                                                                   check_values=False, compile=True)
@@ -363,6 +391,16 @@ def bench_sum_pi_squared(args) -> dict:
     return results
 
 
+def _parts(record: dict) -> str:
+    """The memory floor, the planning and the exponential, each timed alone, and their sum against the competitor."""
+    if "exp" not in record:
+        return ""
+    parts = record["floor"] + record["planning"] + record["exp"]
+    return (f"; memory floor {record['floor'] * 1e3:.1f} ms + planning the uids {record['planning'] * 1e3:.1f} ms "
+            f"+ the exponential over the valid spans {record['exp'] * 1e3:.1f} ms (each timed alone) = "
+            f"{parts * 1e3:.1f} ms, {record['competitor'] / parts:.1f}× faster than the competitor")
+
+
 def verdict(otb: list[dict], tir: list[dict], spp: dict) -> None:
     """The targets at 256×8×4096 (glibc's default allocator), each met or not, with the floor that bounds it: issue
     12's (OTB, Σπ²) and issue 25's (leave-one-out ≤ 1.2× the self-inclusive kernel, TIR-OTB ≥ 10× verl)."""
@@ -388,7 +426,8 @@ def verdict(otb: list[dict], tir: list[dict], spp: dict) -> None:
               f"{record['competitor'] / record['floor']:.1f}× faster than the competitor (10× needs the drop-in within "
               f"{record['competitor'] / 10 / record['floor']:.2f}× the memory floor; it is "
               f"{record['drop-in'] / record['floor']:.2f}×), the eager floor "
-              f"{record['competitor'] / record['eager floor']:.1f}×")
+              f"{record['competitor'] / record['eager floor']:.1f}×"
+              + _parts(record))
     for kind, records in (("OTB", otb), ("TIR-OTB", tir)):
         for record in records:
             if record["size"] != size:
