@@ -1,19 +1,33 @@
 """Cost of otb_torch.distributed on this machine (gloo on loopback), against one process doing the whole batch.
 
-    python benchmarks/bench_distributed.py [--processes 2 4] [--prompts 64 --samples 8 --positions 1024]
-                                           [--rows 1024 --vocab 32768] [--repeat 5]
+    python benchmarks/bench_distributed.py [--processes 2] [--sizes 64x8x2048] [--repeat 7]
+                                           [--section all|otb|vocab] [--rows 1024 --vocab 32768] [--kernel auto|eager]
 
-For P processes (spawned, gloo over 127.0.0.1, one torch thread each) it prints the median over ``--repeat`` calls
-(after one warm-up) of:
+For P processes (spawned, gloo over 127.0.0.1, one torch thread each), each call preceded by a barrier, the median
+over ``--repeat`` calls (after one warm-up) of:
 
-* data-parallel OTB: ``distributed_token_baseline`` on each rank's rows of a prompts × samples batch whose rows were
-  shuffled over the ranks (verl's balance_batch layout), self-inclusive and leave-one-out, and the same with the
-  rows also cut in P column blocks (context parallel, rows not split);
-* vocab-parallel Σπ² and the fused (log π, entropy, Σπ²): each rank holds V/P of the vocabulary;
-* the bytes each rank sends in the collectives (from the shapes: the formulas of docs/distributed.md);
+* OTB with the batch's rows shuffled over the ranks (verl's balance_batch layout): ``distributed_token_baseline``
+  self-inclusive and leave-one-out by position, self-inclusive by valid token on masks with tool-output holes, and
+  self-inclusive with the rows cut in P column blocks instead (context parallel). Per rank: the whole call; the time
+  spent in gloo (issuing the collectives and waiting for them, waits for a slower rank included); and the rank's
+  local compute = call − gloo. The slowest rank's figures are printed;
+* the gloo floor: the native path's collectives (handshake, for context parallel the row totals, the one SUM
+  all-reduce of the grid and its group statistics and flags) timed alone, with nothing computed — what the call's communication
+  costs at least on this machine;
+* the one-process kernel on each rank's own rows, every rank computing at once with no collective inside the call:
+  what a rank's local compute costs at least while the ranks share the machine's cores, caches and memory bandwidth
+  (it separates the distributed path's own overhead from the slowdown of co-running processes);
+* the bytes each rank sends (from the shapes: the formulas of docs/distributed.md) and each rank's extra peak memory
+  (the high-water mark of its resident set during a call less the outputs, in a second run of the workers whose C
+  allocator maps every block of 64 KiB or more afresh, so that no temporary hides in reused pages);
+* the same batch in one process (one thread): ``otb_torch.optimal_token_baseline`` / ``leave_one_out_token_baseline``
+  / ``multi_turn_optimal_token_baseline`` (the native CPU kernel), for the targets of issue 25: a rank's local compute
+  ≤ 1.3 × (one process × the rank's share of the tokens), and a rank's whole call ≤ one process;
+* with ``--section vocab``: vocab-parallel Σπ² and the fused (log π, entropy, Σπ²), each rank holding V/P of the
+  vocabulary, against ``otb_torch.sum_pi_squared`` / ``token_statistics_from_logits`` in one process.
 
-and, for comparison, one process (one thread) computing the whole batch with ``otb_torch.optimal_token_baseline`` /
-``sum_pi_squared``. On a 2-core machine P = 4 oversubscribes the cores: read those rows as a functional check.
+``--kernel eager`` runs otb_torch's eager kernels everywhere (OTB_TORCH_NATIVE=0). On a 2-core machine P > 2
+oversubscribes the cores: read those rows as a functional check.
 """
 
 from __future__ import annotations
@@ -26,6 +40,9 @@ import socket
 import statistics
 import time
 
+_OTB_CASES = ("self-inclusive", "leave-one-out", "multi-turn (valid token)", "context parallel")
+_FIXED_MAPPING = {"MALLOC_MMAP_THRESHOLD_": str(65536), "MALLOC_TRIM_THRESHOLD_": str(65536)}
+
 
 def _free_port() -> int:
     with socket.socket() as probe:
@@ -33,33 +50,42 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _batch(prompts: int, samples: int, positions: int, seed: int = 0):
+def _batch(prompts: int, samples: int, positions: int, holes: bool = False, seed: int = 0):
+    """(rewards, mask, log π, Σπ², ids) float32, rows shuffled: right padding of random lengths T/8 … T, with
+    ``holes`` two tool outputs masked out inside each response."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     rows = prompts * samples
     lengths = rng.integers(positions // 8, positions + 1, rows)
     mask = (np.arange(positions)[None, :] < lengths[:, None]).astype(np.float32)
+    if holes:
+        for row in range(rows):
+            for _ in range(2):
+                begin = rng.integers(0, max(1, lengths[row] - 1))
+                mask[row, begin:begin + rng.integers(1, max(2, lengths[row] // 8))] = 0.0
+            mask[row, lengths[row] - 1] = 1.0
     log_probs = np.log(rng.uniform(0.05, 1.0, (rows, positions))).astype(np.float32)
     spp = np.clip(np.exp(2 * log_probs) + rng.uniform(0, 0.3, (rows, positions)), 0, 1).astype(np.float32)
     rewards = np.zeros((rows, positions), np.float32)
     rewards[np.arange(rows), lengths - 1] = rng.integers(0, 2, rows)
     ids = np.repeat(np.arange(prompts), samples)
     order = rng.permutation(rows)                        # balance_batch: a prompt's samples scattered over ranks
-    return [a[order] for a in (rewards, mask, log_probs, spp)] + [ids[order]]
+    return [np.ascontiguousarray(a[order]) for a in (rewards, mask, log_probs, spp)] + [ids[order]]
 
 
-def _timed(function, repeat: int) -> float:
-    function()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _peak() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM"))
 
 
-def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: object) -> None:
+def _reset_peak() -> int:
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")                  # the high-water mark restarts at the current resident set (Linux ≥ 4.0)
+    return _peak()
+
+
+def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: object, memory: bool = False) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import numpy as np
     import torch
@@ -70,108 +96,249 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=120))
-    rewards, mask, log_probs, spp, ids = _batch(args.prompts, args.samples, args.positions)
-    mine = np.array_split(np.arange(rewards.shape[0]), size)[rank]
-    local = [torch.from_numpy(np.ascontiguousarray(a[mine])) for a in (rewards, mask, log_probs, spp)]
-    local_ids = torch.from_numpy(ids[mine])
-    columns = np.array_split(np.arange(rewards.shape[1]), size)[rank]
-    cut = [torch.from_numpy(np.ascontiguousarray(a[:, columns])) for a in (rewards, mask, log_probs, spp)]
-    logits = torch.from_numpy(np.random.default_rng(1).normal(0, 3, (args.rows, args.vocab)).astype(np.float32))
-    shard = logits[:, rank * (args.vocab // size):(rank + 1) * (args.vocab // size)].contiguous()
-    token_ids = torch.from_numpy(np.random.default_rng(2).integers(0, args.vocab, args.rows))
-    G = args.prompts
-    timings = {
-        "OTB data parallel": _timed(lambda: otb_dist.distributed_token_baseline(
-            *local[:2], local_ids, *local[2:], num_groups=G), args.repeat),
-        "OTB data parallel, leave-one-out": _timed(lambda: otb_dist.distributed_token_baseline(
-            *local[:2], local_ids, *local[2:], num_groups=G, leave_one_out=True), args.repeat),
-        "OTB context parallel": _timed(lambda: otb_dist.distributed_token_baseline(
-            *cut[:2], torch.from_numpy(ids), *cut[2:], num_groups=G, context_group=dist.group.WORLD), args.repeat),
-        "Σπ² vocab parallel": _timed(lambda: otb_dist.vocab_parallel_sum_pi_squared(shard), args.repeat),
-        "log π, entropy, Σπ² vocab parallel": _timed(
-            lambda: otb_dist.vocab_parallel_token_statistics(shard, token_ids), args.repeat),
-    }
+    # every collective otb_torch.distributed makes goes through these: time spent in gloo, issue and wait
+    spent = [0.0]
+
+    def timed(function):
+        def call(*positional, **keywords):
+            start = time.perf_counter()
+            try:
+                return function(*positional, **keywords)
+            finally:
+                spent[0] += time.perf_counter() - start
+        return call
+
+    dist.all_reduce, dist.all_gather_single = timed(dist.all_reduce), timed(dist.all_gather_single)
+    otb_dist._wait = timed(otb_dist._wait)
+
+    def measure(call) -> dict:
+        call()                                                          # warm-up
+        if memory:                  # every block ≥ 64 KiB is mapped afresh here: the high-water mark sees them all
+            dist.barrier()
+            base = _reset_peak()
+            result = call()
+            return {"extra": _peak() - base - sum(value.numel() * value.element_size() for value in result)}
+        totals, gloo = [], []
+        for _ in range(args.repeat):
+            dist.barrier()
+            spent[0] = 0.0
+            start = time.perf_counter()
+            call()
+            totals.append(time.perf_counter() - start)
+            gloo.append(spent[0])
+        locals_ = [total - comm for total, comm in zip(totals, gloo)]
+        return {"total": statistics.median(totals), "gloo": statistics.median(gloo),
+                "local": statistics.median(locals_)}
+
+    records = {}
+    for prompts, samples, positions in args.sizes:
+        for case in _OTB_CASES:
+            holes = case.startswith("multi-turn")
+            rewards, mask, log_probs, spp, ids = _batch(prompts, samples, positions, holes=holes)
+            if case == "context parallel":
+                columns = np.array_split(np.arange(positions), size)[rank]
+                local = [torch.from_numpy(np.ascontiguousarray(a[:, columns])) for a in (rewards, mask, log_probs,
+                                                                                          spp)]
+                local_ids = torch.from_numpy(ids)
+                options = dict(context_group=dist.group.WORLD)
+            else:
+                mine = np.array_split(np.arange(rewards.shape[0]), size)[rank]
+                local = [torch.from_numpy(np.ascontiguousarray(a[mine])) for a in (rewards, mask, log_probs, spp)]
+                local_ids = torch.from_numpy(ids[mine])
+                options = dict(leave_one_out=case == "leave-one-out",
+                               align="valid_token" if holes else "position")
+            record = measure(lambda: otb_dist.distributed_token_baseline(
+                local[0], local[1], local_ids, local[2], local[3], num_groups=prompts, **options))
+            if not memory:                  # the same collectives with nothing computed: what gloo costs at least
+                planes = 3 if case == "leave-one-out" else 2
+                handshake, table = torch.zeros(19, dtype=torch.int64), torch.empty(19 * size, dtype=torch.int64)
+                buffer = torch.zeros(planes * prompts * positions + size * 4 * prompts + size)
+                totals = torch.zeros(3 * rewards.shape[0], dtype=torch.float64)
+                gathered = torch.empty(3 * rewards.shape[0] * size, dtype=torch.float64)
+
+                def collectives():
+                    dist.all_gather_single(table, handshake)
+                    if case == "context parallel":
+                        dist.all_gather_single(gathered, totals)
+                    dist.all_reduce(buffer)
+                    return ()
+
+                record["floor"] = measure(collectives)["total"]
+                if case != "context parallel":  # the one-process kernel on this rank's rows, every rank at once
+                    one = _one_process(case)
+                    record["concurrent"] = measure(lambda: one(local[0], local[1], local_ids, local[2],
+                                                               local[3]))["total"]
+            record["share"] = local[0].numel() / rewards.size
+            records[(prompts, samples, positions, case)] = record
+    if args.section in ("all", "vocab"):
+        logits = torch.from_numpy(np.random.default_rng(1).normal(0, 3, (args.rows, args.vocab)).astype(np.float32))
+        shard = logits[:, rank * (args.vocab // size):(rank + 1) * (args.vocab // size)].contiguous()
+        token_ids = torch.from_numpy(np.random.default_rng(2).integers(0, args.vocab, args.rows))
+        records["Σπ² vocab parallel"] = measure(lambda: (otb_dist.vocab_parallel_sum_pi_squared(shard),))
+        records["log π, entropy, Σπ² vocab parallel"] = measure(
+            lambda: tuple(otb_dist.vocab_parallel_token_statistics(shard, token_ids)))
     gathered = [None] * size
-    dist.all_gather_object(gathered, timings)
+    dist.all_gather_object(gathered, records)
     if rank == 0:
-        out.put({name: max(t[name] for t in gathered) for name in timings})
+        slowest = {}
+        for key in records:
+            per_rank = [table[key] for table in gathered]
+            slowest[key] = {name: max(record[name] for record in per_rank) for name in per_rank[0]}
+            slowest[key]["share"] = max(record.get("share", 1.0 / size) for record in per_rank)
+        out.put(slowest)
     dist.destroy_process_group()
 
 
+def _one_process(case: str):
+    """The one-process otb_torch function (native kernel on CPU) that computes what ``case`` does."""
+    import otb_torch
+
+    return {"leave-one-out": otb_torch.leave_one_out_token_baseline,
+            "multi-turn (valid token)": otb_torch.multi_turn_optimal_token_baseline}.get(
+        case, otb_torch.optimal_token_baseline)
+
+
 def _single(args: argparse.Namespace) -> dict:
+    """The whole batch in one process, one thread (after one warm-up call; median of ``--repeat``)."""
     import numpy as np
     import torch
 
     import otb_torch
 
     torch.set_num_threads(1)
-    rewards, mask, log_probs, spp, ids = (torch.from_numpy(a) for a in _batch(args.prompts, args.samples,
-                                                                              args.positions))
-    logits = torch.from_numpy(np.random.default_rng(1).normal(0, 3, (args.rows, args.vocab)).astype(np.float32))
-    token_ids = torch.from_numpy(np.random.default_rng(2).integers(0, args.vocab, args.rows))
-    return {
-        "OTB data parallel": _timed(lambda: otb_torch.optimal_token_baseline(rewards, mask, ids, log_probs, spp),
-                                    args.repeat),
-        "OTB data parallel, leave-one-out": _timed(lambda: otb_torch.leave_one_out_token_baseline(
-            rewards, mask, ids, log_probs, spp), args.repeat),
-        "OTB context parallel": _timed(lambda: otb_torch.optimal_token_baseline(rewards, mask, ids, log_probs, spp),
-                                       args.repeat),
-        "Σπ² vocab parallel": _timed(lambda: otb_torch.sum_pi_squared(logits), args.repeat),
-        "log π, entropy, Σπ² vocab parallel": _timed(
-            lambda: otb_torch.token_statistics_from_logits(logits, token_ids), args.repeat),
-    }
+
+    def timed(call) -> float:
+        call()
+        times = []
+        for _ in range(args.repeat):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    results = {}
+    for prompts, samples, positions in args.sizes:
+        for case in _OTB_CASES:
+            holes = case.startswith("multi-turn")
+            rewards, mask, log_probs, spp, ids = (
+                torch.from_numpy(a) if isinstance(a, np.ndarray) and a.dtype != np.int64 else a
+                for a in _batch(prompts, samples, positions, holes=holes))
+            function = _one_process(case)
+            results[(prompts, samples, positions, case)] = timed(
+                lambda: function(rewards, mask, ids, log_probs, spp))
+    if args.section in ("all", "vocab"):
+        logits = torch.from_numpy(np.random.default_rng(1).normal(0, 3, (args.rows, args.vocab)).astype(np.float32))
+        token_ids = torch.from_numpy(np.random.default_rng(2).integers(0, args.vocab, args.rows))
+        results["Σπ² vocab parallel"] = timed(lambda: otb_torch.sum_pi_squared(logits))
+        results["log π, entropy, Σπ² vocab parallel"] = timed(
+            lambda: otb_torch.token_statistics_from_logits(logits, token_ids))
+    return results
 
 
-def _bytes_sent(name: str, size: int, args: argparse.Namespace) -> int:
-    """Bytes one rank sends, ring algorithms: all-reduce 2(P−1)/P·S, all-gather (P−1)/P·S (S: the result's size)."""
+def _bytes_sent(key, size: int, args: argparse.Namespace) -> int:
+    """Bytes one rank sends, ring algorithms: all-reduce 2(P−1)/P·S, all-gather (P−1)/P·S (S: the result's size).
+    The native path sends the group statistics ([P, 4, G]) and the value verdicts (P) in the grid's float32
+    all-reduce; the eager path all-gathers the statistics as int64 (self-inclusive only) and checks values first."""
     reduce, gather = 2 * (size - 1) / size, (size - 1) / size
-    G, K, B = args.prompts, args.positions, args.prompts * args.samples
     handshake = gather * size * 8 * 19                   # 19 integers per rank (fixed size)
-    if name == "OTB data parallel":
-        return int(handshake + gather * size * 4 * G * 8 + reduce * 2 * G * K * 4)
-    if name == "OTB data parallel, leave-one-out":
-        return int(handshake + reduce * 3 * G * K * 4)
-    if name == "OTB context parallel":
-        return int(handshake + gather * size * 3 * B * 8 + gather * size * 4 * G * 8 + reduce * 2 * G * K * 4)
-    rows = args.rows
-    parts = 2 if name == "Σπ² vocab parallel" else 4
-    return int(gather * size * 8 * 19 + reduce * (rows + 2) * 4 + reduce * parts * rows * 4)
+    if isinstance(key, tuple):
+        prompts, samples, positions, case = key
+        G, K, B = prompts, positions, prompts * samples
+        planes = 3 if case == "leave-one-out" else 2
+        sent = handshake + reduce * planes * G * K * 4
+        if args.kernel != "eager":
+            sent += reduce * (size * 4 * G + size) * 4   # the group statistics and verdicts, in the all-reduce
+        elif case != "leave-one-out":
+            sent += gather * size * 4 * G * 8            # the group statistics
+        if case == "context parallel":
+            sent += gather * size * 3 * B * 8            # the row pieces' totals
+        return int(sent)
+    parts = 2 if key == "Σπ² vocab parallel" else 4
+    return int(handshake + reduce * (args.rows + 2) * 4 + reduce * parts * args.rows * 4)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--processes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--positions", type=int, default=1024)
+    parser.add_argument("--processes", type=int, nargs="+", default=[2])
+    parser.add_argument("--sizes", default="64x8x2048", help="comma-separated PROMPTSxSAMPLESxPOSITIONS")
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--section", default="all", choices=["all", "otb", "vocab"])
     parser.add_argument("--rows", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=32768)
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--kernel", default="auto", choices=["auto", "eager"],
+                        help="the native CPU kernel where it builds (auto), or the eager kernels (OTB_TORCH_NATIVE=0)")
     args = parser.parse_args()
+    args.sizes = [tuple(int(x) for x in size.split("x")) for size in args.sizes.split(",")] \
+        if args.section != "vocab" else []
+    if args.kernel == "eager":
+        os.environ["OTB_TORCH_NATIVE"] = "0"             # read once per process: the spawned workers inherit it
     import torch
 
-    print(f"# gloo on loopback, {os.cpu_count()} CPUs, torch {torch.__version__}; batch {args.prompts} prompts × "
-          f"{args.samples} samples × {args.positions} positions (rows shuffled); logits {args.rows} × {args.vocab}; "
-          f"median of {args.repeat}")
+    import otb_torch
+
+    status = otb_torch.native_kernel_status()
+    print(f"# gloo on loopback, {os.cpu_count()} CPUs, torch {torch.__version__}, one thread per process; kernel: "
+          + (f"native ({status.path})" if status.available else f"eager ({status.reason})")
+          + f"; median of {args.repeat}; load average {os.getloadavg()[0]:.2f} at start")
     single = _single(args)
     context = multiprocessing.get_context("spawn")
     results = {}
     for size in args.processes:
-        queue = context.Queue()
-        port = _free_port()
-        workers = [context.Process(target=_worker, args=(rank, size, port, args, queue)) for rank in range(size)]
-        for worker in workers:
-            worker.start()
-        results[size] = queue.get(timeout=600)
-        for worker in workers:
-            worker.join(timeout=60)
-    header = f"{'':38s} {'1 process':>11s}" + "".join(f" {f'P = {p}':>11s} {'sent/rank':>11s}" for p in results)
-    print(header)
-    for name in single:
-        row = f"{name:38s} {single[name] * 1e3:9.1f}ms"
-        for size, timing in results.items():
-            row += f" {timing[name] * 1e3:9.1f}ms {_bytes_sent(name, size, args) / 2**20:8.2f}MiB"
-        print(row)
+        for memory in (False, True):
+            saved = {name: os.environ.get(name) for name in _FIXED_MAPPING}
+            if memory:                  # the memory pass: spawned workers read these when their allocator starts
+                os.environ.update(_FIXED_MAPPING)
+            try:
+                queue = context.Queue()
+                port = _free_port()
+                workers = [context.Process(target=_worker, args=(rank, size, port, args, queue, memory))
+                           for rank in range(size)]
+                for worker in workers:
+                    worker.start()
+                found = queue.get(timeout=1200)
+                for worker in workers:
+                    worker.join(timeout=60)
+            finally:
+                for name, value in saved.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
+            if memory:
+                for key, record in found.items():
+                    results[size][key]["extra"] = record["extra"]
+            else:
+                results[size] = found
+    ms = lambda seconds: f"{seconds * 1e3:.2f} ms"  # noqa: E731
+    for size, slowest in results.items():
+        print(f"\n### P = {size} ranks (the slowest rank's medians)\n")
+        print("| batch | case | one process | rank's share | local compute | ≤ 1.3 × share × one process | "
+              "its rows, one-process kernel, ranks at once | local ÷ that | gloo | gloo floor | whole call | "
+              "≤ one process | sent/rank | extra peak memory/rank |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for key, record in slowest.items():
+            if not isinstance(key, tuple):
+                continue
+            prompts, samples, positions, case = key
+            one = single[key]
+            bound = 1.3 * record["share"] * one
+            print(f"| {prompts}×{samples}×{positions} | {case} | {ms(one)} | {record['share']:.2f} | "
+                  f"{ms(record['local'])} | {ms(bound)}: {'met' if record['local'] <= bound else 'NOT met'} "
+                  f"({record['local'] / (record['share'] * one):.2f}×) | "
+                  + (f"{ms(record['concurrent'])} | {record['local'] / record['concurrent']:.2f} | "
+                     if "concurrent" in record else "— | — | ")
+                  + f"{ms(record['gloo'])} | "
+                  f"{ms(record['floor'])} | {ms(record['total'])} | {'met' if record['total'] <= one else 'NOT met'} "
+                  f"({record['total'] / one:.2f}×) | {_bytes_sent(key, size, args) / 2**20:.2f} MiB | "
+                  f"{record['extra'] / 2**20:.2f} MiB |")
+        vocab = [key for key in slowest if not isinstance(key, tuple)]
+        if vocab:
+            print("\n| vocab parallel | one process | whole call | gloo | sent/rank | extra peak memory/rank |\n"
+                  "|---|---|---|---|---|---|")
+            for key in vocab:
+                record = slowest[key]
+                print(f"| {key} | {ms(single[key])} | {ms(record['total'])} | {ms(record['gloo'])} | "
+                      f"{_bytes_sent(key, size, args) / 2**20:.2f} MiB | {record['extra'] / 2**20:.2f} MiB |")
 
 
 if __name__ == "__main__":

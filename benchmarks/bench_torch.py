@@ -1,8 +1,9 @@
 """otb_torch against verl 0.9.1 itself, in the layouts trainers produce: figures, ratios and floors as a table.
 
     python benchmarks/bench_torch.py [--device cpu|cuda] [--sizes 64x8x1024,256x8x4096,512x16x8192] [--repeats 3]
-                                     [--section all|otb|tir|sum-pi-squared] [--allocator as-is|warm|both]
-                                     [--against verl|loop] [--compile] [--kernel auto|eager]
+                                     [--section all|otb|tir|sum-pi-squared|memory] [--allocator as-is|warm|both]
+                                     [--threads 2,1] [--clock wall|cpu] [--against verl|loop] [--compile]
+                                     [--kernel auto|eager]
 
 Inputs are what a verl trainer hands the advantage function: float32 [B, T] tensors, ``index`` a NumPy object array of
 string uids, right-padded masks of random lengths (T/8 … T), consistent token statistics (Σπ² = π² + (1 − π)²u), a 0/1
@@ -17,15 +18,27 @@ verl's own function (``compute_optimal_token_baseline_advantage`` / ``compute_mu
 or without verl installed, the loop transcriptions in benchmarks/loop_*.py), the otb_torch drop-in (value checks on,
 ``index`` as verl passes it), the hot path (precomputed ``Segments``, ``check_values=False``) and the memory floor
 (read the four inputs, write the two outputs into freshly allocated tensors — no arithmetic; the same bytes in every
-layout, so the floor is the same). TIR-OTB rows use masks with tool-output holes. Context lines give the eager floor:
-the passes no eager-mode implementation avoids (two scans and one exp over the batch; for TIR also the compaction:
-a scan of the mask, two scatters, one gather), on top of the memory floor. On CPU the drop-ins run otb_torch's native
-kernel where it builds (the header says which kernel ran); ``--kernel eager`` times the eager kernel instead.
+layout, so the floor is the same), and otb_torch.verl's leave-one-out drop-in (value checks on) and hot path, with
+their ratio to the self-inclusive ones (issue 25: at most 1.2×). TIR-OTB rows use masks with tool-output holes.
+The targets also print two parts of a drop-in call timed alone (CPU, native kernel): planning verl's uids into
+groups, and the kernel's exponential over the valid spans — with the memory floor, what a call cannot avoid. Context
+lines give the eager floor: the passes no eager-mode implementation avoids (two scans and one exp over the batch;
+for TIR also the compaction: a scan of the mask, two scatters, one gather), on top of the memory floor. On CPU the
+drop-ins run otb_torch's native kernel where it builds (the header says which kernel ran); ``--kernel eager`` times
+the eager kernel instead.
 
 Σπ² at [1, 4096, 32768] float32 (and [1, 1024, 32768], to show the extra memory does not grow with the batch): verl's
 ``calculate_sum_pi_squared_from_logits`` (or the plain formula) against the otb_torch drop-in, each in a fresh
 subprocess: time, and extra peak memory beyond the logits (CPU: the peak resident set VmHWM, reset just before the
 call through /proc/self/clear_refs; CUDA: ``torch.cuda.max_memory_allocated``).
+
+Extra peak memory (``--section memory``, part of ``all`` on CPU): each advantage function at the first size, scattered,
+in a fresh process whose allocator maps every block of 64 KiB or more afresh — the high-water mark of the resident set
+during the call, less the inputs and outputs.
+
+``--threads 2,1`` runs everything once per thread count (each in a fresh process; default: torch's own count).
+``--clock cpu`` (with ``--threads 1``) times the calling thread's CPU time instead of the wall clock: on a machine
+shared with other work it is inflated only through shared caches and memory, not by descheduling.
 
 CPU allocator regimes (``--allocator``): ``as-is`` is glibc's default (every large temporary a fresh mmap whose pages
 fault in on first touch) — the regime of the targets; ``warm`` tells glibc to keep freed memory (as a long-running
@@ -38,6 +51,8 @@ import argparse
 import json
 import os
 import platform
+import random
+import resource
 import subprocess
 import sys
 import time
@@ -88,25 +103,45 @@ def batch(groups: int, group_size: int, positions: int, layout: str, device: str
     return to(rewards), to(mask), uids[order], to(np.log(pi)), to(spp)
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+CLOCK = "wall"
+
+
 def rounds(cases: dict, repeats: int, device: str) -> dict[str, float]:
-    """Best wall time of each case over ``repeats`` interleaved rounds (after one warm-up call each), so that load
-    changes on a shared machine hit every case alike."""
-    def once(function) -> float:
+    """Best time of each case over ``repeats`` interleaved rounds (after one warm-up call each), so that load changes
+    on a shared machine hit every case alike: wall clock, or (``--clock cpu``, one thread) the calling thread's CPU
+    time — which a loaded machine inflates only through the caches and memory it shares, not by descheduling.
+    Also records, in ``FAULTS``, the minor page faults of each case's best call: a drop-in's fresh outputs fault in
+    page by page unless the allocator hands it reused memory, which depends on the calls before it — hence each round
+    after the first runs the cases in another (seeded) order."""
+    clock = CLOCKS[CLOCK]
+
+    def once(function) -> tuple[float, int]:
         if device == "cuda":
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        start = clock()
         function()
         if device == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - start
+        return clock() - start, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
     for function in cases.values():
         once(function)
+    FAULTS.clear()
     best = {name: float("inf") for name in cases}
-    for _ in range(repeats):
-        for name, function in cases.items():
-            best[name] = min(best[name], once(function))
+    names = list(cases)
+    for round_ in range(repeats):
+        if round_:                  # each round in another order (seeded): no case always follows the same one
+            random.Random(round_).shuffle(names)
+        for name in names:
+            seconds, faults = once(cases[name])
+            if seconds < best[name]:
+                best[name], FAULTS[name] = seconds, faults
     return best
+
+
+FAULTS: dict[str, int] = {}     # the minor page faults (process-wide) of each case's best call in the last rounds()
 
 
 def competitor(multi_turn: bool, against: str):
@@ -152,52 +187,147 @@ def eager_floor(rewards, mask, log_probs, multi_turn: bool, repeats: int, device
     return rounds({"passes": passes}, repeats, device)["passes"]
 
 
+def leave_one_out_drop_in(multi_turn: bool):
+    """otb_torch.verl's leave-one-out OTB with verl's signature (what install(variant="leave_one_out") routes to)."""
+    import otb_torch.verl
+    return otb_torch.verl.compute_multi_turn_leave_one_out_token_baseline_advantage if multi_turn else \
+        otb_torch.verl.compute_leave_one_out_token_baseline_advantage
+
+
+def unavoidable_parts(rewards, mask, index, log_probs, device: str) -> dict:
+    """Two parts of a drop-in call besides the memory floor, each timed alone (CPU, native kernel): ``planning`` —
+    verl's uids turned into groups (``segments_from_index``), which a drop-in called with verl's ``index`` cannot
+    skip — and ``exp`` — the kernel's own exponential over every row's valid span (first to last valid token), from
+    one preallocated buffer into another (no page faults)."""
+    from otb_torch import _native
+
+    library = _native._load()[0] if device == "cpu" else None
+    if library is None:
+        return {}
+    valid = mask.numpy() != 0
+    any_valid = valid.any(axis=1)
+    first = valid.argmax(axis=1)
+    last = valid.shape[1] - 1 - valid[:, ::-1].argmax(axis=1)
+    count = int(np.where(any_valid, last - first + 1, 0).sum())
+    source = log_probs.flatten()[:count].clone()
+    target = torch.empty_like(source)
+
+    def exp() -> None:              # the closure keeps both buffers alive while the kernel writes
+        library.otb_expf_array(_native._pointer(source), _native._pointer(target), _native.ctypes.c_int64(count))
+
+    return {"planning": lambda: otb_torch.segments_from_index(index), "exp": exp}
+
+
 def bench_advantages(args, multi_turn: bool) -> list[dict]:
     label, against = competitor(multi_turn, args.against)
     drop_in = otb_torch.compute_multi_turn_optimal_token_baseline_advantage if multi_turn else \
         otb_torch.compute_optimal_token_baseline_advantage
+    unbiased = leave_one_out_drop_in(multi_turn)
     title = "TIR-OTB (multi-turn; masks with tool-output holes)" if multi_turn else "OTB (single-turn)"
     print(f"\n### {title}, float32, {args.device}, {torch.get_num_threads()} threads — vs {label}\n")
     print("| size | layout | competitor | drop-in | vs competitor | hot path | vs competitor | memory floor | "
-          "drop-in / floor | eager floor |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "drop-in / floor | eager floor | leave-one-out drop-in | ÷ drop-in | leave-one-out hot path | ÷ hot path |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     records = []
     for groups, size, positions in args.sizes:
         for layout in LAYOUTS:
             rewards, mask, index, log_probs, spp = batch(groups, size, positions, layout, args.device,
                                                          holes=multi_turn)
             segments = otb_torch.segments_from_index(index, args.device)
-            out = [torch.empty_like(rewards) for _ in range(2)]
             cases = {
                 "competitor": lambda: against(rewards, mask, index, log_probs, spp),
                 "drop-in": lambda: drop_in(rewards, mask, index, log_probs, spp),
                 "hot path": lambda: drop_in(rewards, mask, segments, log_probs, spp, check_values=False),
                 "floor": lambda: (torch.add(rewards, mask), torch.add(log_probs, spp)),
+                "leave-one-out": lambda: unbiased(rewards, mask, index, log_probs, spp),
+                "leave-one-out hot path": lambda: unbiased(rewards, mask, segments, log_probs, spp,
+                                                           check_values=False),
             }
+            cases.update(unavoidable_parts(rewards, mask, index, log_probs, args.device))
             if args.compile:
                 cases["hot path, compile=True"] = lambda: drop_in(rewards, mask, segments, log_probs, spp,
                                                                   check_values=False, compile=True)
             best = rounds(cases, args.repeats, args.device)
+            faults = dict(FAULTS)
             eager = best["floor"] + eager_floor(rewards, mask, log_probs, multi_turn, args.repeats, args.device)
             mine, theirs = drop_in(rewards, mask, index, log_probs, spp), against(rewards, mask, index, log_probs, spp)
             difference = max(float((a - b).abs().max()) for a, b in zip(mine, theirs))
-            del out
             record = {"size": f"{groups}×{size}×{positions}", "layout": layout, "rows": rewards.shape[0],
-                      "difference": difference, "eager floor": eager, **best}
+                      "difference": difference, "eager floor": eager, "threads": torch.get_num_threads(),
+                      "faults": faults, **best}
             records.append(record)
             ms = lambda seconds: f"{seconds * 1e3:.{0 if seconds >= 0.0095 else 2}f} ms"  # noqa: E731
             print(f"| {record['size']} | {layout} | {ms(best['competitor'])} | {ms(best['drop-in'])} | "
                   f"{best['competitor'] / best['drop-in']:.1f}× | {ms(best['hot path'])} | "
                   f"{best['competitor'] / best['hot path']:.1f}× | {ms(best['floor'])} | "
-                  f"{best['drop-in'] / best['floor']:.1f}× | {ms(eager)} |", flush=True)
+                  f"{best['drop-in'] / best['floor']:.1f}× | {ms(eager)} | {ms(best['leave-one-out'])} | "
+                  f"{best['leave-one-out'] / best['drop-in']:.2f} | {ms(best['leave-one-out hot path'])} | "
+                  f"{best['leave-one-out hot path'] / best['hot path']:.2f} |", flush=True)
             if args.compile:
                 print(f"|  | … hot path, compile=True | | {ms(best['hot path, compile=True'])} | "
-                      f"{best['competitor'] / best['hot path, compile=True']:.1f}× | | | | | |")
+                      f"{best['competitor'] / best['hot path, compile=True']:.1f}× | | | | | | | | | |")
             del rewards, mask, log_probs, spp, segments, cases
     print(f"\nmax |drop-in − competitor| over each row's outputs: "
           + ", ".join(f"{r['difference']:.1e}" for r in records)
           + " (verl computes in float32 too; docs/verl-differences.md lists where the semantics differ)")
     return records
+
+
+_KERNEL_MEMORY_CHILD = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+import bench_torch, otb_torch
+function_name, multi_turn = sys.argv[2], sys.argv[3] == "1"
+groups, size, positions = (int(x) for x in sys.argv[4].split("x"))
+rewards, mask, index, log_probs, spp = bench_torch.batch(groups, size, positions, "scattered", "cpu", holes=multi_turn)
+segments = otb_torch.segments_from_index(index)
+if function_name == "verl":
+    function = bench_torch.competitor(multi_turn, "verl")[1]
+elif function_name == "leave-one-out":
+    function = bench_torch.leave_one_out_drop_in(multi_turn)
+else:
+    function = otb_torch.compute_multi_turn_optimal_token_baseline_advantage if multi_turn else \
+        otb_torch.compute_optimal_token_baseline_advantage
+function(rewards[:16], mask[:16], index[:16], log_probs[:16], spp[:16])   # one-time set-up (threads, the library)
+def peak():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM"))
+with open("/proc/self/clear_refs", "w") as clear:
+    clear.write("5")
+base = peak()
+outputs = function(rewards, mask, index, log_probs, spp)
+extra = peak() - base - sum(value.numel() * value.element_size() for value in outputs)
+print(json.dumps({"extra": extra, "input": rewards.numel() * rewards.element_size()}))
+"""
+
+
+def bench_kernel_memory(args) -> dict:
+    """Extra peak memory of each advantage function at the first size, scattered: the resident set's high-water mark
+    during the call less its value before and less the outputs, in a fresh process whose C allocator maps every
+    block of 64 KiB or more afresh (so that every temporary shows in the resident set, none reuses freed pages)."""
+    size = "x".join(map(str, args.sizes[0]))
+    print(f"\n### Extra peak memory beyond inputs and outputs, {size.replace('x', '×')}, scattered, "
+          f"{torch.get_num_threads()} threads\n")
+    environment = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(65536), MALLOC_TRIM_THRESHOLD_=str(65536))
+    rows, results = [], {}
+    for multi_turn in (False, True):
+        for name, kernel in (("verl", "auto"), ("self-inclusive drop-in", "auto"), ("leave-one-out", "auto"),
+                             ("leave-one-out", "eager")):
+            if name == "verl" and verl_algos is None:
+                continue
+            child = dict(environment, **({"OTB_TORCH_NATIVE": "0"} if kernel == "eager" else {}))
+            output = subprocess.run([sys.executable, "-c", _KERNEL_MEMORY_CHILD, HERE, name, str(int(multi_turn)),
+                                     size], check=True, capture_output=True, text=True, env=child).stdout
+            record = json.loads(output.strip().splitlines()[-1])
+            label = f"{'TIR-OTB' if multi_turn else 'OTB'} {name}" + (" (eager kernel)" if kernel == "eager" else "")
+            results[label] = record
+            rows.append(f"| {label} | {record['extra'] / 2**20:.2f} MiB | {record['extra'] / record['input']:.3f}× |")
+    unit = next(iter(results.values()))["input"] / 2**20 if results else 0
+    print("| function | extra peak memory | ÷ one input array |\n|---|---|---|")
+    print("\n".join(rows))
+    print(f"\n(one input array: {unit:.1f} MiB; the native kernel's own buffers are 6·T values per thread and the B "
+          "row lengths — its leave-one-out keeps m·W in the advantages' buffer until it overwrites it)")
+    return results
 
 
 _MEMORY_CHILD = r"""
@@ -261,10 +391,21 @@ def bench_sum_pi_squared(args) -> dict:
     return results
 
 
+def _parts(record: dict) -> str:
+    """The memory floor, the planning and the exponential, each timed alone, and their sum against the competitor."""
+    if "exp" not in record:
+        return ""
+    parts = record["floor"] + record["planning"] + record["exp"]
+    return (f"; memory floor {record['floor'] * 1e3:.1f} ms + planning the uids {record['planning'] * 1e3:.1f} ms "
+            f"+ the exponential over the valid spans {record['exp'] * 1e3:.1f} ms (each timed alone) = "
+            f"{parts * 1e3:.1f} ms, {record['competitor'] / parts:.1f}× faster than the competitor")
+
+
 def verdict(otb: list[dict], tir: list[dict], spp: dict) -> None:
-    """The issue's targets at 256×8×4096 (glibc's default allocator), each met or not, with the floor that bounds it."""
+    """The targets at 256×8×4096 (glibc's default allocator), each met or not, with the floor that bounds it: issue
+    12's (OTB, Σπ²) and issue 25's (leave-one-out ≤ 1.2× the self-inclusive kernel, TIR-OTB ≥ 10× verl)."""
     size = "×".join(map(str, TARGET_SIZE))
-    print(f"\n### Targets at {size}\n")
+    print(f"\n### Targets at {size}, {torch.get_num_threads()} threads\n")
     for record in otb:
         if record["size"] != size:
             continue
@@ -281,8 +422,25 @@ def verdict(otb: list[dict], tir: list[dict], spp: dict) -> None:
             continue
         ratio = record["competitor"] / record["drop-in"]
         print(f"* TIR-OTB {record['layout']}: drop-in {ratio:.1f}× (target ≥ 10×: {'met' if ratio >= 10 else 'NOT met'}"
-              f"); hot path {record['competitor'] / record['hot path']:.1f}×; the eager floor alone is "
-              f"{record['competitor'] / record['eager floor']:.1f}× faster than the competitor")
+              f"); hot path {record['competitor'] / record['hot path']:.1f}×; the memory floor alone is "
+              f"{record['competitor'] / record['floor']:.1f}× faster than the competitor (10× needs the drop-in within "
+              f"{record['competitor'] / 10 / record['floor']:.2f}× the memory floor; it is "
+              f"{record['drop-in'] / record['floor']:.2f}×), the eager floor "
+              f"{record['competitor'] / record['eager floor']:.1f}×"
+              + _parts(record))
+    for kind, records in (("OTB", otb), ("TIR-OTB", tir)):
+        for record in records:
+            if record["size"] != size:
+                continue
+            ratio, hot = record["leave-one-out"] / record["drop-in"], \
+                record["leave-one-out hot path"] / record["hot path"]
+            faults = record["faults"]
+            print(f"* leave-one-out {kind} {record['layout']}: {ratio:.2f}× the self-inclusive drop-in, {hot:.2f}× its "
+                  f"hot path (target ≤ 1.2×: {'met' if max(ratio, hot) <= 1.2 else 'NOT met'}); page faults in the "
+                  f"best calls: leave-one-out {faults.get('leave-one-out', 0)} / self-inclusive "
+                  f"{faults.get('drop-in', 0)} (drop-ins), {faults.get('leave-one-out hot path', 0)} / "
+                  f"{faults.get('hot path', 0)} (hot paths) — each 4 KiB page that faults in costs the call time "
+                  "that has nothing to do with the kernel")
     if 4096 in spp:
         row = spp[4096]
         ratio = row["verl"]["seconds"] / row["otb_torch"]["seconds"]
@@ -300,7 +458,11 @@ def main() -> None:
     parser.add_argument("--sizes", default="64x8x1024,256x8x4096,512x16x8192",
                         help="comma-separated GROUPSxSIZExPOSITIONS")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--section", default="all", choices=["all", "otb", "tir", "sum-pi-squared"])
+    parser.add_argument("--section", default="all", choices=["all", "otb", "tir", "sum-pi-squared", "memory"])
+    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                        help="wall clock, or the calling thread's CPU time (CPU, one thread only: on a loaded machine)")
+    parser.add_argument("--threads", default="",
+                        help="CPU: comma-separated torch thread counts, each run in a fresh process (default: torch's)")
     parser.add_argument("--allocator", default="as-is", choices=["as-is", "warm", "both"],
                         help="CPU: glibc's defaults, a warm (reusing) heap, or both, each in a fresh process")
     parser.add_argument("--against", default="verl", choices=["verl", "loop"],
@@ -312,11 +474,19 @@ def main() -> None:
     args = parser.parse_args()
     args.sizes = [tuple(int(x) for x in size.split("x")) for size in args.sizes.split(",")]
     if args.device == "cpu" and not args.child:
-        for regime in (("as-is", "warm") if args.allocator == "both" else (args.allocator,)):
-            in_subprocess(regime, args.kernel)
+        for threads in [int(count) for count in args.threads.split(",") if count.strip()] or [None]:
+            for regime in (("as-is", "warm") if args.allocator == "both" else (args.allocator,)):
+                in_subprocess(regime, args.kernel, threads)
         return
+    if os.environ.get("OTB_BENCH_THREADS"):
+        torch.set_num_threads(int(os.environ["OTB_BENCH_THREADS"]))
+    if args.clock == "cpu" and (args.device != "cpu" or torch.get_num_threads() != 1):
+        parser.error("--clock cpu measures the calling thread: CPU with one thread only (--threads 1)")
+    global CLOCK
+    CLOCK = args.clock
     print(f"torch {torch.__version__}, python {platform.python_version()}, numpy {np.__version__}, "
-          f"{torch.get_num_threads()} threads, {platform.machine()}"
+          f"{torch.get_num_threads()} threads, {platform.machine()}, clock: {CLOCK}, load average "
+          f"{os.getloadavg()[0]:.2f}"
           + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else "")
           + f"; allocator: {os.environ.get('OTB_BENCH_ALLOCATOR', 'as-is')}; competitor: "
           + ("verl " + _verl_version() if verl_algos is not None and args.against == "verl" else "loop transcription"))
@@ -326,18 +496,23 @@ def main() -> None:
     otb = bench_advantages(args, False) if args.section in ("all", "otb") else []
     tir = bench_advantages(args, True) if args.section in ("all", "tir") else []
     spp = bench_sum_pi_squared(args) if args.section in ("all", "sum-pi-squared") else {}
+    if args.section in ("all", "memory") and args.device == "cpu":
+        bench_kernel_memory(args)
     verdict(otb, tir, spp)
 
 
 _WARM_HEAP = {"MALLOC_MMAP_THRESHOLD_": str(2**62), "MALLOC_TRIM_THRESHOLD_": str(2**62)}
 
 
-def in_subprocess(regime: str, kernel: str) -> None:
-    """Run the benchmark in a fresh process whose C allocator runs as-is or with a warm heap."""
+def in_subprocess(regime: str, kernel: str, threads: int | None = None) -> None:
+    """Run the benchmark in a fresh process whose C allocator runs as-is or with a warm heap (and, when given, with
+    that many threads: OMP_NUM_THREADS and torch.set_num_threads)."""
     environment = {name: value for name, value in os.environ.items() if name not in _WARM_HEAP}
     if regime == "warm":
         environment.update(_WARM_HEAP)
     environment["OTB_BENCH_ALLOCATOR"] = regime
+    if threads is not None:
+        environment["OMP_NUM_THREADS"] = environment["OTB_BENCH_THREADS"] = str(threads)
     if kernel == "eager":
         environment["OTB_TORCH_NATIVE"] = "0"
     subprocess.run([sys.executable, os.path.abspath(__file__), "--child", *sys.argv[1:]], check=True, env=environment)

@@ -211,6 +211,8 @@ for _spec in (
                 {"device": "cpu", "eager": True}),
     AdapterSpec("torch-cpu-compiled", "otb_torch._adapter:make_adapter", ("torch", "otb_torch"),
                 {"device": "cpu", "compiled": True}),
+    AdapterSpec("torch-cpu-distributed", "otb_torch._adapter:make_adapter", ("torch", "otb_torch"),
+                {"device": "cpu", "distributed": True}),
     AdapterSpec("torch-cuda", "otb_torch._adapter:make_adapter", ("torch", "otb_torch"), {"device": "cuda"},
                 probe=_cuda_available),
     AdapterSpec("jax-cpu", "otb_jax._adapter:make_adapter", ("jax", "otb_jax"), {"platform": "cpu"}),

@@ -11,12 +11,17 @@ Process groups, created once at start-up in every process (``new_group`` is coll
 * ``"mesh"``    — a 2 × 2 mesh: context pairs {0, 1} and {2, 3}, the batch split over the pairs (rank = 2·d + c);
 * ``"mesh-broken"`` — the mesh, but rank 1 forgets its context group (every rank must raise).
 
+The task ``"native_kernel_status"`` answers whether a rank has otb_torch's native kernel. A task's arguments may hold
+``_eager=True``: that rank then runs under ``otb_torch._native.eager_only()`` (the eager
+kernels, as without a C compiler); otherwise otb_torch's native CPU kernel runs where it is built.
+
 A task that does not answer within ``timeout`` seconds fails the test and the pool is restarted; collectives inside
 the processes time out after ``COLLECTIVE_TIMEOUT`` seconds (the process groups' timeout), so nothing can hang.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing
 import os
@@ -45,6 +50,7 @@ def _worker(rank: int, port: int, inbox: Any, outbox: Any) -> None:  # pragma: n
 
     torch.set_num_threads(1)
     import otb_torch.distributed as otb_dist
+    from otb_torch import _native
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))
@@ -70,14 +76,18 @@ def _worker(rank: int, port: int, inbox: Any, outbox: Any) -> None:  # pragma: n
             outbox.put((rank, "ok", None))
             continue
         try:
-            function = getattr(otb_dist, name)
+            function = (lambda **_: _native.native_kernel_status().available) if name == "native_kernel_status" else \
+                getattr(otb_dist, name)
+            arguments = dict(arguments)
+            kernel = _native.eager_only() if arguments.pop("_eager", False) else contextlib.nullcontext()
             call = {key: torch.from_numpy(value) if isinstance(value, np.ndarray) and value.dtype.kind in "biuf" else value
                     for key, value in arguments.items()}
             if name in ("vocab_parallel_token_statistics", "vocab_parallel_sum_pi_squared", "global_group_ids"):
                 groups = {"group": groups.get("group")}
             elif name == "context_parallel_returns_and_energy":
                 groups = {"context_group": groups.get("context_group", groups.get("group"))}
-            result = function(**call, **groups)
+            with kernel:
+                result = function(**call, **groups)
             outbox.put((rank, "ok", _to_numpy(result)))
         except Exception as exc:  # reported to the parent, which decides
             outbox.put((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))

@@ -31,7 +31,11 @@ VARIANTS = {
                    dict(align="valid_token")),
     "leave_one_out": ("leave_one_out_token_baseline", otb.leave_one_out_token_baseline,
                       dict(align="position", leave_one_out=True, handle_zero_tail=False)),
+    "leave_one_out_multi_turn": ("leave_one_out_token_baseline", otb.leave_one_out_token_baseline,
+                                 dict(align="valid_token", leave_one_out=True, handle_zero_tail=False)),
 }
+# what each variant passes besides the test's options (leave-one-out takes its alignment as an argument)
+_CALL_OPTIONS = {"leave_one_out": dict(align="position"), "leave_one_out_multi_turn": dict(align="valid_token")}
 
 
 def _adapter_params():
@@ -76,6 +80,7 @@ def _as_seen(adapter, array, dtype):
 def _run(adapter, variant, batch, dtype, **options):
     """Run a variant on the backend; return (advantages, returns, inputs as seen) as NumPy."""
     method, _, _ = VARIANTS[variant]
+    options = {**_CALL_OPTIONS.get(variant, {}), **options}
     seen = {name: _as_seen(adapter, getattr(batch, name), dtype)
             for name in ("rewards", "log_probs", "sum_pi_squared")}
     seen["is_weights"] = None if batch.is_weights is None else _as_seen(adapter, batch.is_weights, dtype)
@@ -90,6 +95,7 @@ def _run(adapter, variant, batch, dtype, **options):
 
 def _reference(variant, seen, mask, group_ids, **options):
     _, function, _ = VARIANTS[variant]
+    options = {**_CALL_OPTIONS.get(variant, {}), **options}
     return function(seen["rewards"], mask, group_ids, seen["log_probs"], seen["sum_pi_squared"],
                     is_weights=seen["is_weights"], **options)
 
@@ -112,7 +118,7 @@ def _tolerances(adapter, variant, seen, mask, group_ids, dtype, **options):
 @given(batch=otb_st.rollout_batches(), handle_zero_tail=st.booleans(), epsilon=st.sampled_from([1e-8, 0.0, 1e-3]))
 def test_otb_matches_the_reference(adapter, variant, dtype, batch, handle_zero_tail, epsilon):
     options = {"epsilon": epsilon}
-    if variant != "leave_one_out":
+    if not variant.startswith("leave_one_out"):
         options["handle_zero_tail"] = handle_zero_tail
     advantages, returns, seen, mask = _run(adapter, variant, batch, dtype, **options)
     expected = _reference(variant, seen, mask, batch.group_ids, **options)
@@ -286,7 +292,8 @@ def test_realistic_layouts_match_the_reference(adapter, layout, variant):
     zero tail (float64 is covered by test_otb_matches_the_reference)."""
     dtype = "float32"
     batch = realistic_batch(sorted(LAYOUTS).index(layout), positions=48, **LAYOUTS[layout])
-    for options in ([{}] if variant == "leave_one_out" else [{"handle_zero_tail": True}, {"handle_zero_tail": False}]):
+    for options in ([{}] if variant.startswith("leave_one_out") else [{"handle_zero_tail": True},
+                                                                      {"handle_zero_tail": False}]):
         advantages, returns, seen, mask = _run(adapter, variant, batch, dtype, **options)
         expected = _reference(variant, seen, mask, batch.group_ids, **options)
         advantages_tolerance, returns_tolerance = _tolerances(adapter, variant, seen, mask, batch.group_ids, dtype,
@@ -302,7 +309,7 @@ def test_realistic_layouts_in_bfloat16(adapter, variant):
     plus the output's rounding to bf16."""
     if adapter.name == "numpy-reference":
         pytest.skip("the reference reads half precision through NumPy (tested in test_proxy / test_otb_properties)")
-    batch = realistic_batch(7, unequal_sizes(7, 12), 48, holes=variant == "multi_turn", is_weights=True)
+    batch = realistic_batch(7, unequal_sizes(7, 12), 48, holes=variant.endswith("multi_turn"), is_weights=True)
     advantages, _, seen, mask = _run(adapter, variant, batch, "bfloat16")
     assert np.all(seen["sum_pi_squared"][mask > 0] <= 1.0 + 3e-2), "rounded Σπ² outside the accepted range"
     expected = _reference(variant, seen, mask, batch.group_ids)

@@ -357,19 +357,31 @@ _CORRUPTIONS = [("token_level_rewards", 0, float("nan")), ("token_level_rewards"
                 ("response_mask", 1, 0.5), ("response_mask", 1, 2.0), ("response_mask", 1, float("nan"))]
 
 
+# the drop-in whose value checks run, and the names its errors use (verl's; the reference's for leave-one-out)
+_CHECKED = {"self-inclusive": ("compute_optimal_token_baseline_advantage", {}),
+            "leave-one-out": ("compute_multi_turn_leave_one_out_token_baseline_advantage",
+                              {"token_level_rewards": "rewards", "old_log_probs": "log_probs",
+                               "rollout_is_weights": "is_weights"})}
+
+
 @pytest.mark.parametrize("name, index, value", _CORRUPTIONS, ids=lambda x: str(x))
 @pytest.mark.parametrize("where", ["valid", "masked"])
 @pytest.mark.parametrize("kernel", ["native", "eager"])
-def test_fused_value_checks_raise_exactly_what_the_reference_rejects(monkeypatch, name, index, value, where, kernel):
-    """The value checks evaluated inside the kernels (the native kernel's flags; grouped_otb's reductions) reject a
-    corrupted value exactly when the reference does — at a valid or a masked position of a scattered batch whose
-    other values there are benign (r = 0, log π = 0, Σπ² = 1, ρ = 1), so no other rule can fire in its place —
-    naming the argument."""
+@pytest.mark.parametrize("variant", sorted(_CHECKED))
+def test_fused_value_checks_raise_exactly_what_the_reference_rejects(monkeypatch, name, index, value, where, kernel,
+                                                                     variant):
+    """The value checks evaluated inside the kernels (the native kernel's flags; grouped_otb's reductions; for
+    leave-one-out the eager kernel's device pre-check) reject a corrupted value exactly when the reference does — at
+    a valid or a masked position of a scattered batch whose other values there are benign (r = 0, log π = 0, Σπ² = 1,
+    ρ = 1), so no other rule can fire in its place — naming the argument."""
     from otb_spec import _validation as reference_checks
+    import otb_torch.verl
     if kernel == "eager":
         monkeypatch.setattr(otb_torch._native, "usable", lambda *_: False)
     elif not otb_torch.native_kernel_status().available:
         pytest.skip(f"native kernel not available: {otb_torch.native_kernel_status().reason}")
+    function, renamed = _CHECKED[variant]
+    drop_in = getattr(otb_torch, function, None) or getattr(otb_torch.verl, function)
     inputs, options = _realistic_inputs("compute_optimal_token_baseline_advantage", "scattered-unequal",
                                         torch.float32)
     named = dict(zip(("token_level_rewards", "response_mask", "index", "old_log_probs", "sum_pi_squared"), inputs))
@@ -384,21 +396,22 @@ def test_fused_value_checks_raise_exactly_what_the_reference_rejects(monkeypatch
     named[name] = named[name].clone()
     named[name][row, col] = value
     host = {key: value.numpy() for key, value in named.items() if key != "index"}
+    called = {key: renamed.get(key, key) for key in host}
     try:
-        reference_checks.raise_value_error(lambda array: array, rewards=("token_level_rewards", host[
+        reference_checks.raise_value_error(lambda array: array, rewards=(called["token_level_rewards"], host[
             "token_level_rewards"]), mask=("response_mask", host["response_mask"]), log_probs=(
-            "old_log_probs", host["old_log_probs"]), sum_pi_squared=("sum_pi_squared", host["sum_pi_squared"]),
-            is_weights=("rollout_is_weights", host["rollout_is_weights"]))
+            called["old_log_probs"], host["old_log_probs"]), sum_pi_squared=("sum_pi_squared", host["sum_pi_squared"]),
+            is_weights=(called["rollout_is_weights"], host["rollout_is_weights"]))
     except ValueError as error:
         expected = str(error)
     before = {key: value.clone() for key, value in named.items() if key != "index"}
     if "please report" in expected:                                 # the reference accepts this input
-        otb_torch.compute_optimal_token_baseline_advantage(**named)
+        drop_in(**named)
     else:
         with pytest.raises(ValueError) as raised:
-            otb_torch.compute_optimal_token_baseline_advantage(**named)
+            drop_in(**named)
         assert str(raised.value) == expected
-        assert str(raised.value).startswith(name)
+        assert str(raised.value).startswith(called[name])
     for key, value in before.items():
         assert torch.allclose(value, named[key], rtol=0.0, atol=0.0, equal_nan=True), key      # inputs untouched
 

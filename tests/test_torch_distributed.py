@@ -81,13 +81,18 @@ def _split_arguments(batch, ids, num_groups, row_shards, column_cuts, context_si
     return arguments, pieces
 
 
+KERNELS = ["native", "eager"]       # otb_torch's native CPU kernel (where it builds), and the eager fallback
+
+
 def _check_split(pool, batch, row_shards, *, layout, column_cuts=(), align="position", leave_one_out=False,
-                 epsilon=1e-8):
+                 epsilon=1e-8, kernel="native"):
     ids = group_segments(batch.group_ids).index
     num_groups = int(ids.max()) + 1
     context_size = len(column_cuts) + 1
     arguments, pieces = _split_arguments(batch, ids, num_groups, row_shards, list(column_cuts), context_size,
                                          align=align, leave_one_out=leave_one_out, epsilon=epsilon)
+    if kernel == "eager":
+        arguments = [dict(argument, _eager=True) for argument in arguments]
     arguments += [None] * (WORLD_SIZE - len(arguments))
     outcomes = pool.run("distributed_token_baseline", layout, arguments)
     expected = _reference(batch, ids, align=align, leave_one_out=leave_one_out, epsilon=epsilon)
@@ -106,6 +111,15 @@ def _check_split(pool, batch, row_shards, *, layout, column_cuts=(), align="posi
         assert np.all(result.baselines[mask == 0] == 0) and np.all(result.advantages[mask == 0] == 0)
 
 
+def test_the_ranks_have_the_native_kernel(pool):
+    """The distributed tests run the native kernel on the ranks where it builds (as on CI), the eager one where
+    asked (``_eager``): set OTB_REQUIRE_NATIVE=0 to allow a machine without a C compiler."""
+    import os
+    if os.environ.get("OTB_REQUIRE_NATIVE", "1") == "0" or os.environ.get("OTB_TORCH_NATIVE") == "0":
+        pytest.skip("the eager fallback is allowed here")
+    assert [result for _, result in pool.run("native_kernel_status", "world", [{}] * WORLD_SIZE)] == [True] * 4
+
+
 @st.composite
 def _row_shards(draw, rows: int, shards: int):
     """A random partition of the rows into ``shards`` non-empty parts (any order: groups scattered)."""
@@ -118,21 +132,23 @@ def _row_shards(draw, rows: int, shards: int):
 _BATCHES = dict(min_groups=1, max_groups=4, max_group_size=5, min_length=4, max_length=10)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @settings(max_examples=25)
 @given(data=st.data(), layout=st.sampled_from(sorted(DATA_LAYOUTS)), align=st.sampled_from(["position", "valid_token"]),
        leave_one_out=st.booleans(), dtype=st.sampled_from([np.float64, np.float32]))
-def test_data_parallel_equals_one_process(pool, data, layout, align, leave_one_out, dtype):
+def test_data_parallel_equals_one_process(pool, kernel, data, layout, align, leave_one_out, dtype):
     shards = DATA_LAYOUTS[layout]
     batch = data.draw(strategies.rollout_batches(**_BATCHES, min_group_size=2, dtype=dtype).filter(
         lambda b: b.rewards.shape[0] >= shards))
     row_shards = data.draw(_row_shards(batch.rewards.shape[0], shards))
-    _check_split(pool, batch, row_shards, layout=layout, align=align, leave_one_out=leave_one_out)
+    _check_split(pool, batch, row_shards, layout=layout, align=align, leave_one_out=leave_one_out, kernel=kernel)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @settings(max_examples=20)
 @given(data=st.data(), layout=st.sampled_from(["context", "mesh"]), align=st.sampled_from(["position", "valid_token"]),
        leave_one_out=st.booleans())
-def test_context_parallel_equals_one_process(pool, data, layout, align, leave_one_out):
+def test_context_parallel_equals_one_process(pool, kernel, data, layout, align, leave_one_out):
     context_size = 4 if layout == "context" else 2
     data_shards = WORLD_SIZE // context_size
     batch = data.draw(strategies.rollout_batches(**_BATCHES, min_group_size=2).filter(
@@ -143,7 +159,7 @@ def test_context_parallel_equals_one_process(pool, data, layout, align, leave_on
     row_shards = data.draw(_row_shards(batch.rewards.shape[0], data_shards)) if data_shards > 1 else [
         np.arange(batch.rewards.shape[0])]
     _check_split(pool, batch, row_shards, layout=layout, column_cuts=column_cuts, align=align,
-                 leave_one_out=leave_one_out)
+                 leave_one_out=leave_one_out, kernel=kernel)
 
 
 def _fixed_batch(rows: int = 8, positions: int = 6, seed: int = 3):
@@ -158,19 +174,24 @@ def _fixed_batch(rows: int = 8, positions: int = 6, seed: int = 3):
                             sum_pi_squared=spp, is_weights=rng.uniform(0.5, 1.5, (rows, positions)))
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("leave_one_out", [False, True])
 @pytest.mark.parametrize("align", ["position", "valid_token"])
-def test_adversarial_splits(pool, align, leave_one_out):
+def test_adversarial_splits(pool, align, leave_one_out, kernel):
     batch = _fixed_batch()
-    # group 1 entirely on rank 2; rank 3 without a valid token; uneven shards; group 0 split 2 + 1
+    # group 1 entirely on rank 2; rank 3 without a valid token; uneven shards; group 0 split 2 + 1; tool-output holes
+    # (inside a later context piece too, where the earlier pieces' energy must not reach a masked position)
     mask = batch.response_mask.copy()
     mask[7] = 0.0
+    mask[0, :5] = [1.0, 1.0, 1.0, 0.0, 1.0]                   # a hole inside the context piece [2, 5)
+    mask[1, :4] = 1.0
+    mask[3, :4] = [1.0, 1.0, 0.0, 1.0]
     batch = dataclasses.replace(batch, response_mask=mask)
     row_shards = [np.array([0, 1, 6]), np.array([2]), np.array([3, 4, 5]), np.array([7])]
-    _check_split(pool, batch, row_shards, layout="world", align=align, leave_one_out=leave_one_out)
+    _check_split(pool, batch, row_shards, layout="world", align=align, leave_one_out=leave_one_out, kernel=kernel)
     # a context piece of a single column, and a piece with no valid token in any row
     _check_split(pool, batch, [np.arange(8)], layout="context", column_cuts=(1, 2, 5), align=align,
-                 leave_one_out=leave_one_out)
+                 leave_one_out=leave_one_out, kernel=kernel)
 
 
 def test_zero_tail_needs_the_global_top_two(pool):
@@ -259,18 +280,35 @@ def test_mismatched_vocab_shapes_raise_on_every_rank(pool):
         assert kind == "ValueError" and "logits_shard" in message and "differs between ranks" in message
 
 
-def test_bad_values_on_one_rank_raise_on_every_rank(pool):
+_CORRUPTIONS = [("rewards", "masked", np.nan), ("rewards", "valid", np.inf), ("log_probs", "valid", 0.5),
+                ("sum_pi_squared", "valid", 1.5), ("response_mask", "valid", 0.5), ("is_weights", "valid", -1.0)]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("layout, leave_one_out", [("world", False), ("world", True), ("context", False)])
+@pytest.mark.parametrize("name, where, value", _CORRUPTIONS)
+def test_bad_values_on_one_rank_raise_on_every_rank(pool, kernel, layout, leave_one_out, name, where, value):
+    """A value the reference rejects, on rank 2 only: that rank raises the reference's error naming the argument,
+    every other rank says rank 2 rejected its inputs — data or context parallel, either kernel (the native one
+    finds it inside its first sweep and sends its verdict with the grid)."""
     batch = _fixed_batch()
-    arguments, _ = _split_arguments(batch, group_segments(batch.group_ids).index, 3,
-                                    [np.array([0, 1]), np.array([2, 3]), np.array([4, 5]), np.array([6, 7])], [], 1,
-                                    align="position", leave_one_out=False, epsilon=1e-8)
-    arguments[2]["rewards"] = arguments[2]["rewards"].copy()
-    arguments[2]["rewards"][0, 0] = np.nan
-    outcomes = pool.run("distributed_token_baseline", "world", arguments)
+    context = layout == "context"
+    row_shards = [np.arange(8)] if context else [np.array([0, 1]), np.array([2, 3]), np.array([4, 5]),
+                                                 np.array([6, 7])]
+    arguments, _ = _split_arguments(batch, group_segments(batch.group_ids).index, 3, row_shards,
+                                    [1, 3, 4] if context else [], 4 if context else 1, align="position",
+                                    leave_one_out=leave_one_out, epsilon=1e-8)
+    mask = arguments[2]["response_mask"]
+    rows, columns = np.nonzero(mask > 0) if where == "valid" else np.nonzero(mask == 0)
+    arguments[2][name] = arguments[2][name].copy()
+    arguments[2][name][rows[0], columns[0]] = value
+    if kernel == "eager":
+        arguments = [dict(argument, _eager=True) for argument in arguments]
+    outcomes = pool.run("distributed_token_baseline", layout, arguments)
     errors = dict((rank, (kind, message)) for rank, kind, message in _errors(outcomes, range(4)))
-    assert errors[2][0] == "ValueError" and errors[2][1].startswith("rewards")
+    assert errors[2][0] == "ValueError" and errors[2][1].startswith(name), errors[2]
     for rank in (0, 1, 3):
-        assert errors[rank][0] == "ValueError" and "rank 2 rejected its inputs" in errors[rank][1]
+        assert errors[rank][0] == "ValueError" and "rank 2 rejected its inputs" in errors[rank][1], errors[rank]
 
 
 @pytest.mark.parametrize("problem", ["id outside num_groups", "num_groups differs", "ids differ in context group",

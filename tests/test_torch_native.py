@@ -7,11 +7,13 @@ value checks of both are tested in tests/test_torch_adapter.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import numpy as np
 import pytest
@@ -62,39 +64,55 @@ def _batch(seed: int, layout: str, multi_turn: bool):
 _MASK_DTYPES = [torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32, torch.float64, torch.bfloat16]
 
 
+# variant → (otb_torch function, the reference's, the alignment, leave-one-out)
+_VARIANTS = {
+    "single_turn": ("optimal_token_baseline", "position", False),
+    "multi_turn": ("multi_turn_optimal_token_baseline", "valid_token", False),
+    "leave_one_out": ("leave_one_out_token_baseline", "position", True),
+    "leave_one_out_multi_turn": ("leave_one_out_token_baseline", "valid_token", True),
+}
+
+
+def _options(variant: str) -> list[dict]:
+    """The rules' corners each variant runs: the zero tail on and off (self-inclusive), ε = 0."""
+    _, align, leave_one_out = _VARIANTS[variant]
+    if leave_one_out:
+        return [dict(align=align, epsilon=1e-8), dict(align=align, epsilon=0.0)]
+    return [dict(handle_zero_tail=True, epsilon=1e-8), dict(handle_zero_tail=False, epsilon=0.0)]
+
+
 @needs_native
 @pytest.mark.parametrize("layout", ["contiguous", "scattered-unequal"])
-@pytest.mark.parametrize("function", ["optimal_token_baseline", "multi_turn_optimal_token_baseline"])
+@pytest.mark.parametrize("variant", sorted(_VARIANTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("mask_dtype", _MASK_DTYPES, ids=str)
-def test_native_equals_eager_and_the_reference(monkeypatch, layout, function, dtype, mask_dtype):
+def test_native_equals_eager_and_the_reference(layout, variant, dtype, mask_dtype):
     """Every mask dtype the kernel reads in place (and one it converts), every compute dtype, IS weights, the zero
-    tail on and off, ε = 0: the native result is within the reference's derived tolerance of the reference and of
-    the eager kernel's (both are correct programs, with different rounding), baselines included."""
-    multi_turn = function.startswith("multi")
-    batch = _batch(5, layout, multi_turn)
+    tail on and off, ε = 0, self-inclusive and leave-one-out in both alignments: the native result is within the
+    reference's derived tolerance of the reference and of the eager kernel's (both are correct programs, with
+    different rounding), baselines included."""
+    function, align, leave_one_out = _VARIANTS[variant]
+    batch = _batch(5, layout, align == "valid_token")
     tensor = lambda array, kind=dtype: torch.as_tensor(np.asarray(array)).to(kind)  # noqa: E731
     wide = torch.float64 if dtype == torch.float64 else torch.float32          # what the reference is given: the
     seen = {name: tensor(getattr(batch, name)).to(wide).numpy()                # rounded values, in a dtype whose
             for name in ("rewards", "log_probs", "sum_pi_squared", "is_weights")}  # input slack covers the rounding
     compute = "float64" if dtype == torch.float64 else "float32"
-    for handle_zero_tail, epsilon in ((True, 1e-8), (False, 0.0)):
+    for options in _options(variant):
         call = lambda: getattr(otb_torch, function)(  # noqa: E731
             tensor(batch.rewards), tensor(batch.response_mask, mask_dtype), batch.group_ids, tensor(batch.log_probs),
-            tensor(batch.sum_pi_squared), is_weights=tensor(batch.is_weights), handle_zero_tail=handle_zero_tail,
-            epsilon=epsilon)
+            tensor(batch.sum_pi_squared), is_weights=tensor(batch.is_weights), **options)
         native = call()
         with _native.eager_only():
             eager = call()
         expected = getattr(otb, function)(seen["rewards"], batch.response_mask, batch.group_ids, seen["log_probs"],
-                                          seen["sum_pi_squared"], is_weights=seen["is_weights"],
-                                          handle_zero_tail=handle_zero_tail, epsilon=epsilon)
+                                          seen["sum_pi_squared"], is_weights=seen["is_weights"], **options)
         advantages_tolerance, returns_tolerance = otb_comparison_tolerance(
             seen["rewards"], batch.response_mask, batch.group_ids, seen["log_probs"], seen["sum_pi_squared"],
-            is_weights=seen["is_weights"], epsilon=epsilon, handle_zero_tail=handle_zero_tail,
-            align="valid_token" if multi_turn else "position", compute_dtype=compute,
+            is_weights=seen["is_weights"], epsilon=options["epsilon"], align=align, leave_one_out=leave_one_out,
+            handle_zero_tail=options.get("handle_zero_tail", False), compute_dtype=compute,
             output_dtype=str(dtype).replace("torch.", ""))
-        label = f"{function} {layout} {dtype} mask {mask_dtype} zero tail {handle_zero_tail}"
+        label = f"{variant} {layout} {dtype} mask {mask_dtype} {options}"
         for result in (native, eager):
             assert result.advantages.dtype == result.returns.dtype == result.baselines.dtype == dtype
             advantages_tolerance.assert_close(result.advantages.double().numpy(), expected.advantages, label)
@@ -104,10 +122,18 @@ def test_native_equals_eager_and_the_reference(monkeypatch, layout, function, dt
             native.advantages.double().numpy(), eager.advantages.double().numpy(), label + " native vs eager")
 
 
+def _drop_in(name: str):
+    """A drop-in with verl's signature: otb_torch's self-inclusive ones, otb_torch.verl's leave-one-out ones."""
+    import otb_torch.verl
+    return getattr(otb_torch, name, None) or getattr(otb_torch.verl, name)
+
+
 @needs_native
 @pytest.mark.bitexact
 @pytest.mark.parametrize("function", ["compute_optimal_token_baseline_advantage",
-                                      "compute_multi_turn_optimal_token_baseline_advantage"])
+                                      "compute_multi_turn_optimal_token_baseline_advantage",
+                                      "compute_leave_one_out_token_baseline_advantage",
+                                      "compute_multi_turn_leave_one_out_token_baseline_advantage"])
 def test_results_do_not_depend_on_the_number_of_threads(monkeypatch, function):
     """A group is computed by one thread from start to end, so 1, 2 or 3 threads give bitwise the same outputs (with
     shares made small enough that this small batch really is split)."""
@@ -115,7 +141,7 @@ def test_results_do_not_depend_on_the_number_of_threads(monkeypatch, function):
     used = []
     original = _native.shares
     monkeypatch.setattr(_native, "shares", lambda offsets, workers: used.append(original(offsets, workers)) or used[-1])
-    batch = _batch(8, "scattered-unequal", function.startswith("compute_multi"))
+    batch = _batch(8, "scattered-unequal", "multi_turn" in function)
     inputs = [torch.as_tensor(np.asarray(a, dtype=np.float32)) for a in (batch.rewards, batch.response_mask)]
     inputs += [batch.group_ids] + [torch.as_tensor(np.asarray(a, dtype=np.float32))
                                    for a in (batch.log_probs, batch.sum_pi_squared, batch.is_weights)]
@@ -124,13 +150,105 @@ def test_results_do_not_depend_on_the_number_of_threads(monkeypatch, function):
     try:
         for count in (1, 2, 3):
             torch.set_num_threads(count)
-            results.append(getattr(otb_torch, function)(*inputs))
+            results.append(_drop_in(function)(*inputs))
     finally:
         torch.set_num_threads(threads)
     assert [len(bounds) - 1 for bounds in used] == [1, 2, 3]
     for other in results[1:]:
         for got, expected in zip(other, results[0]):
             assert torch.equal(got, expected)
+
+
+def _one_rank(batch, variant: str, dtype=torch.float32, **options):
+    """The distributed kernels (``otb_dist_first``, ``otb_dist_final``) run as a rank holding the whole batch — no
+    collective: its grid and group statistics are the merged ones. Returns (advantages, returns, baselines)."""
+    _, align, leave_one_out = _VARIANTS[variant]
+    tensors = [torch.as_tensor(np.asarray(a)).to(dtype) for a in (batch.rewards, batch.response_mask,
+                                                                   batch.log_probs, batch.sum_pi_squared)]
+    weights = None if batch.is_weights is None else torch.as_tensor(np.asarray(batch.is_weights)).to(dtype)
+    ids = torch.as_tensor(otb_torch.segments_from_index(batch.group_ids).index)
+    groups = int(ids.max()) + 1
+    plan = _native.local_groups(ids, tensors[0].shape[1])
+    first = _native.distributed_first(*tensors, weights, plan, num_groups=groups, align=align,
+                                      leave_one_out=leave_one_out, dtype=dtype, check=False, slacks=None)
+    advantages, baselines = _native.distributed_final(
+        tensors[1], plan, first, None if leave_one_out else first.stats.numpy(), num_groups=groups, align=align,
+        leave_one_out=leave_one_out, handle_zero_tail=options.get("handle_zero_tail", False),
+        epsilon=options["epsilon"], dtype=dtype)
+    return advantages, first.returns, baselines
+
+
+@needs_native
+@pytest.mark.bitexact
+@pytest.mark.parametrize("variant", sorted(_VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_one_rank_distributed_kernels_equal_the_one_process_kernel(variant, dtype):
+    """otb_torch.distributed's native kernels on a rank holding every row compute what the one-process kernel does,
+    bit for bit: the same sweeps in the same order (members in batch order), group sums in a [G, planes, K] grid
+    instead of scratch rows, the zero rules from the group statistics."""
+    function, align, _ = _VARIANTS[variant]
+    batch = _batch(6, "scattered-unequal", align == "valid_token")
+    for options in _options(variant):
+        got = _one_rank(batch, variant, dtype, **options)
+        one = getattr(otb_torch, function)(*(torch.as_tensor(np.asarray(getattr(batch, name))).to(dtype) for name in (
+            "rewards", "response_mask")), batch.group_ids, *(torch.as_tensor(np.asarray(getattr(batch, name))).to(
+                dtype) for name in ("log_probs", "sum_pi_squared")),
+            is_weights=torch.as_tensor(np.asarray(batch.is_weights)).to(dtype), **options)
+        for name, value, expected in zip(("advantages", "returns", "baselines"), got, one):
+            assert torch.equal(value, expected), (variant, options, name)
+
+
+@needs_native
+@pytest.mark.bitexact
+@pytest.mark.parametrize("variant", sorted(_VARIANTS))
+def test_distributed_kernels_do_not_depend_on_the_number_of_threads(monkeypatch, variant):
+    """The distributed kernels split a rank's local groups over threads: 1, 2 or 3 give bitwise the same results."""
+    monkeypatch.setattr(_native, "ELEMENTS_PER_SHARE", 64)
+    batch = _batch(9, "scattered-unequal", _VARIANTS[variant][1] == "valid_token")
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            results.append(_one_rank(batch, variant, **_options(variant)[0]))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for got, expected in zip(other, results[0]):
+            assert torch.equal(got, expected)
+
+
+@needs_native
+@pytest.mark.parametrize("kernel", ["native", "eager", "one rank"])
+@pytest.mark.parametrize("align", ["position", "valid_token"])
+def test_leave_one_out_clamps_the_other_members_energy_at_zero(kernel, align):
+    """Float32 inputs may make an energy negative (π² − Σπ² within the input slack): where the other member's
+    realized energy is negative, max(D − Wm, 0) = 0, so with ε = 0 the denominator is 0 and B = 0 exactly (the
+    reference's rule), A = G. Without the clamp, B would be a finite ratio there. (With ε > 0 the reference's
+    derived tolerance is unbounded at such positions, so only ε = 0 pins the rule down.)"""
+    positions = 20
+    mask = np.ones((2, positions), np.float32)
+    pi = np.full((2, positions), 0.5, np.float32)
+    spp = pi**2 + (1 - pi) ** 2 * 0.5
+    pi[1, :12] = 0.99                                       # member 1: w = (1 − π)² − 0.02 < 0 on its first 12 tokens
+    spp[1, :12] = pi[1, :12] ** 2 - 0.02
+    rewards = np.zeros((2, positions), np.float32)
+    rewards[:, -1] = [1.0, 0.5]
+    arrays = dict(rewards=rewards, response_mask=mask, log_probs=np.log(pi), sum_pi_squared=spp.astype(np.float32))
+    expected = otb.leave_one_out_token_baseline(arrays["rewards"], mask, [0, 0], arrays["log_probs"],
+                                                arrays["sum_pi_squared"], align=align, epsilon=0.0)
+    assert np.all(expected.baselines[0, :12] == 0.0)       # the reference's rule, for the record
+    tensors = [torch.as_tensor(value) for value in arrays.values()]
+    if kernel == "one rank":
+        batch = types.SimpleNamespace(**arrays, group_ids=np.array([0, 0]), is_weights=None)
+        advantages, returns, baselines = _one_rank(batch, "leave_one_out" if align == "position" else
+                                                   "leave_one_out_multi_turn", epsilon=0.0)
+    else:
+        with _native.eager_only() if kernel == "eager" else contextlib.nullcontext():
+            advantages, returns, baselines = otb_torch.leave_one_out_token_baseline(
+                tensors[0], tensors[1], [0, 0], tensors[2], tensors[3], align=align, epsilon=0.0)
+    assert torch.all(baselines[0, :12] == 0.0)
+    assert torch.equal(advantages[0, :12], returns[0, :12])
 
 
 @needs_native

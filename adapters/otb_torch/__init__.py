@@ -12,9 +12,10 @@ synchronisation of the value checks — the computation itself never synchronise
 under ``torch.compile`` and CUDA graphs. Results equal the NumPy reference ``otb_spec`` within the derived tolerances
 (``otb_spec.tolerances``); tests/test_adapters.py proves it.
 
-On CPU the self-inclusive variants (both drop-ins, ``optimal_token_baseline``, ``multi_turn_optimal_token_baseline``)
-run a native kernel built on first use with the system's C compiler (one sweep per group, rows in any order; about a
-second, once per machine, cached); without a compiler, or with ``OTB_TORCH_NATIVE=0``, the eager kernel runs instead.
+On CPU every OTB variant with a plan (the drop-ins, ``optimal_token_baseline``, ``multi_turn_optimal_token_baseline``,
+``leave_one_out_token_baseline`` in both alignments) and each rank's compute in ``otb_torch.distributed`` run a native
+kernel built on first use with the system's C compiler (one sweep per group, rows in any order; a few seconds, once
+per machine, cached); without a compiler, or with ``OTB_TORCH_NATIVE=0``, the eager kernel runs instead.
 ``native_kernel_status()`` says which, and why (docs/performance.md).
 
 Across processes, ``otb_torch.distributed`` (imported on demand) computes vocab-parallel Σπ², log π and entropy, and

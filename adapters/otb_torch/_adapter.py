@@ -17,19 +17,58 @@ _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch
            "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
 
 
+def _one_rank_group() -> None:
+    """Make sure torch.distributed has a default process group of this process alone (gloo, an in-memory store).
+
+    The group stays for the rest of the process (creating and destroying one per call costs ~12 ms); the suites run
+    after the shared adapter suite in one pytest process (verl, TRL, accelerate) pass with it in place."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if dist.get_world_size() != 1:
+        raise RuntimeError("torch-cpu-distributed: the default process group has more than one rank; this adapter "
+                           "runs otb_torch.distributed on a group of one process")
+
+
 class TorchAdapter:
     """Runs ``otb_torch`` on ``device``; ``compiled=True`` uses its ``torch.compile``d kernels (``compile=True``),
-    ``eager=True`` the eager kernels where the native CPU kernel would run (``otb_torch.native_kernel_status``)."""
+    ``eager=True`` the eager kernels where the native CPU kernel would run (``otb_torch.native_kernel_status``);
+    ``distributed=True`` runs the OTB estimators through ``otb_torch.distributed.distributed_token_baseline`` on a
+    process group of this process alone — a rank's whole code path (its plan, grid, group statistics, collectives,
+    value checks), with every group's members on that rank (tests/test_torch_distributed.py splits batches over
+    several processes)."""
 
-    def __init__(self, device: str = "cpu", compiled: bool = False, eager: bool = False):
+    def __init__(self, device: str = "cpu", compiled: bool = False, eager: bool = False, distributed: bool = False):
         self.device = str(torch.device(device))
         self.compiled = bool(compiled)
         self.eager = bool(eager)
+        self.distributed = bool(distributed)
         self.name = (f"torch-{torch.device(device).type}" + ("-compiled" if compiled else "")
-                     + ("-eager" if eager else ""))
+                     + ("-eager" if eager else "") + ("-distributed" if distributed else ""))
         self._otb = otb_torch.optimal_token_baseline
         self._multi = otb_torch.multi_turn_optimal_token_baseline
         self._loo = otb_torch.leave_one_out_token_baseline
+        if self.distributed:
+            _one_rank_group()
+            self._otb = self._split(align="position", leave_one_out=False)
+            self._multi = self._split(align="valid_token", leave_one_out=False)
+            self._loo = self._split(align=None, leave_one_out=True)
+
+    @staticmethod
+    def _split(*, align: str | None, leave_one_out: bool):
+        """An estimator with otb_torch's signature that calls ``distributed_token_baseline``."""
+        from otb_torch.distributed import distributed_token_baseline
+
+        def estimator(rewards, response_mask, segments, log_probs, sum_pi_squared, *, is_weights=None,
+                      handle_zero_tail=True, epsilon=1e-8, compile=False, **options):
+            assert not compile
+            return distributed_token_baseline(
+                rewards, response_mask, segments.index, log_probs, sum_pi_squared, num_groups=segments.num_groups,
+                is_weights=is_weights, align=options.get("align", align), leave_one_out=leave_one_out,
+                handle_zero_tail=None if leave_one_out else handle_zero_tail, epsilon=epsilon)
+
+        return estimator
 
     def _kernel(self):
         return _native.eager_only() if self.eager else nullcontext()
@@ -75,5 +114,6 @@ class TorchAdapter:
         return tuple(otb_torch.token_statistics_from_logits(logits, token_ids))
 
 
-def make_adapter(device: str = "cpu", compiled: bool = False, eager: bool = False) -> TorchAdapter:
-    return TorchAdapter(device=device, compiled=compiled, eager=eager)
+def make_adapter(device: str = "cpu", compiled: bool = False, eager: bool = False,
+                 distributed: bool = False) -> TorchAdapter:
+    return TorchAdapter(device=device, compiled=compiled, eager=eager, distributed=distributed)

@@ -1,34 +1,63 @@
 /*
- * Self-inclusive OTB on the CPU in one sweep per group: the native kernel of otb_torch (see _native.py).
+ * OTB on the CPU in one sweep per group member: the native kernel of otb_torch (see _native.py).
  *
- * The math is the reference's (otb_spec.otb, arXiv 2602.07078, §3); this file only fuses it. For each group g of
- * members i (rows order[offsets[g]] … order[offsets[g+1] − 1] of a row-major [B, T] batch, any row order):
+ * The math is the reference's (otb_spec.otb, arXiv 2602.07078, §3); this file only fuses it. Per member row i of a
+ * row-major [B, T] batch (rows in any order, listed group by group by a plan: order[offsets[g]] …):
  *
  *   Gᵢₜ = Σ_{k≥t} mᵢₖ rᵢₖ                                   (returns; written to `ret`)
  *   wᵢₜ = mᵢₜ (1 − 2πᵢₜ + Σπ²ᵢₜ) ρᵢₜ²,  πᵢₜ = exp(min(log πᵢₜ, 0))
  *   Wᵢₜ = Σ_{j≤t} wᵢⱼ
- *   B_c = Σᵢ Gᵢₜ Wᵢₜ mᵢₜ / (Σᵢ Wᵢₜ mᵢₜ + ε)  over the tokens t of column c, 0 where the denominator is 0
- *   Aᵢₜ = mᵢₜ (Gᵢₜ − B_c(t))                                  (written to `adv`; mᵢₜ B_c(t) to `base`)
  *
- * with column c(t) = t (align by position, verl's single-turn) or the number of valid tokens before t (align by
- * valid token, verl's multi-turn; masked positions get B = 0). Groups of one member get B = 0, and so does one member
- * of a group from some token on by the reference's rules (zero tail, < 2 non-empty members; see below). `lengths`
- * receives each row's number of valid tokens, at its place in the plan's order.
+ * and per group, over the tokens t of aligned column c (c = t: align by position, verl's single-turn; c = the number
+ * of valid tokens before t: align by valid token, verl's multi-turn):
+ *
+ *   N_c = Σᵢ GᵢₜWᵢₜmᵢₜ,   D_c = Σᵢ Wᵢₜmᵢₜ,   V_c = Σᵢ [mᵢₜ ≠ 0]   (the last for leave-one-out only)
+ *
+ * self-inclusive:  Bᵢₜ = N_c / (D_c + ε)                           0 where the denominator is 0, or a rule says so
+ * leave-one-out:   Bᵢₜ = (N_c − GᵢₜWᵢₜmᵢₜ) / (max(D_c − Wᵢₜmᵢₜ, 0) + ε)   0 where that is 0/…, or V_c − [mᵢₜ ≠ 0] = 0
+ *
+ *   Aᵢₜ = mᵢₜ (Gᵢₜ − Bᵢₜ)   (written to `adv`; mᵢₜBᵢₜ to `base`)
+ *
+ * The self-inclusive rules (otb_spec.otb; as otb_torch._core.zero_rule_fix): a group with fewer than two members
+ * (aligned by valid token, rows without a valid token are not members) has B = 0, and with the zero tail the unique
+ * longest member has B = 0 from the second-longest length on. Leave-one-out needs no rule: V_c − [mᵢₜ ≠ 0] = 0
+ * covers singletons and the tail.
+ *
+ * Entry points (one per compute type T ∈ {float, double} and mask type M, named <entry>_<T>_<M>):
+ *
+ *   otb_groups       — one process: each group in one thread, its column sums in scratch rows of T;
+ *   otb_dist_first   — one rank of a data-/context-parallel batch (otb_torch.distributed): the returns, and the
+ *                      rank's terms of N, D (, V) added into a [G, planes, K] grid of global groups; per local group
+ *                      the member count and top-two lengths (context parallel: the row pieces' totals instead);
+ *   otb_dist_offsets — context parallel: the other pieces' offsets added, then the terms into the grid;
+ *   otb_dist_final   — after the grid's SUM all-reduce: B and A for the rank's rows.
  *
  * Scans accumulate in double and round each output once (what torch's CPU cumsum does); everything else is in the
- * compute type T (float or double), in the order of the eager kernel (otb_torch._core.grouped_otb). With `check`,
- * the return value is nonzero if any input may break a value rule of the reference: non-finite values anywhere, a
- * mask outside {0, 1}, or at valid positions log π > slack, Σπ² outside [−slack, 1 + slack], π² − Σπ² above its
- * slack, ρ < 0 — with the caller's own rules for integer token statistics (no slack; π² may underflow) a superset
- * of what the reference rejects, so the caller runs the exact check only when it is set. Without `check` (the hot
- * path), inputs the reference rejects give undefined results: NaN at a masked position outside a row's valid span
- * is skipped, inside it spreads, and a non-binary mask is read as "valid where nonzero" for the counts.
+ * compute type T, in the order of the eager kernel (otb_torch._core). With `check`, the return value is nonzero if
+ * any input may break a value rule of the reference: non-finite values anywhere, a mask outside {0, 1}, or at valid
+ * positions log π > slack, Σπ² outside [−slack, 1 + slack], π² − Σπ² above its slack, ρ < 0 — with the caller's own
+ * rules for integer token statistics (no slack; π² may underflow) a superset of what the reference rejects, so the
+ * caller runs the exact check only when it is set. Without `check` (the hot path), inputs the reference rejects give
+ * undefined results: NaN at a masked position outside a row's valid span is skipped, inside it spreads, and a
+ * non-binary mask is read as "valid where nonzero" for the counts and alignment.
+ *
+ * Multi-turn masks are runs of valid tokens between tool outputs: the valid-token loops classify blocks of 8
+ * positions (all valid: contiguous columns, vectorised; none valid: skipped) and fall back to one position at a time
+ * only in mixed blocks.
  *
  * No OpenMP (it would meet torch's own runtime in the process): the caller splits the groups over threads, and
  * ctypes releases the GIL for the call. Built for the baseline of the architecture (SSE2 on x86-64), or with -mavx2
- * where torch reports AVX2 on the machine (the loader chooses before it compiles), and with
- * -ffp-contract=off, so no multiply–add is fused behind the code's back.
+ * where torch reports AVX2 on the machine (the loader chooses before it compiles), and with -ffp-contract=off, so no
+ * multiply–add is fused behind the code's back.
+ *
+ * Layout of this file: the common part (exponential, names), then the template (#else branch), included once per
+ * (T, M) by the file itself (#include "_kernel.c": the name of this file).
  */
+#ifndef OTB_TEMPLATE
+#define OTB_TEMPLATE 1
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"     /* vectors passed between inlined helpers: no ABI is involved */
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -36,10 +65,11 @@
 #define OTB_EXPORT __attribute__((visibility("default")))
 
 /* exp(x) for x ≤ 0 in float, a vector at a time with the compiler's vector extensions (auto-vectorisation of the
- * selects below is not dependable; 8 lanes with AVX2, else 4, which every x86-64 and ARM64 has): 2ⁿ·exp(r) with n = round(x/ln 2), r = x − n ln 2 (Cody–Waite, ln 2 split so
- * that n·ln2_hi is exact), |r| ≤ ln 2/2, and Taylor's polynomial of degree 7 by Estrin's scheme (truncation below 5.3e-9 relative,
- * under half an ulp; measured relative error ≤ 1.46 ε on a grid of 2·10⁷ points); x ≤ −87 (results below 1.7e-38) gives 0, NaN gives NaN, x > 0 is
- * read as 0. */
+ * selects below is not dependable; 8 lanes with AVX2, else 4, which every x86-64 and ARM64 has): 2ⁿ·exp(r) with
+ * n = round(x/ln 2), r = x − n ln 2 (Cody–Waite, ln 2 split so that n·ln2_hi is exact), |r| ≤ ln 2/2, and Taylor's
+ * polynomial of degree 7 by Estrin's scheme (truncation below 5.3e-9 relative, under half an ulp; measured relative
+ * error ≤ 1.46 ε on a grid of 2·10⁷ points); x ≤ −87 (results below 1.7e-38) gives 0, NaN gives NaN, x > 0 is read
+ * as 0. */
 #if defined(__AVX2__)
 #define OTB_LANES 8
 #define OTB_SPLAT(v) {v, v, v, v, v, v, v, v}
@@ -104,165 +134,746 @@ static void otb_exp_row_double(const double *x, double *out, int64_t count) {
     for (int64_t t = 0; t < count; ++t) out[t] = x[t] > 0 ? 1.0 : exp(x[t]);
 }
 
-/* One entry point per compute type T (float, double) and mask type M; scratch holds 5·width values of T. */
-#define OTB_DEFINE(NAME, T, M, EXP_ROW, FINITE_MAX)                                                                 \
-static int NAME##_check_row(const T *r, const M *m, const T *mv, const T *lp, const T *spp, const T *pi,            \
-                            const T *rho,                                                                            \
-                            int64_t width, int64_t lo, int64_t hi, T slack_lp, T slack_spp) {                       \
-    int bad = 0;                                                                                                     \
-    const T own_slack = (slack_spp + 2 * slack_lp) * (T)0.999;  /* margin: π² is computed, the rest compared */    \
-    for (int64_t t = 0; t < width; ++t) {                                                                            \
-        const int valid = mv[t] != 0;                                                                                \
-        bad |= !((r[t] <= FINITE_MAX) & (r[t] >= -FINITE_MAX));                                                      \
-        bad |= !((lp[t] <= FINITE_MAX) & (lp[t] >= -FINITE_MAX));                                                   \
-        bad |= !((spp[t] <= FINITE_MAX) & (spp[t] >= -FINITE_MAX));                                                  \
-        bad |= (m[t] != 0) & (m[t] != 1);                      /* in the mask's own type, before any rounding */   \
-        bad |= valid & (lp[t] > slack_lp);                                                                           \
-        bad |= valid & ((spp[t] < -slack_spp) | (spp[t] > 1 + slack_spp));                                          \
-    }                                                                                                                \
-    for (int64_t t = lo; t < hi; ++t)                          /* π is computed on the valid span only */           \
-        bad |= (mv[t] != 0) & (pi[t] * pi[t] - spp[t] > own_slack);                                                  \
-    if (rho) {                                                                                                       \
-        for (int64_t t = 0; t < width; ++t)                                                                          \
-            bad |= !((rho[t] <= FINITE_MAX) & (rho[t] >= 0));                                                        \
-    }                                                                                                                \
-    return bad;                                                                                                      \
-}                                                                                                                    \
-                                                                                                                     \
-OTB_EXPORT int NAME(const T *r, const M *m, const T *lp, const T *spp, const T *rho, int64_t width,                 \
-                    const int64_t *order, const int64_t *offsets, int64_t first_group, int64_t last_group,           \
-                    int valid_token, int zero_tail, double epsilon, T *adv, T *ret, T *base, T *lengths, T *scratch,\
-                    int check,                                                                                       \
-                    double slack_lp, double slack_spp) {                                                            \
-    T *energy = scratch, *num = scratch + width, *den = scratch + 2 * width, *mv = scratch + 3 * width,              \
-      *pi = scratch + 4 * width;                                                                                     \
-    const T eps = (T)epsilon;                                                                                        \
-    int bad = 0;                                                                                                     \
-    for (int64_t g = first_group; g < last_group; ++g) {                                                             \
-        const int64_t begin = offsets[g], end = offsets[g + 1], size = end - begin;                                  \
-        if (size > 1) {                                                                                              \
-            memset(num, 0, (size_t)width * sizeof(T));                                                               \
-            memset(den, 0, (size_t)width * sizeof(T));                                                               \
-        }                                                                                                            \
-        for (int64_t p = begin; p < end; ++p) {                                                                      \
-            const int64_t at = (order ? order[p] : p) * width;                                                       \
-            const T *rr = r + at, *lr = lp + at, *sr = spp + at, *wr = rho ? rho + at : 0;                           \
-            const M *mr = m + at;                                                                                    \
-            T *gr = ret + at;                                                                                        \
-            for (int64_t t = 0; t < width; ++t) mv[t] = (T)mr[t];                                                    \
-            int64_t valid = 0;                                                                                       \
-            for (int64_t t = 0; t < width; ++t) valid += mv[t] != 0;                                                 \
-            lengths[p] = (T)valid;                                                                                   \
-            /* the valid span [lo, hi): outside it m = 0, so Gₜ is the row total before it and 0 after it, and   */ \
-            /* mₜWₜ = 0 — the scans and the exponential run on the span only (right padding is most of a batch) */ \
-            int64_t lo = 0, hi = width;                                                                              \
-            while (lo < width && mv[lo] == 0) ++lo;                                                                  \
-            while (hi > lo && mv[hi - 1] == 0) --hi;                                                                 \
-            if (check || size > 1) EXP_ROW(lr + lo, pi + lo, hi - lo);                                               \
-            if (check) bad |= NAME##_check_row(rr, mr, mv, lr, sr, pi, wr, width, lo, hi, (T)slack_lp, (T)slack_spp);   \
-            double total = 0, running = 0;                                                                           \
-            if (size == 1) {                                                                                         \
-                for (int64_t t = hi - 1; t >= lo; --t) {                                                             \
-                    total += (double)(rr[t] * mv[t]);                                                                \
-                    gr[t] = (T)total;                                                                                \
-                }                                                                                                    \
-            } else {                                                                                                 \
-                for (int64_t t = lo; t < hi; ++t)              /* mₜ(1 − 2πₜ + Σπ²ₜ) */                              \
-                    energy[t] = mv[t] + mv[t] * (sr[t] - 2 * pi[t]);                                                 \
-                if (wr) for (int64_t t = lo; t < hi; ++t) energy[t] = energy[t] * wr[t] * wr[t];                     \
-                /* the two scans in one loop, Gₜ from the end, mₜWₜ from the start: independent chains overlap */  \
-                for (int64_t t = lo, s = hi - 1; t < hi; ++t, --s) {                                                 \
-                    total += (double)(rr[s] * mv[s]);                                                                \
-                    gr[s] = (T)total;                                                                                \
-                    running += (double)energy[t];                                                                    \
-                    energy[t] = (T)running * mv[t];                                                                  \
-                }                                                                                                    \
-            }                                                                                                        \
-            for (int64_t t = 0; t < lo; ++t) gr[t] = (T)total;                                                       \
-            for (int64_t t = hi; t < width; ++t) gr[t] = 0;                                                          \
-            if (check) bad |= !((total <= FINITE_MAX) & (total >= -FINITE_MAX));                                     \
-            if (size == 1) {                                                                                         \
-                T *ar = adv + at;                                                                                    \
-                for (int64_t t = 0; t < width; ++t) ar[t] = gr[t] * mv[t];                                           \
-                if (base) memset(base + at, 0, (size_t)width * sizeof(T));                                           \
-                continue;                                                                                            \
-            }                                                                                                        \
-            if (!valid_token) {                                                                                      \
-                for (int64_t t = lo; t < hi; ++t) {                                                                  \
-                    num[t] += gr[t] * energy[t];                                                                     \
-                    den[t] += energy[t];                                                                             \
-                }                                                                                                    \
-            } else {                                                                                                 \
-                int64_t column = 0;                                                                                  \
-                for (int64_t t = lo; t < hi; ++t) {                                                                  \
-                    if (mv[t] != 0) {                                                                                \
-                        num[column] += gr[t] * energy[t];                                                            \
-                        den[column] += energy[t];                                                                    \
-                        ++column;                                                                                    \
-                    }                                                                                                \
-                }                                                                                                    \
-            }                                                                                                        \
-        }                                                                                                            \
-        if (size == 1) continue;                                                                                     \
-        for (int64_t t = 0; t < width; ++t) {                  /* B, 0 where the denominator is 0 */                 \
-            const T d = den[t] + eps;                                                                                \
-            num[t] = d != 0 ? num[t] / d : (T)0;                                                                     \
-        }                                                                                                            \
-        /* the rules that zero one member's baseline from aligned token `start` on (otb_spec.otb; as           */   \
-        /* otb_torch._core.zero_rule_fix): the unique longest member from the second-longest length (zero      */   \
-        /* tail), and, aligned by valid token, the first longest member of a group with < 2 non-empty members */   \
-        int64_t zero_row = -1, zero_start = width;                                                                   \
-        {                                                                                                            \
-            T longest = lengths[begin], second = -1;                                                                 \
-            int64_t first = begin, at_longest = 0, nonempty = 0;                                                     \
-            for (int64_t p = begin; p < end; ++p)                                                                    \
-                if (lengths[p] > longest) { longest = lengths[p]; first = p; }                                       \
-            for (int64_t p = begin; p < end; ++p) {                                                                  \
-                at_longest += lengths[p] == longest;                                                                 \
-                nonempty += lengths[p] > 0;                                                                          \
-                if (lengths[p] != longest && lengths[p] > second) second = lengths[p];                              \
-            }                                                                                                        \
-            if (zero_tail && at_longest == 1) { zero_row = first; zero_start = (int64_t)second; }                    \
-            if (valid_token && nonempty < 2) { zero_row = first; zero_start = 0; }                                   \
-        }                                                                                                            \
-        for (int64_t p = begin; p < end; ++p) {                                                                      \
-            const int64_t at = (order ? order[p] : p) * width;                                                       \
-            const M *mr = m + at;                                                                                    \
-            const T *gr = ret + at;                                                                                  \
-            T *ar = adv + at, *br = base ? base + at : 0;                                                            \
-            const int64_t start = p == zero_row ? zero_start : width;                                               \
-            if (!valid_token && start == width) {                                                                    \
-                for (int64_t t = 0; t < width; ++t) ar[t] = (gr[t] - num[t]) * (T)mr[t];                             \
-                if (br) for (int64_t t = 0; t < width; ++t) br[t] = num[t] * (T)mr[t];                               \
-            } else if (!valid_token) {                                                                               \
-                for (int64_t t = 0; t < width; ++t) {                                                                \
-                    const T b = t < start ? num[t] : (T)0;                                                           \
-                    ar[t] = (gr[t] - b) * (T)mr[t];                                                                  \
-                    if (br) br[t] = b * (T)mr[t];                                                                    \
-                }                                                                                                    \
-            } else {                                                                                                 \
-                int64_t column = 0;                                                                                  \
-                for (int64_t t = 0; t < width; ++t) {                                                                \
-                    const T b = mr[t] != 0 ? (column < start ? num[column] : (T)0) : (T)0;                           \
-                    column += mr[t] != 0;                                                                            \
-                    ar[t] = (gr[t] - b) * (T)mr[t];                                                                  \
-                    if (br) br[t] = b * (T)mr[t];                                                                    \
-                }                                                                                                    \
-            }                                                                                                        \
-        }                                                                                                            \
-    }                                                                                                                \
-    return bad;                                                                                                      \
-}
-
-#define OTB_DEFINE_MASKS(PREFIX, T, EXP_ROW, FINITE_MAX)                                                             \
-    OTB_DEFINE(PREFIX##_bool, T, uint8_t, EXP_ROW, FINITE_MAX)                                                       \
-    OTB_DEFINE(PREFIX##_int32, T, int32_t, EXP_ROW, FINITE_MAX)                                                      \
-    OTB_DEFINE(PREFIX##_int64, T, int64_t, EXP_ROW, FINITE_MAX)                                                      \
-    OTB_DEFINE(PREFIX##_float32, T, float, EXP_ROW, FINITE_MAX)                                                      \
-    OTB_DEFINE(PREFIX##_float64, T, double, EXP_ROW, FINITE_MAX)
-
-OTB_DEFINE_MASKS(otb_float32, float, otb_exp_row_float, 3.40282346638528859812e+38f)
-OTB_DEFINE_MASKS(otb_float64, double, otb_exp_row_double, 1.79769313486231570815e+308)
-
 /* The exponential the float32 kernel uses, exported for the accuracy test. */
 OTB_EXPORT void otb_expf_array(const float *x, float *out, int64_t count) { otb_exp_row_float(x, out, count); }
+
+/* The scans: four double lanes (AVX; two SSE2 registers elsewhere), shuffled with GCC's or clang's builtin. */
+typedef double otb_v4d __attribute__((vector_size(32)));
+#if defined(__clang__) || __GNUC__ >= 12
+#define OTB_SHUFFLE(a, b, i, j, k, l) __builtin_shufflevector(a, b, i, j, k, l)
+#else
+typedef int64_t otb_v4l __attribute__((vector_size(32)));
+#define OTB_SHUFFLE(a, b, i, j, k, l) __builtin_shuffle(a, b, (otb_v4l){i, j, k, l})
+#endif
+#define OTB_LANE(x, i) OTB_SHUFFLE(x, x, i, i, i, i)
+
+/* inclusive prefix sums of the lanes: (x₀, x₀ + x₁, (x₁ + x₂) + x₀, (x₂ + x₃) + (x₀ + x₁)) */
+static inline otb_v4d otb_prefix4(otb_v4d x) {
+    const otb_v4d zero = {0, 0, 0, 0};
+    x += OTB_SHUFFLE(zero, x, 0, 4, 5, 6);
+    return x + OTB_SHUFFLE(zero, x, 0, 1, 4, 5);
+}
+
+/* inclusive suffix sums of the lanes: ((x₀ + x₁) + (x₂ + x₃), (x₁ + x₂) + x₃, x₂ + x₃, x₃) */
+static inline otb_v4d otb_suffix4(otb_v4d x) {
+    const otb_v4d zero = {0, 0, 0, 0};
+    x += OTB_SHUFFLE(x, zero, 1, 2, 3, 4);
+    return x + OTB_SHUFFLE(x, zero, 2, 3, 4, 5);
+}
+
+/* Bit k set where v[k] ≠ 0 (NaN included), k < 8: one compare and move-mask per vector on x86 (the compiler does not
+ * find these for a loop over 8 flags); a loop elsewhere. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+static inline unsigned otb_nonzero8_float(const float *v) {
+#if defined(__AVX__)
+    return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v), _mm256_setzero_ps(), _CMP_NEQ_UQ));
+#else
+    const __m128 zero = _mm_setzero_ps();
+    return (unsigned)_mm_movemask_ps(_mm_cmpneq_ps(_mm_loadu_ps(v), zero))
+           | (unsigned)_mm_movemask_ps(_mm_cmpneq_ps(_mm_loadu_ps(v + 4), zero)) << 4;
+#endif
+}
+static inline unsigned otb_nonzero8_double(const double *v) {
+    unsigned bits = 0;
+#if defined(__AVX__)
+    for (int k = 0; k < 2; ++k)
+        bits |= (unsigned)_mm256_movemask_pd(_mm256_cmp_pd(_mm256_loadu_pd(v + 4 * k), _mm256_setzero_pd(),
+                                                           _CMP_NEQ_UQ)) << 4 * k;
+#else
+    for (int k = 0; k < 4; ++k)
+        bits |= (unsigned)_mm_movemask_pd(_mm_cmpneq_pd(_mm_loadu_pd(v + 2 * k), _mm_setzero_pd())) << 2 * k;
+#endif
+    return bits;
+}
+#else
+static inline unsigned otb_nonzero8_float(const float *v) {
+    unsigned bits = 0;
+    for (int k = 0; k < 8; ++k) bits |= (unsigned)(v[k] != 0) << k;
+    return bits;
+}
+static inline unsigned otb_nonzero8_double(const double *v) {
+    unsigned bits = 0;
+    for (int k = 0; k < 8; ++k) bits |= (unsigned)(v[k] != 0) << k;
+    return bits;
+}
+#endif
+
+#define OTB_BLOCK 8                 /* positions per block in the valid-token loops (otb_nonzero8) */
+#define OTB_ALL 0xFFu
+#define OTB_CAT2(a, b) a##_##b
+#define OTB_CAT(a, b) OTB_CAT2(a, b)
+#define FN(name) OTB_CAT(name, OTB_SUFFIX)
+
+/* Instantiate the template for every (compute type, mask type): T, its integer flag type of the same width (so
+ * that the checks' OR-reductions vectorise), its exponential and largest finite value; M and the name suffix. */
+#define T float
+#define FLAG int32_t
+#define EXP_ROW otb_exp_row_float
+#define NONZERO8 otb_nonzero8_float
+#define FINITE_MAX 3.40282346638528859812e+38f
+#define M uint8_t
+#define OTB_SUFFIX float32_bool
+#include "_kernel.c"
+#undef M
+#undef OTB_SUFFIX
+#define M int32_t
+#define OTB_SUFFIX float32_int32
+#include "_kernel.c"
+#undef M
+#undef OTB_SUFFIX
+#define M int64_t
+#define OTB_SUFFIX float32_int64
+#include "_kernel.c"
+#undef M
+#undef OTB_SUFFIX
+#define M float
+#define OTB_SUFFIX float32_float32
+#include "_kernel.c"
+#undef M
+#undef OTB_SUFFIX
+#define M double
+#define OTB_SUFFIX float32_float64
+#include "_kernel.c"
+#undef M
+#undef OTB_SUFFIX
+#undef T
+#undef FLAG
+#undef EXP_ROW
+#undef NONZERO8
+#undef FINITE_MAX
+
+#define T double
+#define FLAG int64_t
+#define EXP_ROW otb_exp_row_double
+#define NONZERO8 otb_nonzero8_double
+#define FINITE_MAX 1.79769313486231570815e+308
+#define M uint8_t
+#define OTB_SUFFIX float64_bool
+#include "_kernel.c"
+#undef M
+#undef OTB_SUFFIX
+#define M int32_t
+#define OTB_SUFFIX float64_int32
+#include "_kernel.c"
+#undef M
+#undef OTB_SUFFIX
+#define M int64_t
+#define OTB_SUFFIX float64_int64
+#include "_kernel.c"
+#undef M
+#undef OTB_SUFFIX
+#define M float
+#define OTB_SUFFIX float64_float32
+#include "_kernel.c"
+#undef M
+#undef OTB_SUFFIX
+#define M double
+#define OTB_SUFFIX float64_float64
+#include "_kernel.c"
+#undef M
+#undef OTB_SUFFIX
+#undef T
+#undef FLAG
+#undef EXP_ROW
+#undef NONZERO8
+#undef FINITE_MAX
+
+#else
+/* ===================================================================================================================
+ * The template: T (compute type), FLAG, EXP_ROW, NONZERO8, FINITE_MAX, M (mask type), OTB_SUFFIX.
+ * =================================================================================================================*/
+
+typedef T FN(otb_tv4) __attribute__((vector_size(4 * sizeof(T))));    /* four values of T */
+typedef T FN(otb_tv8) __attribute__((vector_size(8 * sizeof(T))));    /* a block of OTB_BLOCK values of T */
+typedef FLAG FN(otb_fv8) __attribute__((vector_size(8 * sizeof(T))));   /* … and its comparison results */
+
+/* The valid-token loops' blocks as explicit vectors (the compiler does not reliably vectorise 8-position loops). */
+static inline FN(otb_tv8) FN(otb_load8)(const T *at) {
+    FN(otb_tv8) v;
+    memcpy(&v, at, sizeof v);
+    return v;
+}
+
+static inline void FN(otb_store8)(T *at, FN(otb_tv8) v) { memcpy(at, &v, sizeof v); }
+
+static inline FN(otb_tv8) FN(otb_select8)(FN(otb_fv8) mask, FN(otb_tv8) yes, FN(otb_tv8) no) {
+    return (FN(otb_tv8))((mask & (FN(otb_fv8))yes) | (~mask & (FN(otb_fv8))no));
+}
+
+/* mv ← (T)m over the row; the row's number of valid tokens, and its valid span [*lo, *hi) (outside it m = 0; an
+ * empty row gives lo = hi = width). One pass, its reductions vectorised (counts and positions in FLAG: T's width). */
+static inline int64_t FN(otb_row_mask)(const M *restrict mr, T *restrict mv, int64_t width, int64_t *lo,
+                                       int64_t *hi) {
+    FLAG valid = 0, first = (FLAG)width, last = 0;
+    for (FLAG t = 0; t < (FLAG)width; ++t) {
+        const T v = (T)mr[t];
+        mv[t] = v;
+        valid += v != 0 ? 1 : 0;
+        const FLAG at = v != 0 ? t : (FLAG)width, after = v != 0 ? t + 1 : 0;
+        first = at < first ? at : first;
+        last = after > last ? after : last;
+    }
+    *lo = first;
+    *hi = last > first ? last : first;
+    return valid;
+}
+
+/* Nonzero if the row may break a value rule (see the file's comment); π is known on [lo, hi) only. */
+static int FN(otb_check_row)(const T *restrict r, const M *restrict m, const T *restrict mv, const T *restrict lp,
+                             const T *restrict spp, const T *restrict pi, const T *restrict rho, int64_t width,
+                             int64_t lo, int64_t hi, T slack_lp, T slack_spp) {
+    FLAG bad = 0;
+    const T own_slack = (slack_spp + 2 * slack_lp) * (T)0.999;  /* margin: π² is computed, the rest compared */
+    for (int64_t t = 0; t < width; ++t) {
+        const FLAG valid = mv[t] != 0;
+        bad |= !((r[t] <= FINITE_MAX) & (r[t] >= -FINITE_MAX));
+        bad |= !((lp[t] <= FINITE_MAX) & (lp[t] >= -FINITE_MAX));
+        bad |= !((spp[t] <= FINITE_MAX) & (spp[t] >= -FINITE_MAX));
+        bad |= valid & (lp[t] > slack_lp);
+        bad |= valid & ((spp[t] < -slack_spp) | (spp[t] > 1 + slack_spp));
+    }
+    int binary = 0;
+    for (int64_t t = 0; t < width; ++t) binary |= (m[t] != 0) & (m[t] != 1);   /* in the mask's own type */
+    for (int64_t t = lo; t < hi; ++t) bad |= (mv[t] != 0) & (pi[t] * pi[t] - spp[t] > own_slack);
+    if (rho) {
+        for (int64_t t = 0; t < width; ++t) bad |= !((rho[t] <= FINITE_MAX) & (rho[t] >= 0));
+    }
+    return bad != 0 || binary;
+}
+
+/* The scans, over the valid span [lo, hi), sixteen positions at a time: each vector of four gets its in-register
+ * prefix (suffix), then the offsets of the vectors before (after) it in the block, then the carry — so the carry's
+ * chain is one addition per 16 positions. Every output is a double sum rounded once to T; the end of the span runs
+ * one position at a time. */
+
+/* mₜWₜ = mₜ(*running + Σ_{lo≤j≤t} eⱼ) in place of the energies e in wm; *running becomes the total */
+static inline void FN(otb_scan_energy)(const T *restrict mv, T *restrict wm, int64_t lo, int64_t hi,
+                                       double *running) {
+    typedef FN(otb_tv4) tv4;
+    otb_v4d carry = {*running, *running, *running, *running};
+    int64_t t = lo;
+    for (; t + 16 <= hi; t += 16) {
+        otb_v4d p[4];
+        for (int k = 0; k < 4; ++k) {
+            tv4 e;
+            memcpy(&e, wm + t + 4 * k, sizeof e);
+            p[k] = otb_prefix4(__builtin_convertvector(e, otb_v4d));
+        }
+        const otb_v4d o1 = OTB_LANE(p[0], 3), o2 = o1 + OTB_LANE(p[1], 3), o3 = o2 + OTB_LANE(p[2], 3);
+        const otb_v4d block = o3 + OTB_LANE(p[3], 3);
+        p[0] = p[0] + carry;
+        p[1] = (p[1] + o1) + carry;
+        p[2] = (p[2] + o2) + carry;
+        p[3] = (p[3] + o3) + carry;
+        carry = carry + block;
+        for (int k = 0; k < 4; ++k) {
+            tv4 m4, w = __builtin_convertvector(p[k], tv4);
+            memcpy(&m4, mv + t + 4 * k, sizeof m4);
+            w = w * m4;
+            memcpy(wm + t + 4 * k, &w, sizeof w);
+        }
+    }
+    double run = carry[0];
+    for (; t < hi; ++t) {
+        run += (double)wm[t];
+        wm[t] = (T)run * mv[t];
+    }
+    *running = run;
+}
+
+/* Gₜ = *total + Σ_{t≤k<hi} rₖmₖ into gr; *total becomes the row's (piece's) total */
+static inline void FN(otb_scan_returns)(const T *restrict rr, const T *restrict mv, T *restrict gr, int64_t lo,
+                                        int64_t hi, double *total) {
+    typedef FN(otb_tv4) tv4;
+    otb_v4d carry = {*total, *total, *total, *total};
+    int64_t s = hi;                                             /* positions [lo, s) are left */
+    for (; s - 16 >= lo; s -= 16) {
+        otb_v4d q[4];
+        for (int k = 0; k < 4; ++k) {
+            tv4 x, m4;
+            memcpy(&x, rr + s - 16 + 4 * k, sizeof x);
+            memcpy(&m4, mv + s - 16 + 4 * k, sizeof m4);
+            q[k] = otb_suffix4(__builtin_convertvector(x * m4, otb_v4d));
+        }
+        const otb_v4d o2 = OTB_LANE(q[3], 0), o1 = o2 + OTB_LANE(q[2], 0), o0 = o1 + OTB_LANE(q[1], 0);
+        const otb_v4d block = o0 + OTB_LANE(q[0], 0);
+        q[3] = q[3] + carry;
+        q[2] = (q[2] + o2) + carry;
+        q[1] = (q[1] + o1) + carry;
+        q[0] = (q[0] + o0) + carry;
+        carry = carry + block;
+        for (int k = 0; k < 4; ++k) {
+            const tv4 g = __builtin_convertvector(q[k], tv4);
+            memcpy(gr + s - 16 + 4 * k, &g, sizeof g);
+        }
+    }
+    double sum = carry[0];
+    for (--s; s >= lo; --s) {
+        sum += (double)(rr[s] * mv[s]);
+        gr[s] = (T)sum;
+    }
+    *total = sum;
+}
+
+/* Adds one member row's terms into its group's columns: num[c] += GₜWₜmₜ, den[c] += Wₜmₜ, cnt[c] += [mₜ ≠ 0] (cnt
+ * may be NULL) at c = col0 + t (position) or col0 + #valid before t (valid token), for c < columns; gr, wm: Gₜ and
+ * mₜWₜ on the valid span [lo, hi). */
+static void FN(otb_row_accumulate)(const T *restrict gr, const T *restrict wm, const T *restrict mv, int64_t lo,
+                                   int64_t hi, T *restrict num, T *restrict den, T *restrict cnt, int valid_token,
+                                   int64_t col0, int64_t columns) {
+    if (!valid_token) {                                     /* c = col0 + t */
+        const int64_t stop = hi < columns - col0 ? hi : columns - col0;
+        T *n = num + col0, *d = den + col0;
+        for (int64_t t = lo; t < stop; ++t) {
+            n[t] += gr[t] * wm[t];
+            d[t] += wm[t];
+        }
+        if (cnt) {
+            T *v = cnt + col0;
+            for (int64_t t = lo; t < stop; ++t) v[t] += mv[t] != 0 ? (T)1 : (T)0;
+        }
+        return;
+    }
+    int64_t t = lo, c = col0;                              /* c = col0 + #valid before t */
+    while (t < hi && c < columns) {
+        if (t + OTB_BLOCK <= hi) {
+            const unsigned bits = NONZERO8(mv + t);
+            const int all = bits == OTB_ALL, none = bits == 0;
+            if (none) {
+                t += OTB_BLOCK;
+                continue;
+            }
+            if (all && c + OTB_BLOCK <= columns) {
+                const FN(otb_tv8) w = FN(otb_load8)(wm + t);
+                FN(otb_store8)(num + c, FN(otb_load8)(num + c) + FN(otb_load8)(gr + t) * w);
+                FN(otb_store8)(den + c, FN(otb_load8)(den + c) + w);
+                if (cnt) for (int k = 0; k < OTB_BLOCK; ++k) cnt[c + k] += (T)1;
+                t += OTB_BLOCK;
+                c += OTB_BLOCK;
+                continue;
+            }
+        }
+        if (mv[t] != 0) {
+            num[c] += gr[t] * wm[t];
+            den[c] += wm[t];
+            if (cnt) cnt[c] += (T)1;
+            ++c;
+        }
+        ++t;
+    }
+}
+
+/* The first sweep over one member row (scratch mv, pi: width values each).
+ *
+ * Writes Gₜ (plus `ret_offset`, the rewards of later context pieces) to gr. With `need_energy`, writes mₜWₜ (Wₜ plus
+ * `energy_offset`, the energy of earlier pieces) to wm on the valid span (elsewhere wm is left as it is) and, when
+ * num is given, adds the row's terms into the group's columns (otb_row_accumulate). Returns the valid count; ORs the
+ * value checks into *bad; with `sums`, stores the scans' last values there (Σmr and Σw, offsets included). */
+static int64_t FN(otb_row_first)(const T *restrict rr, const M *restrict mr, const T *restrict lr,
+                                 const T *restrict sr, const T *restrict wr, int64_t width, T *restrict gr,
+                                 T *restrict wm, T *restrict mv, T *restrict pi, T *restrict num, T *restrict den,
+                                 T *restrict cnt, int valid_token, int64_t col0, int64_t columns, double ret_offset,
+                                 double energy_offset, int need_energy, int check, T slack_lp, T slack_spp,
+                                 int *bad, double *sums) {
+    int64_t lo, hi;
+    const int64_t valid = FN(otb_row_mask)(mr, mv, width, &lo, &hi);
+    if (check || need_energy) EXP_ROW(lr + lo, pi + lo, hi - lo);
+    if (check) *bad |= FN(otb_check_row)(rr, mr, mv, lr, sr, pi, wr, width, lo, hi, slack_lp, slack_spp);
+    double total = ret_offset, running = energy_offset;
+    FN(otb_scan_returns)(rr, mv, gr, lo, hi, &total);
+    if (need_energy) {
+        for (int64_t t = lo; t < hi; ++t) wm[t] = mv[t] + mv[t] * (sr[t] - 2 * pi[t]);      /* mₜ(1 − 2πₜ + Σπ²ₜ) */
+        if (wr) for (int64_t t = lo; t < hi; ++t) wm[t] = wm[t] * wr[t] * wr[t];
+        FN(otb_scan_energy)(mv, wm, lo, hi, &running);
+    }
+    for (int64_t t = 0; t < lo; ++t) gr[t] = (T)total;
+    for (int64_t t = hi; t < width; ++t) gr[t] = (T)ret_offset;
+    if (check) *bad |= !((total <= FINITE_MAX) & (total >= -FINITE_MAX));
+    if (sums) {
+        sums[0] = total;
+        sums[1] = running;
+    }
+    if (num && need_energy) FN(otb_row_accumulate)(gr, wm, mv, lo, hi, num, den, cnt, valid_token, col0, columns);
+    return valid;
+}
+
+/* A local group's members, longest length, count at the longest and second-longest length (−1: none) into
+ * stats[k·G + id]; lengths from total_lengths (NULL: `lengths`), members: rows with a valid token when aligned by
+ * valid token, all rows by position. With cnt (leave-one-out by valid token), each member also adds 1 at column
+ * L − 1 of the histogram that becomes V (otb_lengths_to_counts). */
+static void FN(otb_group_statistics)(const int64_t *order, int64_t begin, int64_t end, const int64_t *lengths,
+                                     const int64_t *total_lengths, int valid_token, int64_t id, int64_t num_groups,
+                                     int64_t *stats, T *cnt, int64_t columns) {
+    int64_t members = 0, longest = -1, at_longest = 0, second = -1;
+    for (int64_t p = begin; p < end; ++p) {
+        const int64_t row = order[p], length = total_lengths ? total_lengths[row] : lengths[row];
+        if (valid_token && length == 0) continue;
+        ++members;
+        if (length > longest) longest = length;
+        if (cnt && length >= 1 && length <= columns) cnt[length - 1] += 1;
+    }
+    for (int64_t p = begin; p < end; ++p) {
+        const int64_t row = order[p], length = total_lengths ? total_lengths[row] : lengths[row];
+        if (valid_token && length == 0) continue;
+        if (length == longest) ++at_longest;
+        else if (length > second) second = length;
+    }
+    stats[id] = members;
+    stats[num_groups + id] = longest;
+    stats[2 * num_groups + id] = at_longest;
+    stats[3 * num_groups + id] = second;
+}
+
+/* Outside the valid span: Aₜ = Gₜmₜ (= 0 for finite G), Bₜmₜ = 0. */
+static inline void FN(otb_outside)(const T *restrict gr, const T *restrict mv, int64_t from, int64_t to,
+                                   T *restrict ar, T *restrict br) {
+    for (int64_t t = from; t < to; ++t) ar[t] = gr[t] * mv[t];
+    if (br && to > from) memset(br + from, 0, (size_t)(to - from) * sizeof(T));
+}
+
+/* Self-inclusive advantages of one member row (scratch mv: width values): Bₜ = ratio[c] for aligned columns
+ * c < start (0 from there on and for c ≥ columns), Aₜ = (Gₜ − Bₜ)mₜ into ar, Bₜmₜ into br (when given). */
+static void FN(otb_row_final_self)(const M *restrict mr, const T *restrict gr, int64_t width,
+                                   const T *restrict ratio, int valid_token, int64_t col0, int64_t columns,
+                                   int64_t start, T *restrict ar, T *restrict br, T *restrict mv) {
+    const int64_t limit = start < columns ? start : columns;
+    int64_t lo, hi;
+    FN(otb_row_mask)(mr, mv, width, &lo, &hi);
+    FN(otb_outside)(gr, mv, 0, lo, ar, br);
+    if (!valid_token) {
+        int64_t stop = limit - col0;
+        stop = stop < lo ? lo : (stop > hi ? hi : stop);
+        const T *b = ratio + col0;
+        if (br) {
+            for (int64_t t = lo; t < stop; ++t) {
+                ar[t] = (gr[t] - b[t]) * mv[t];
+                br[t] = b[t] * mv[t];
+            }
+        } else {
+            for (int64_t t = lo; t < stop; ++t) ar[t] = (gr[t] - b[t]) * mv[t];
+        }
+        FN(otb_outside)(gr, mv, stop, width, ar, br);
+        return;
+    }
+    int64_t t = lo, c = col0;
+    while (t < hi) {
+        if (t + OTB_BLOCK <= hi) {
+            const unsigned bits = NONZERO8(mv + t);
+            const int all = bits == OTB_ALL, none = bits == 0;
+            if (all && c + OTB_BLOCK <= limit) {
+                const FN(otb_tv8) b = FN(otb_load8)(ratio + c), m8 = FN(otb_load8)(mv + t);
+                FN(otb_store8)(ar + t, (FN(otb_load8)(gr + t) - b) * m8);
+                if (br) FN(otb_store8)(br + t, b * m8);
+                t += OTB_BLOCK;
+                c += OTB_BLOCK;
+                continue;
+            }
+            if (none || (all && c >= limit)) {             /* masked, or past the zero rule's start: B = 0 */
+                FN(otb_outside)(gr, mv, t, t + OTB_BLOCK, ar, br);
+                t += OTB_BLOCK;
+                c += all ? OTB_BLOCK : 0;
+                continue;
+            }
+        }
+        T b = 0;
+        if (mv[t] != 0) {
+            b = c < limit ? ratio[c] : (T)0;
+            ++c;
+        }
+        ar[t] = (gr[t] - b) * mv[t];
+        if (br) br[t] = b * mv[t];
+        ++t;
+    }
+    FN(otb_outside)(gr, mv, hi, width, ar, br);
+}
+
+/* Leave-one-out Bₜ at column c (sums nc, dc, vc) for a member whose own terms there are (g = Gₜ, w = Wₜmₜ,
+ * v = [mₜ ≠ 0]); branch-free, so that the loops around it vectorise. */
+static inline T FN(otb_leave_one_out)(T nc, T dc, T vc, T g, T w, T v, T eps) {
+    const T n = nc - g * w;
+    T d = dc - w;
+    d = (d > 0 ? d : (T)0) + eps;
+    const T ratio = n / (d != 0 ? d : (T)1);
+    return ((vc - v > 0) & (d != 0)) ? ratio : (T)0;
+}
+
+/* Leave-one-out advantages of one member row (scratch mv: width values): ar holds mₜWₜ on the valid span on entry
+ * (anything elsewhere) and Aₜ on exit; Bₜmₜ into br (when given); columns c ≥ columns get B = 0. V (cnt): the
+ * members valid at each column. */
+static void FN(otb_row_final_loo)(const M *restrict mr, const T *restrict gr, T *restrict ar, int64_t width,
+                                  const T *restrict num, const T *restrict den, const T *restrict cnt,
+                                  int valid_token, int64_t col0, int64_t columns, T eps, T *restrict br,
+                                  T *restrict mv) {
+    int64_t lo, hi;
+    FN(otb_row_mask)(mr, mv, width, &lo, &hi);
+    FN(otb_outside)(gr, mv, 0, lo, ar, br);
+    if (!valid_token) {
+        int64_t stop = columns - col0;
+        stop = stop < lo ? lo : (stop > hi ? hi : stop);
+        const T *n = num + col0, *d = den + col0, *v = cnt + col0;
+        if (br) {
+            for (int64_t t = lo; t < stop; ++t) {
+                const T b = FN(otb_leave_one_out)(n[t], d[t], v[t], gr[t], ar[t], mv[t] != 0 ? (T)1 : (T)0, eps);
+                ar[t] = (gr[t] - b) * mv[t];
+                br[t] = b * mv[t];
+            }
+        } else {
+            for (int64_t t = lo; t < stop; ++t) {
+                const T b = FN(otb_leave_one_out)(n[t], d[t], v[t], gr[t], ar[t], mv[t] != 0 ? (T)1 : (T)0, eps);
+                ar[t] = (gr[t] - b) * mv[t];
+            }
+        }
+        FN(otb_outside)(gr, mv, stop, width, ar, br);
+        return;
+    }
+    int64_t t = lo, c = col0;
+    while (t < hi) {
+        if (t + OTB_BLOCK <= hi) {
+            const unsigned bits = NONZERO8(mv + t);
+            const int all = bits == OTB_ALL, none = bits == 0;
+            if (all && c + OTB_BLOCK <= columns) {                /* otb_leave_one_out, 8 at a time */
+                typedef FN(otb_tv8) tv8;
+                const tv8 zero = {0}, one = zero + 1, g = FN(otb_load8)(gr + t), w = FN(otb_load8)(ar + t),
+                          m8 = FN(otb_load8)(mv + t);
+                const tv8 n = FN(otb_load8)(num + c) - g * w;
+                tv8 d = FN(otb_load8)(den + c) - w;
+                d = FN(otb_select8)(d > 0, d, zero) + eps;
+                const FN(otb_fv8) nonzero = d != 0;
+                const tv8 ratio = n / FN(otb_select8)(nonzero, d, one);
+                const tv8 b = FN(otb_select8)((FN(otb_load8)(cnt + c) - one > 0) & nonzero, ratio, zero);
+                FN(otb_store8)(ar + t, (g - b) * m8);
+                if (br) FN(otb_store8)(br + t, b * m8);
+                t += OTB_BLOCK;
+                c += OTB_BLOCK;
+                continue;
+            }
+            if (none) {
+                FN(otb_outside)(gr, mv, t, t + OTB_BLOCK, ar, br);
+                t += OTB_BLOCK;
+                continue;
+            }
+        }
+        T b = 0;
+        if (mv[t] != 0) {
+            if (c < columns) b = FN(otb_leave_one_out)(num[c], den[c], cnt[c], gr[t], ar[t], (T)1, eps);
+            ++c;
+        }
+        ar[t] = (gr[t] - b) * mv[t];
+        if (br) br[t] = b * mv[t];
+        ++t;
+    }
+    FN(otb_outside)(gr, mv, hi, width, ar, br);
+}
+
+/* Aligned by valid token, the members valid at column c are those longer than c: V_c = #{members: L > c}, from
+ * hist[c] = #{members: L = c + 1} (added per member, summable across ranks) by a suffix sum, in place. */
+static void FN(otb_lengths_to_counts)(T *restrict hist, int64_t columns) {
+    for (int64_t c = columns - 2; c >= 0; --c) hist[c] += hist[c + 1];
+}
+
+/* B = N / (D + ε) over `count` columns, in place of N; 0 where the denominator is 0 */
+static void FN(otb_ratio)(T *restrict num, const T *restrict den, int64_t count, T eps) {
+    for (int64_t c = 0; c < count; ++c) {
+        const T d = den[c] + eps;
+        num[c] = d != 0 ? num[c] / d : (T)0;
+    }
+}
+
+/* One process: groups first_group … last_group − 1 of the plan (order NULL: rows in plan order), each by this thread
+ * from start to end. scratch holds 6·width values of T. lengths[p] receives the valid count of the row at plan
+ * position p. Returns nonzero if the value checks flag something (only with `check`). */
+OTB_EXPORT int FN(otb_groups)(const T *r, const M *m, const T *lp, const T *spp, const T *rho, int64_t width,
+                              const int64_t *order, const int64_t *offsets, int64_t first_group, int64_t last_group,
+                              int valid_token, int leave_one_out, int zero_tail, double epsilon, T *adv, T *ret,
+                              T *base, T *lengths, T *scratch, int check, double slack_lp, double slack_spp) {
+    T *mv = scratch, *pi = scratch + width, *energy = scratch + 2 * width, *num = scratch + 3 * width,
+      *den = scratch + 4 * width, *cnt = scratch + 5 * width;
+    const T eps = (T)epsilon;
+    int bad = 0;
+    for (int64_t g = first_group; g < last_group; ++g) {
+        const int64_t begin = offsets[g], end = offsets[g + 1], size = end - begin;
+        if (size > 1) {
+            memset(num, 0, (size_t)width * sizeof(T));
+            memset(den, 0, (size_t)width * sizeof(T));
+            if (leave_one_out) memset(cnt, 0, (size_t)width * sizeof(T));
+        }
+        for (int64_t p = begin; p < end; ++p) {
+            const int64_t at = (order ? order[p] : p) * width;
+            T *wm = leave_one_out ? adv + at : energy;         /* leave-one-out reads mₜWₜ again: kept in adv */
+            lengths[p] = (T)FN(otb_row_first)(
+                r + at, m + at, lp + at, spp + at, rho ? rho + at : 0, width, ret + at, wm, mv, pi,
+                size > 1 ? num : 0, den, leave_one_out && !valid_token ? cnt : 0, valid_token, 0, width, 0.0, 0.0,
+                size > 1, check, (T)slack_lp, (T)slack_spp, &bad, 0);
+            if (size == 1) {                                   /* a group of one: B = 0 */
+                const T *gr = ret + at;
+                const M *mr = m + at;
+                T *ar = adv + at;
+                for (int64_t t = 0; t < width; ++t) ar[t] = gr[t] * (T)mr[t];
+                if (base) memset(base + at, 0, (size_t)width * sizeof(T));
+            }
+        }
+        if (size == 1) continue;
+        if (leave_one_out) {
+            if (valid_token) {                                 /* V from the members' lengths */
+                for (int64_t p = begin; p < end; ++p)
+                    if (lengths[p] >= 1) cnt[(int64_t)lengths[p] - 1] += 1;
+                FN(otb_lengths_to_counts)(cnt, width);
+            }
+            for (int64_t p = begin; p < end; ++p) {
+                const int64_t at = (order ? order[p] : p) * width;
+                FN(otb_row_final_loo)(m + at, ret + at, adv + at, width, num, den, cnt, valid_token, 0, width, eps,
+                                      base ? base + at : 0, mv);
+            }
+            continue;
+        }
+        FN(otb_ratio)(num, den, width, eps);
+        /* the rules that zero one member's baseline from aligned token `start` on: the unique longest member from
+         * the second-longest length (zero tail), and, aligned by valid token, the first longest member of a group
+         * with < 2 non-empty members */
+        int64_t zero_row = -1, zero_start = width;
+        {
+            T longest = lengths[begin], second = -1;
+            int64_t first = begin, at_longest = 0, nonempty = 0;
+            for (int64_t p = begin; p < end; ++p)
+                if (lengths[p] > longest) { longest = lengths[p]; first = p; }
+            for (int64_t p = begin; p < end; ++p) {
+                at_longest += lengths[p] == longest;
+                nonempty += lengths[p] > 0;
+                if (lengths[p] != longest && lengths[p] > second) second = lengths[p];
+            }
+            if (zero_tail && at_longest == 1) { zero_row = first; zero_start = (int64_t)second; }
+            if (valid_token && nonempty < 2) { zero_row = first; zero_start = 0; }
+        }
+        for (int64_t p = begin; p < end; ++p) {
+            const int64_t at = (order ? order[p] : p) * width;
+            FN(otb_row_final_self)(m + at, ret + at, width, num, valid_token, 0, width,
+                                   p == zero_row ? zero_start : width, adv + at, base ? base + at : 0, mv);
+        }
+    }
+    return bad;
+}
+
+/* The distributed entry points take a rank's plan as (order, offsets): local group g's rows are order[offsets[g]] …
+ * order[offsets[g + 1] − 1], in batch order, and group_ids[g] is its global id; a call computes local groups
+ * first_group … last_group − 1, and visits their rows in batch order — rows[offsets[first_group]] …
+ * rows[offsets[last_group] − 1] lists them so, row_group[b] is row b's local group — because the rows of a rank lie
+ * anywhere and its passes run one after the other over all of them: in batch order, the memory streams of
+ * consecutive rows run on, where group by group they restart at every row. (The order of a group's terms in its sums
+ * is the same either way: its members in batch order.) */
+
+#define OTB_GRID_ROW(id) (grid + (id) * planes * columns)
+
+/* One rank of a distributed batch, first sweep: each row's Gₜ into ret and mₜWₜ into wm (when given, else scratch:
+ * 3·width values of T); lengths[b] receives row b's valid count. With the grid (data parallel), the row's terms are
+ * added into grid[global id] = [N; D; V] (planes 2 or 3, each of `columns` K) at column t (position) or #valid before
+ * t (valid token), and stats[k·G + id] = (members, longest, count at longest, second longest) of the local rows of
+ * each group. Without it (context parallel), totals[b], totals[B + b], totals[2B + b] receive the row piece's Σmr,
+ * Σw and Σm (double) for the other pieces' offsets (otb_dist_offsets adds the terms afterwards). */
+OTB_EXPORT int FN(otb_dist_first)(const T *r, const M *m, const T *lp, const T *spp, const T *rho, int64_t width,
+                                  const int64_t *order, const int64_t *offsets, const int64_t *rows_in_order,
+                                  const int64_t *row_group, int64_t first_group, int64_t last_group,
+                                  const int64_t *group_ids, T *grid, int64_t columns, int planes, int valid_token,
+                                  int64_t num_groups, T *ret, T *wm, int64_t *lengths, int64_t *stats,
+                                  double *totals, int64_t rows, T *scratch, int check, double slack_lp,
+                                  double slack_spp) {
+    T *mv = scratch, *pi = scratch + width, *energy = scratch + 2 * width;
+    int bad = 0;
+    for (int64_t p = offsets[first_group]; p < offsets[last_group]; ++p) {
+        const int64_t row = rows_in_order[p], at = row * width;
+        T *num = grid ? OTB_GRID_ROW(group_ids[row_group[row]]) : 0, *den = num ? num + columns : 0;
+        T *cnt = num && planes > 2 && !valid_token ? num + 2 * columns : 0;
+        double sums[2];
+        lengths[row] = FN(otb_row_first)(
+            r + at, m + at, lp + at, spp + at, rho ? rho + at : 0, width, ret + at, wm ? wm + at : energy, mv, pi,
+            num, den, cnt, valid_token, 0, columns, 0.0, 0.0, 1, check, (T)slack_lp, (T)slack_spp, &bad, sums);
+        if (totals) {
+            totals[row] = sums[0];
+            totals[rows + row] = sums[1];
+            totals[2 * rows + row] = (double)lengths[row];
+        }
+    }
+    if (grid) {
+        for (int64_t g = first_group; g < last_group; ++g) {
+            T *num = OTB_GRID_ROW(group_ids[g]);
+            FN(otb_group_statistics)(order, offsets[g], offsets[g + 1], lengths, 0, valid_token, group_ids[g],
+                                     num_groups, stats, planes > 2 && valid_token ? num + 2 * columns : 0, columns);
+        }
+    }
+    return bad;
+}
+
+/* Context parallel, after the other pieces' totals: each row's returns (ret) and energies (wm, from the first sweep)
+ * get the offsets of the other pieces — Gₜ += ret_offsets[b] (the later pieces' rewards), mₜWₜ += mₜ·energy_offsets[b]
+ * (the earlier pieces' energy) — and its terms are added into grid[global id] at columns col0 + t (position) or
+ * col_offsets[b] + #valid before t (valid token); with count_rows (the first piece of its rows), the group statistics
+ * from total_lengths. scratch: width values of T. */
+OTB_EXPORT void FN(otb_dist_offsets)(const M *m, int64_t width, const int64_t *order, const int64_t *offsets,
+                                     const int64_t *rows_in_order, const int64_t *row_group, int64_t first_group,
+                                     int64_t last_group, const int64_t *group_ids, T *grid, int64_t columns,
+                                     int planes, int valid_token, const double *ret_offsets,
+                                     const double *energy_offsets, const int64_t *col_offsets, int64_t col0,
+                                     const int64_t *total_lengths, int count_rows, int64_t num_groups, T *ret,
+                                     T *wm, int64_t *stats, T *scratch) {
+    T *mv = scratch;
+    for (int64_t p = offsets[first_group]; p < offsets[last_group]; ++p) {
+        const int64_t row = rows_in_order[p], at = row * width;
+        T *num = OTB_GRID_ROW(group_ids[row_group[row]]), *den = num + columns;
+        T *cnt = planes > 2 && !valid_token ? num + 2 * columns : 0;
+        T *gr = ret + at, *wr = wm + at;
+        int64_t lo, hi;
+        FN(otb_row_mask)(m + at, mv, width, &lo, &hi);
+        const T later = (T)ret_offsets[row], earlier = (T)energy_offsets[row];
+        for (int64_t t = 0; t < width; ++t) gr[t] = gr[t] + later;
+        for (int64_t t = lo; t < hi; ++t) wr[t] = wr[t] + earlier * mv[t];
+        FN(otb_row_accumulate)(gr, wr, mv, lo, hi, num, den, cnt, valid_token,
+                               valid_token ? col_offsets[row] : col0, columns);
+    }
+    if (!count_rows) return;
+    for (int64_t g = first_group; g < last_group; ++g) {
+        T *num = OTB_GRID_ROW(group_ids[g]);
+        FN(otb_group_statistics)(order, offsets[g], offsets[g + 1], total_lengths, total_lengths, valid_token,
+                                 group_ids[g], num_groups, stats, planes > 2 && valid_token ? num + 2 * columns : 0,
+                                 columns);
+    }
+}
+
+/* One rank, after the grid's SUM all-reduce: B and A of the rows of local groups first_group … last_group − 1.
+ * First each of these groups' grid row: self-inclusive, N becomes N/(D + ε) in place; leave-one-out by valid token,
+ * the length histogram becomes V. Then each row: self-inclusive, B = 0 from column `start` on — 0 if the group
+ * (merged[0·G + id] members) has fewer than two members, the second-longest length merged[3·G + id] for the unique
+ * longest member (merged[2·G + id] = 1, its total length = merged[1·G + id]) with the zero tail, else none;
+ * leave-one-out, mₜWₜ of the first sweep is read from adv and overwritten. scratch: width values of T. */
+OTB_EXPORT void FN(otb_dist_final)(const M *m, int64_t width, const int64_t *offsets, const int64_t *rows_in_order,
+                                   const int64_t *row_group, int64_t first_group, int64_t last_group,
+                                   const int64_t *group_ids, T *grid, int64_t columns, int planes, int valid_token,
+                                   int leave_one_out, int zero_tail, double epsilon, const int64_t *merged,
+                                   int64_t num_groups, const int64_t *total_lengths, const int64_t *col_offsets,
+                                   int64_t col0, const T *ret, T *adv, T *base, T *scratch) {
+    const T eps = (T)epsilon;
+    for (int64_t g = first_group; g < last_group; ++g) {
+        T *num = OTB_GRID_ROW(group_ids[g]);
+        if (!leave_one_out) FN(otb_ratio)(num, num + columns, columns, eps);
+        else if (valid_token) FN(otb_lengths_to_counts)(num + 2 * columns, columns);
+    }
+    for (int64_t p = offsets[first_group]; p < offsets[last_group]; ++p) {
+        const int64_t row = rows_in_order[p], at = row * width, id = group_ids[row_group[row]];
+        T *num = OTB_GRID_ROW(id);
+        const int64_t start_column = valid_token && col_offsets ? col_offsets[row] : col0;
+        if (leave_one_out) {
+            FN(otb_row_final_loo)(m + at, ret + at, adv + at, width, num, num + columns, num + 2 * columns,
+                                  valid_token, start_column, columns, eps, base ? base + at : 0, scratch);
+            continue;
+        }
+        int64_t start = columns;
+        if (merged[id] < 2) start = 0;
+        else if (zero_tail && merged[2 * num_groups + id] == 1 && total_lengths[row] == merged[num_groups + id])
+            start = merged[3 * num_groups + id];
+        FN(otb_row_final_self)(m + at, ret + at, width, num, valid_token, start_column, columns, start, adv + at,
+                               base ? base + at : 0, scratch);
+    }
+}
+
+#undef OTB_GRID_ROW
+
+#endif

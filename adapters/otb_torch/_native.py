@@ -1,9 +1,11 @@
-"""The native CPU kernel for self-inclusive OTB (``_kernel.c``): built on first use, loaded with ctypes.
+"""The native CPU kernel of otb_torch (``_kernel.c``): built on first use, loaded with ctypes.
 
 Eager PyTorch needs ~17 passes over each block (two scans, an exp, a dozen elementwise ops and reductions); the
 kernel does a group in one sweep per member plus one for the advantages, reading the inputs in place in any row
-order (no gather, no scatter), so its cost is close to the memory floor. The math is the eager kernel's
-(:func:`otb_torch._core.grouped_otb`), which is the reference's; the equivalence suite runs both.
+order (no gather, no scatter), so its cost is close to the memory floor. It serves self-inclusive OTB (with its zero
+rules) and leave-one-out OTB, aligned by position or by valid token (:func:`grouped`), and the per-rank compute of
+``otb_torch.distributed`` (:func:`distributed_first`, :func:`distributed_offsets`, :func:`distributed_final`). The
+math is the eager kernels' (:mod:`otb_torch._core`), which is the reference's; the equivalence suites run both.
 
 Build: the C compiler Python was built with (``$CC`` overrides), ``-O3 -ffp-contract=off`` (plus ``-mavx2`` where
 torch reports AVX2 on this CPU), into ``$OTB_TORCH_CACHE`` (default ``$XDG_CACHE_HOME/otb-spec`` or
@@ -30,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -167,8 +170,8 @@ def _load() -> tuple[ctypes.CDLL | None, NativeKernelStatus]:
 
 
 def native_kernel_status() -> NativeKernelStatus:
-    """Build or load the native kernel if not done yet, and say whether the self-inclusive OTB functions use it on
-    CPU (float32/float64 computation, eager mode)."""
+    """Build or load the native kernel if not done yet, and say whether the OTB functions (and
+    ``otb_torch.distributed``'s per-rank compute) use it on CPU (float32/float64 computation, eager mode)."""
     return _load()[1]
 
 
@@ -248,54 +251,258 @@ def shares(offsets: np.ndarray, workers: int) -> list[int]:
     """Group bounds 0 = b₀ < b₁ < … < b_k = G (k ≤ ``workers``) cutting the groups into whole-group shares of about
     equal numbers of rows; thread j computes groups b_j … b_{j+1} − 1."""
     groups, rows = offsets.shape[0] - 1, int(offsets[-1])
+    if workers <= 1:
+        return [0, groups]
     cuts = np.searchsorted(offsets, np.linspace(0, rows, workers + 1)[1:-1], side="left")
     return [0] + sorted({int(cut) for cut in cuts} - {0, groups}) + [groups]
 
 
-def self_inclusive(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor, sum_pi_squared: torch.Tensor,
-                   is_weights: torch.Tensor | None, order: torch.Tensor | None, offsets: np.ndarray, *, align: str,
-                   handle_zero_tail: bool, epsilon: float, dtype: torch.dtype, need_baselines: bool, check: bool,
-                   slacks: tuple[float, float] | None) -> tuple[list[torch.Tensor], bool]:
-    """Self-inclusive OTB, zero rules included, over groups listed by (order, offsets): returns ([advantages,
-    returns(, baselines)] in ``dtype``, whether the value checks flag something). Float inputs are converted to
-    ``dtype`` when they are not in it; the mask is read as it is when its dtype has a kernel."""
-    library = _load()[0]
-    rows, width = rewards.shape
-    floats = [None if value is None else value.to(dtype).contiguous()
-              for value in (rewards, log_probs, sum_pi_squared, is_weights)]
+def _function(kind: str, dtype: torch.dtype, mask: torch.Tensor, result: Any = ctypes.c_int):
+    """The entry point ``otb_<kind>_<compute type>_<mask type>`` of the library."""
+    function = getattr(_load()[0], f"otb_{kind}_{_COMPUTE[dtype]}_{_MASKS[mask.dtype]}")
+    function.restype = result
+    return function
+
+
+def _inputs(dtype: torch.dtype, mask: torch.Tensor, *floats: torch.Tensor | None
+            ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """The mask as it is when its dtype has a kernel (else in ``dtype``) and the float inputs in ``dtype``, all
+    contiguous."""
     mask = mask.contiguous() if mask.dtype in _MASKS else mask.to(dtype).contiguous()
+    return mask, [None if value is None else value.to(dtype).contiguous() for value in floats]
+
+
+def _in_parallel(work: Callable[[int], int], count: int) -> list[int]:
+    """work(0), …, work(count − 1): share 0 on the calling thread, the others on the pool. Returns their results
+    after every share has returned, also on an error or interrupt (never free what a thread still writes to)."""
+    pool = _pool(count - 1) if count > 1 else None
+    others = [pool.submit(work, share) for share in range(1, count)] if pool else []
+    try:
+        return [work(0)] + [future.result() for future in others]
+    finally:
+        wait(others)
+
+
+def _workers(elements: int) -> int:
+    return max(1, min(torch.get_num_threads(), elements // ELEMENTS_PER_SHARE or 1))
+
+
+def grouped(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor, sum_pi_squared: torch.Tensor,
+            is_weights: torch.Tensor | None, order: torch.Tensor | None, offsets: np.ndarray, *, align: str,
+            leave_one_out: bool, handle_zero_tail: bool, epsilon: float, dtype: torch.dtype, need_baselines: bool,
+            check: bool, slacks: tuple[float, float] | None) -> tuple[list[torch.Tensor], bool]:
+    """OTB over groups listed by (order, offsets), self-inclusive with its zero rules or leave-one-out: returns
+    ([advantages, returns(, baselines)] in ``dtype``, whether the value checks flag something). Float inputs are
+    converted to ``dtype`` when they are not in it; the mask is read as it is when its dtype has a kernel.
+
+    Extra memory besides the inputs and outputs: 6·T values of ``dtype`` per thread and B for the row lengths (the
+    leave-one-out energies are kept in the advantages' buffer until they are overwritten)."""
+    rows, width = rewards.shape
+    mask, (r, lp, spp, rho) = _inputs(dtype, mask, rewards, log_probs, sum_pi_squared, is_weights)
     outputs = [torch.empty((rows, width), dtype=dtype) for _ in range(3 if need_baselines else 2)]
     lengths = torch.empty(rows, dtype=dtype)
     order_c = None if order is None else order.to(torch.int64).contiguous()
     offsets_c = np.ascontiguousarray(offsets, dtype=np.int64)
-    function = getattr(library, f"otb_{_COMPUTE[dtype]}_{_MASKS[mask.dtype]}")
-    function.restype = ctypes.c_int
-    bounds = shares(offsets_c, max(1, min(torch.get_num_threads(), rows * width // ELEMENTS_PER_SHARE or 1)))
-    scratch = torch.empty((len(bounds) - 1, 5 * width), dtype=dtype)
+    function = _function("groups", dtype, mask)
+    bounds = shares(offsets_c, _workers(rows * width))
+    scratch = torch.empty((len(bounds) - 1, 6 * width), dtype=dtype)
     slack_lp, slack_spp = slacks if slacks is not None else (0.0, 0.0)
-    r, lp, spp, rho = floats
-    arguments = [_pointer(r), _pointer(mask), _pointer(lp), _pointer(spp), _pointer(rho), ctypes.c_int64(width),
-                 ctypes.c_void_p(None if order_c is None else order_c.data_ptr()),
-                 offsets_c.ctypes.data_as(ctypes.c_void_p)]
-    tail = [ctypes.c_int(int(align != "position")), ctypes.c_int(int(handle_zero_tail)), ctypes.c_double(epsilon),
-            _pointer(outputs[0]), _pointer(outputs[1]), _pointer(outputs[2] if need_baselines else None),
-            _pointer(lengths)]
-
-    owners = (floats, mask, outputs, lengths, order_c, offsets_c, scratch)     # alive while C reads and writes
+    head = [_pointer(r), _pointer(mask), _pointer(lp), _pointer(spp), _pointer(rho), ctypes.c_int64(width),
+            _pointer(order_c), offsets_c.ctypes.data_as(ctypes.c_void_p)]
+    tail = [ctypes.c_int(int(align != "position")), ctypes.c_int(int(leave_one_out)),
+            ctypes.c_int(int(handle_zero_tail)), ctypes.c_double(epsilon), _pointer(outputs[0]), _pointer(outputs[1]),
+            _pointer(outputs[2] if need_baselines else None), _pointer(lengths)]
+    owners = (r, lp, spp, rho, mask, outputs, lengths, order_c, offsets_c, scratch)   # alive while C runs
 
     def work(share: int) -> int:
         assert owners
-        return function(*arguments, ctypes.c_int64(bounds[share]), ctypes.c_int64(bounds[share + 1]), *tail,
+        return function(*head, ctypes.c_int64(bounds[share]), ctypes.c_int64(bounds[share + 1]), *tail,
                         _pointer(scratch[share]), ctypes.c_int(int(check)), ctypes.c_double(slack_lp),
                         ctypes.c_double(slack_spp))
 
-    pool = _pool(len(bounds) - 2) if len(bounds) > 2 else None
-    others = [pool.submit(work, share) for share in range(1, len(bounds) - 1)] if pool else []
-    try:
-        flags = [work(0)] + [future.result() for future in others]             # share 0 on the calling thread
-    finally:
-        wait(others)                          # never free what a thread still writes to (e.g. on KeyboardInterrupt)
-    return outputs, any(flags)
+    return outputs, any(_in_parallel(work, len(bounds) - 1))
+
+
+class LocalGroups(NamedTuple):
+    """A rank's rows listed group by group (otb_torch.distributed): ``order`` [B] int64 (members in batch order),
+    ``offsets`` [g + 1] where each local group starts in it, ``ids`` [g] int64 their global group ids, ``row_group``
+    [B] int64 each row's local group; ``bounds``, the threads' shares of local groups (:func:`shares`), and
+    ``rows_in_order`` [B] int64, each share's rows in batch order at its positions of the plan (the distributed
+    kernels visit rows so)."""
+
+    order: np.ndarray
+    offsets: np.ndarray
+    ids: np.ndarray
+    row_group: np.ndarray
+    bounds: list[int]
+    rows_in_order: np.ndarray
+
+
+def local_groups(group_ids: torch.Tensor, width: int) -> LocalGroups:
+    """The local plan of a rank's rows (of ``width`` positions) from their global group ids (a stable sort on the
+    host), with the threads' shares."""
+    host = group_ids.cpu().numpy()
+    rows = host.shape[0]
+    order = np.argsort(host, kind="stable").astype(np.int64)
+    ordered = host[order]
+    offsets = np.concatenate(([0], np.flatnonzero(ordered[1:] != ordered[:-1]) + 1, [rows])).astype(np.int64)
+    row_group = np.empty(rows, dtype=np.int64)
+    row_group[order] = np.repeat(np.arange(offsets.shape[0] - 1, dtype=np.int64), offsets[1:] - offsets[:-1])
+    bounds = shares(offsets, _workers(rows * width))
+    in_order = np.arange(rows, dtype=np.int64) if len(bounds) == 2 else np.concatenate(
+        [np.sort(order[offsets[a]:offsets[b]]) for a, b in zip(bounds, bounds[1:])]).astype(np.int64)
+    return LocalGroups(order, offsets, np.ascontiguousarray(ordered[offsets[:-1]], dtype=np.int64), row_group,
+                       bounds, in_order)
+
+
+def _array(value: np.ndarray | torch.Tensor | None) -> ctypes.c_void_p:
+    if value is None:
+        return ctypes.c_void_p(None)
+    if isinstance(value, np.ndarray):
+        return ctypes.c_void_p(value.ctypes.data)
+    return _pointer(value)
+
+
+class FirstSweep(NamedTuple):
+    """What a rank's first sweep leaves (:func:`distributed_first`, :func:`distributed_offsets`), in the compute
+    dtype: ``buffer`` [G·planes·K + extra], whose first part is ``grid`` [G, planes, K] (N, D and, for leave-one-out,
+    V of the rank's rows) and whose ``extra`` last values are zeros for the caller (None for a context piece until
+    its offsets are added); ``returns`` [B, T]; ``energy`` [B, T] mₜWₜ on the valid spans, in what becomes the
+    advantages (leave-one-out, and context pieces; else None); ``lengths`` [B] int64 valid counts; ``stats`` [4, G]
+    int64 (members, longest, count at longest, second longest of the rank's rows); ``totals`` [3, B] float64 (a
+    context piece's Σmr, Σw, Σm; else None); ``bad`` the value-check flag."""
+
+    buffer: torch.Tensor | None
+    grid: torch.Tensor | None
+    returns: torch.Tensor
+    energy: torch.Tensor | None
+    lengths: torch.Tensor
+    stats: torch.Tensor
+    totals: torch.Tensor | None
+    bad: bool
+
+
+def _grid(num_groups: int, planes: int, columns: int, extra: int, dtype: torch.dtype
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    buffer = torch.zeros(num_groups * planes * columns + extra, dtype=dtype)
+    return buffer, buffer.narrow(0, 0, num_groups * planes * columns).view(num_groups, planes, columns)
+
+
+def _statistics(num_groups: int) -> torch.Tensor:
+    """[4, G] int64 statistics of no row: 0 members, longest −1, 0 at the longest, second −1."""
+    return torch.from_numpy(np.repeat(np.array([[0], [-1], [0], [-1]], dtype=np.int64), num_groups, axis=1))
+
+
+def distributed_first(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor,
+                      sum_pi_squared: torch.Tensor, is_weights: torch.Tensor | None, plan: LocalGroups, *,
+                      num_groups: int, align: str, leave_one_out: bool, dtype: torch.dtype, check: bool,
+                      slacks: tuple[float, float] | None, context: bool = False, extra: int = 0) -> FirstSweep:
+    """The first sweep of a rank's rows (``_kernel.c``: otb_dist_first): returns and energies; without ``context``
+    the grid of the rank's terms over its own width T and the group statistics; with it (a context piece) the
+    pieces' totals instead, the terms waiting for the other pieces' offsets (:func:`distributed_offsets`).
+
+    Extra memory: the grid (G·planes·T values) and 3·T values per thread; the energies live in what becomes the
+    advantages' buffer."""
+    rows, width = rewards.shape
+    mask, (r, lp, spp, rho) = _inputs(dtype, mask, rewards, log_probs, sum_pi_squared, is_weights)
+    planes = 3 if leave_one_out else 2
+    buffer, grid = (None, None) if context else _grid(num_groups, planes, width, extra, dtype)
+    returns = torch.empty((rows, width), dtype=dtype)
+    energy = torch.empty((rows, width), dtype=dtype) if leave_one_out or context else None
+    lengths = torch.empty(rows, dtype=torch.int64)
+    stats = _statistics(num_groups)
+    totals = torch.empty((3, rows), dtype=torch.float64) if context else None
+    bounds, rows_in_order = plan.bounds, plan.rows_in_order
+    scratch = torch.empty((len(bounds) - 1, 3 * width), dtype=dtype)
+    slack_lp, slack_spp = slacks if slacks is not None else (0.0, 0.0)
+    function = _function("dist_first", dtype, mask)
+    head = [_pointer(r), _pointer(mask), _pointer(lp), _pointer(spp), _pointer(rho), ctypes.c_int64(width),
+            _array(plan.order), _array(plan.offsets), _array(rows_in_order), _array(plan.row_group)]
+    tail = [_array(plan.ids), _pointer(grid), ctypes.c_int64(width), ctypes.c_int(planes),
+            ctypes.c_int(int(align != "position")), ctypes.c_int64(num_groups), _pointer(returns), _pointer(energy),
+            _pointer(lengths), _pointer(stats), _pointer(totals), ctypes.c_int64(rows)]
+    owners = (r, lp, spp, rho, mask, plan, rows_in_order, buffer, returns, energy, lengths, stats, totals, scratch)
+
+    def work(share: int) -> int:
+        assert owners
+        return function(*head, ctypes.c_int64(bounds[share]), ctypes.c_int64(bounds[share + 1]), *tail,
+                        _pointer(scratch[share]), ctypes.c_int(int(check)), ctypes.c_double(slack_lp),
+                        ctypes.c_double(slack_spp))
+
+    bad = any(_in_parallel(work, len(bounds) - 1))
+    return FirstSweep(buffer, grid, returns, energy, lengths, stats, totals, bad)
+
+
+def distributed_offsets(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, *, num_groups: int, columns: int,
+                        align: str, leave_one_out: bool, dtype: torch.dtype, columns_before: int,
+                        ret_offsets: np.ndarray, energy_offsets: np.ndarray, valid_before: np.ndarray,
+                        total_lengths: np.ndarray, count_rows: bool, extra: int = 0) -> FirstSweep:
+    """A context piece after the other pieces' totals (``_kernel.c``: otb_dist_offsets): its returns and energies
+    offset in place (float64 [B] ``ret_offsets``, ``energy_offsets``), its terms in a grid of width K = ``columns``
+    at columns ``columns_before`` + t or ``valid_before`` + #valid before t, and (``count_rows``) the group
+    statistics from the rows' ``total_lengths``."""
+    rows, width = first.returns.shape
+    mask, _ = _inputs(dtype, mask)
+    planes = 3 if leave_one_out else 2
+    buffer, grid = _grid(num_groups, planes, columns, extra, dtype)
+    stats = _statistics(num_groups)
+    arrays = [np.ascontiguousarray(value, dtype=kind) for value, kind in (
+        (ret_offsets, np.float64), (energy_offsets, np.float64), (valid_before, np.int64),
+        (total_lengths, np.int64))]
+    bounds, rows_in_order = plan.bounds, plan.rows_in_order
+    scratch = torch.empty((len(bounds) - 1, width), dtype=dtype)
+    function = _function("dist_offsets", dtype, mask, None)
+    head = [_pointer(mask), ctypes.c_int64(width), _array(plan.order), _array(plan.offsets), _array(rows_in_order),
+            _array(plan.row_group)]
+    tail = [_array(plan.ids), _pointer(grid), ctypes.c_int64(columns), ctypes.c_int(planes),
+            ctypes.c_int(int(align != "position")), *(_array(value) for value in arrays[:3]),
+            ctypes.c_int64(columns_before), _array(arrays[3]), ctypes.c_int(int(count_rows)),
+            ctypes.c_int64(num_groups), _pointer(first.returns), _pointer(first.energy), _pointer(stats)]
+    owners = (mask, plan, rows_in_order, first, buffer, stats, arrays, scratch)
+
+    def work(share: int) -> int:
+        assert owners
+        function(*head, ctypes.c_int64(bounds[share]), ctypes.c_int64(bounds[share + 1]), *tail,
+                 _pointer(scratch[share]))
+        return 0
+
+    _in_parallel(work, len(bounds) - 1)
+    return first._replace(buffer=buffer, grid=grid, stats=stats)
+
+
+def distributed_final(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, merged: np.ndarray | None, *,
+                      num_groups: int, align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float,
+                      dtype: torch.dtype, columns_before: int = 0, valid_before: np.ndarray | None = None,
+                      total_lengths: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, baselines) of a rank's rows from the all-reduced grid (``_kernel.c``: otb_dist_final); ``merged``
+    [4, G] int64 (NumPy): the merged group statistics (self-inclusive only). The grid's N becomes the ratio in place."""
+    rows, width = first.returns.shape
+    mask, _ = _inputs(dtype, mask)
+    advantages = first.energy if first.energy is not None else torch.empty((rows, width), dtype=dtype)
+    baselines = torch.empty((rows, width), dtype=dtype)
+    merged_c = None if merged is None else np.ascontiguousarray(merged, dtype=np.int64)
+    lengths = first.lengths if total_lengths is None else total_lengths
+    columns = first.grid.shape[2]
+    bounds, rows_in_order = plan.bounds, plan.rows_in_order
+    scratch = torch.empty((len(bounds) - 1, width), dtype=dtype)
+    function = _function("dist_final", dtype, mask, None)
+    head = [_pointer(mask), ctypes.c_int64(width), _array(plan.offsets), _array(rows_in_order),
+            _array(plan.row_group)]
+    tail = [_array(plan.ids), _pointer(first.grid), ctypes.c_int64(columns), ctypes.c_int(first.grid.shape[1]),
+            ctypes.c_int(int(align != "position")), ctypes.c_int(int(leave_one_out)),
+            ctypes.c_int(int(handle_zero_tail)), ctypes.c_double(epsilon), _array(merged_c),
+            ctypes.c_int64(num_groups), _array(lengths), _array(valid_before), ctypes.c_int64(columns_before),
+            _pointer(first.returns), _pointer(advantages), _pointer(baselines)]
+    owners = (mask, plan, rows_in_order, first, merged_c, lengths, valid_before, advantages, baselines, scratch)
+
+    def work(share: int) -> int:
+        assert owners
+        function(*head, ctypes.c_int64(bounds[share]), ctypes.c_int64(bounds[share + 1]), *tail,
+                 _pointer(scratch[share]))
+        return 0
+
+    _in_parallel(work, len(bounds) - 1)
+    return advantages, baselines
 
 
 def exp_float32(values: torch.Tensor) -> torch.Tensor:

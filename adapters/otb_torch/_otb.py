@@ -210,11 +210,12 @@ def _run(names: tuple[str, str, str, str, str, str], rewards: Any, response_mask
     """Validate and compute (advantages, returns, baselines) in the rewards' dtype, block by block.
 
     ``baselines`` is None when not needed (the verl drop-ins), which saves a pass over the batch; ``compile=True``
-    runs each block through a ``torch.compile``d kernel (the first call compiles). On CPU the self-inclusive variants
-    run the native kernel (:mod:`otb_torch._native`: one sweep per group, zero rules and value flags included) where
-    it is built; otherwise :func:`grouped_otb` on every block, which also reduces what the value checks need while
-    the block is in cache, then the zero rules on one row per group; leave-one-out, and segments without a plan, run the general
-    :func:`token_baseline` with the value checks of :func:`otb_torch._checks.problems`. Either way the value checks
+    runs each block through a ``torch.compile``d kernel (the first call compiles). On CPU every variant with a plan
+    (self-inclusive and leave-one-out) runs the native kernel (:mod:`otb_torch._native`: one sweep per group, zero
+    rules and value flags included) where it is built; otherwise the self-inclusive variants run :func:`grouped_otb`
+    on every block, which also reduces what the value checks need while the block is in cache, then the zero rules on
+    one row per group; leave-one-out, and segments without a plan, run the general :func:`token_baseline` with the
+    value checks of :func:`otb_torch._checks.problems`. Either way the value checks
     cost one synchronisation, at the end; only if they flag something are the inputs checked exactly, and the
     reference's error raised.
     """
@@ -236,18 +237,19 @@ def _run(names: tuple[str, str, str, str, str, str], rewards: Any, response_mask
         if problem is not None:
             raise ValueError(f"{g_name}: Segments inconsistent with the batch: {problem}; build them with "
                              "otb_torch.segments_from_index")
-    native = (not leave_one_out and runs is not None and not options["compiled"]
-              and not torch.compiler.is_compiling() and _native.usable(rewards_t.device, options["dtype"]))
-    if leave_one_out or runs is None:
-        outputs, bad = _general(_blocks(segments, *rewards_t.shape, rewards_t.device), inputs,
-                                leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail, **options)
-    elif native:                                                                  # one sweep per group, in C
-        outputs, bad = _native.self_inclusive(
-            *inputs[:4], weights_t, segments.order, offsets, align=align, handle_zero_tail=handle_zero_tail,
-            epsilon=options["epsilon"], dtype=options["dtype"], need_baselines=need_baselines, check=check_values,
+    native = (runs is not None and not options["compiled"] and not torch.compiler.is_compiling()
+              and _native.usable(rewards_t.device, options["dtype"]))
+    if native:                                                                    # one sweep per group, in C
+        outputs, bad = _native.grouped(
+            *inputs[:4], weights_t, segments.order, offsets, align=align, leave_one_out=leave_one_out,
+            handle_zero_tail=handle_zero_tail, epsilon=options["epsilon"], dtype=options["dtype"],
+            need_baselines=need_baselines, check=check_values,
             slacks=(check.slack(lp_t), check.slack(spp_t)) if check_values else None)
         if options["out_dtype"] != options["dtype"]:
             outputs = [value.to(options["out_dtype"]) for value in outputs]
+    elif leave_one_out or runs is None:
+        outputs, bad = _general(_blocks(segments, *rewards_t.shape, rewards_t.device), inputs,
+                                leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail, **options)
     else:
         outputs, bad, lengths = _grouped(_blocks(segments, *rewards_t.shape, rewards_t.device), inputs,
                                          handle_zero_tail=handle_zero_tail,
@@ -387,6 +389,19 @@ def leave_one_out_token_baseline(rewards: Any, response_mask: Any, group_ids: An
         raise ValueError(f"align: expected one of {_ALIGNMENTS}, got {align!r}")
     return _run(_NAMES, rewards, response_mask, group_ids, log_probs, sum_pi_squared, is_weights, check_values,
                 align=align, leave_one_out=True, handle_zero_tail=False, epsilon=epsilon, compile=compile)
+
+
+def leave_one_out_advantages(rewards: Any, response_mask: Any, group_ids: Any, log_probs: Any, sum_pi_squared: Any,
+                             is_weights: Any, *, align: str, epsilon: float, check_values: bool,
+                             compile: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) of :func:`leave_one_out_token_baseline` without forming the baselines: the
+    leave-one-out drop-ins with verl's signature (:mod:`otb_torch.verl`), which return only these two."""
+    if align not in _ALIGNMENTS:
+        raise ValueError(f"align: expected one of {_ALIGNMENTS}, got {align!r}")
+    result = _run(_NAMES, rewards, response_mask, group_ids, log_probs, sum_pi_squared, is_weights, check_values,
+                  align=align, leave_one_out=True, handle_zero_tail=False, epsilon=epsilon, need_baselines=False,
+                  compile=compile)
+    return result.advantages, result.returns
 
 
 def _energy_variant(names: tuple[str, str, str, str], returns_or_rewards: Any, energy: Any, response_mask: Any,

@@ -18,8 +18,11 @@ within :mod:`otb_spec.tolerances` (tests/test_torch_distributed.py runs them on 
 Bad input raises on every rank instead of hanging: every rank validates its inputs, then the first collective (a
 fixed-size all-gather) carries each rank's function, verdict, context group and layout, so a rank with bad values, or
 shapes, options, context groups or ids that disagree with the others', makes every rank raise a ``ValueError`` naming
-the argument (the offending rank raises the reference's own message). Collectives wait at most ``timeout`` seconds when
-given (else the process group's timeout). Tested on gloo; NCCL is not exercised (docs/distributed.md).
+the argument (the offending rank raises the reference's own message). On CPU, ``distributed_token_baseline`` runs
+otb_torch's native kernel (:mod:`otb_torch._native`): its first sweep runs while the handshake travels, with the value
+checks inside it, and the values' verdict, the group statistics and the grid travel in one SUM all-reduce (two
+collectives per call; three with a context group). Collectives wait at most ``timeout`` seconds when given (else the
+process group's timeout). Tested on gloo; NCCL is not exercised (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from otb_torch import _checks as check
+from otb_torch import _native
 from otb_torch._logits import (
     TokenStatistics,
     _check_maxima,
@@ -136,23 +140,38 @@ def _handshake_device(value: Any, group: Any) -> torch.device:
 
 class _Verdicts:
     """The handshake: a fixed-size row per rank (function, verdict, context group, up to 12 fields) all-gathered over
-    ``group``, then checked identically on every rank — so every rank raises the same error, or none does."""
+    ``group``, then checked identically on every rank — so every rank raises the same error, or none does.
+
+    With ``wait=False`` the all-gather is only started (the native path computes meanwhile); :meth:`finish` waits
+    for it and checks."""
 
     def __init__(self, what: str, fields: list[int], failure: BaseException | None, group: Any,
-                 timeout: float | None, device: torch.device, context_group: Any = None):
+                 timeout: float | None, device: torch.device, context_group: Any = None, *, wait: bool = True):
         assert len(fields) <= _FIELDS
-        local = ([_MAGIC, _FUNCTIONS[what], 1 if failure is not None else 0, dist.get_rank()]
-                 + _context_key(context_group) + fields + [0] * (_FIELDS - len(fields)))
-        self.table = _all_gather(torch.tensor(local, dtype=torch.int64, device=device), group, timeout).cpu().tolist()
-        self.what = what
-        if failure is not None:
-            raise failure
+        local = torch.tensor([_MAGIC, _FUNCTIONS[what], 1 if failure is not None else 0, dist.get_rank()]
+                             + _context_key(context_group) + fields + [0] * (_FIELDS - len(fields)),
+                             dtype=torch.int64, device=device)
+        self._gathered = torch.empty(dist.get_world_size(group) * local.numel(), dtype=torch.int64, device=device)
+        self._work = dist.all_gather_single(self._gathered, local, group=group, async_op=True)
+        self._failure, self._timeout, self.what = failure, timeout, what
+        self.table: list[list[int]] = []
+        if wait:
+            self.finish()
+
+    def finish(self) -> "_Verdicts":
+        """Wait for the all-gather; raise on every rank if any rank failed or the ranks disagree."""
+        _wait(self._work, self._timeout)
+        self.table = self._gathered.reshape(-1, _HEADER + _FIELDS).cpu().tolist()
+        what = self.what
+        if self._failure is not None:
+            raise self._failure
         if any(row[0] != _MAGIC or row[1] != _FUNCTIONS[what] for row in self.table):
             raise ValueError(f"{what}: the ranks of the process group are not all calling the same function")
         failed = [row[3] for row in self.table if row[2]]
         if failed:
             raise ValueError(f"{what}: rank {failed[0]} rejected its inputs (its own error names the argument); "
                              "nothing was computed on any rank")
+        return self
 
     def column(self, k: int) -> list[int]:
         return [row[_HEADER + k] for row in self.table]
@@ -373,14 +392,28 @@ class _Local(NamedTuple):
     ids: torch.Tensor | None
 
 
+def _check_values(local: _Local, exact: bool) -> None:
+    """The reference's value rules on this rank's inputs (raises its error naming the argument): ``exact`` runs
+    its validators on host copies directly, else after the device pre-check flags something."""
+    check.check_values(True, rewards=("rewards", local.rewards), mask=("response_mask", local.mask),
+                       log_probs=("log_probs", local.log_probs), sum_pi_squared=("sum_pi_squared", local.sum_pi_squared),
+                       is_weights=None if local.is_weights is None else ("is_weights", local.is_weights), exact=exact)
+
+
+def _exact(local: _Local) -> bool:
+    """Integer token statistics have no input slack and π² may underflow: the reference's validators decide."""
+    return not (local.log_probs.is_floating_point() and local.sum_pi_squared.is_floating_point())
+
+
 def _validated(rewards: Any, response_mask: Any, log_probs: Any, sum_pi_squared: Any, is_weights: Any,
                group_ids: Any, num_groups: int | None, check_values: bool) -> _Local:
+    """This rank's inputs with their metadata checked, and their values too when ``check_values`` (the native
+    path passes False and checks the values inside its first sweep)."""
     rewards_t, mask_t, lp_t, spp_t, weights_t = check.token_batch(rewards, response_mask, log_probs, sum_pi_squared,
                                                                   is_weights)
-    exact = not (lp_t.is_floating_point() and spp_t.is_floating_point())
-    check.check_values(check_values, rewards=("rewards", rewards_t), mask=("response_mask", mask_t),
-                       log_probs=("log_probs", lp_t), sum_pi_squared=("sum_pi_squared", spp_t),
-                       is_weights=None if weights_t is None else ("is_weights", weights_t), exact=exact)
+    if check_values:
+        local = _Local(rewards_t, mask_t, lp_t, spp_t, weights_t, None)
+        _check_values(local, _exact(local))
     ids = None
     if num_groups is not None:
         if isinstance(num_groups, bool) or not isinstance(num_groups, (int, np.integer)) or num_groups < 1:
@@ -483,8 +516,10 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
 
     Per rank (the protocol of :mod:`otb_spec.distributed`): the whole-row scans (:func:`context_parallel_returns_and_energy`),
     then its terms of N_gk = Σᵢ GᵢWᵢmᵢ, D_gk = Σᵢ Wᵢmᵢ (and V_gk = Σᵢ mᵢ for leave-one-out) on the [G, K] aligned grid,
-    SUM all-reduced over ``group``; the self-inclusive rules need each group's members and top-two lengths, all-gathered
-    as [4, G] integers. K = the longest padded row over the ranks (Σ of the context shards' widths).
+    SUM all-reduced over ``group``; the self-inclusive rules need each group's members and top-two lengths, gathered
+    as [4, G] integers (on CPU in the same all-reduce, each rank's in its own slot). K = the longest padded row over
+    the ranks (Σ of the context shards' widths). Extra memory per rank: the grid, G·(2 or 3)·K values, and a few rows
+    of T per thread (on CPU; the eager path also materialises [B, T] temporaries).
 
     Args:
       rewards, response_mask, log_probs, sum_pi_squared, is_weights: this rank's [B, T_c] pieces, as
@@ -503,7 +538,7 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
       :class:`otb_torch.AdvantageResult` for this rank's rows and columns, in the rewards' dtype.
     """
     timeout = _timeout(timeout)
-    failure, local = None, None
+    failure, local, native, dtype = None, None, None, torch.float32
     options = [0, 0, 0, 0]
     try:
         if align not in _ALIGNMENTS:
@@ -511,27 +546,44 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
         leave_one_out = check.flag("leave_one_out", leave_one_out)
         handle_zero_tail = check.zero_tail(handle_zero_tail, leave_one_out)
         epsilon = check.epsilon(epsilon)
+        check_values = check.flag("check_values", check_values)
         options = [_ALIGNMENTS.index(align), int(leave_one_out), int(handle_zero_tail), _float_bits(epsilon)]
         local = _validated(rewards, response_mask, log_probs, sum_pi_squared, is_weights, group_ids, num_groups,
-                           check_values)
+                           False)
+        dtype = check.accumulation_dtype(local.rewards, local.log_probs, local.sum_pi_squared, local.is_weights)
+        native = _native.usable(local.rewards.device, dtype)      # CPU: the native kernel, value checks inside
+        if check_values and not native:
+            _check_values(local, _exact(local))
     except (TypeError, ValueError) as exc:
-        failure = exc
+        failure, native = exc, False
     shape = (0, 0) if local is None else tuple(local.rewards.shape)
-    dtype = torch.float32 if local is None else check.accumulation_dtype(
-        local.rewards, local.log_probs, local.sum_pi_squared, local.is_weights)
     fingerprint = 0 if local is None or local.ids is None else _fingerprint(local.ids)
     groups = int(num_groups) if isinstance(num_groups, (int, np.integer)) and not isinstance(num_groups, bool) else -1
     verdicts = _Verdicts("distributed_token_baseline",
                          options + [groups, int(dtype == torch.float64),
                                     int(local is not None and local.is_weights is not None),
                                     shape[0], shape[1], fingerprint], failure, group, timeout,
-                         _handshake_device(rewards, group), context_group)
+                         _handshake_device(rewards, group), context_group, wait=not native)
+    start = None
+    if native:                            # the first sweep while the handshake travels; its verdict rides later
+        assert local is not None
+        start = _native_first_sweep(local, groups, dtype, align=align, leave_one_out=leave_one_out,
+                                    check_values=check_values, context=context_group is not None,
+                                    ranks=dist.get_world_size(group))
+        verdicts.finish()
     for field, name in enumerate(("align", "leave_one_out", "handle_zero_tail", "epsilon", "num_groups",
                                   "the accumulation dtype (float64 inputs on some ranks only)",
                                   "is_weights (given on some ranks only)")):
         verdicts.require_equal(field, name)
     columns_before, width = _layout(verdicts, 7, 8, 9)
     assert local is not None and local.ids is not None
+    if start is not None:
+        advantages, returns, baselines = _native_baseline(
+            local, start, groups, width, columns_before, align=align, leave_one_out=leave_one_out,
+            handle_zero_tail=handle_zero_tail, epsilon=epsilon, dtype=dtype, group=group,
+            context_group=context_group, timeout=timeout, most_rows=max(verdicts.column(7)))
+        out = check.output_dtype(local.rewards)
+        return AdvantageResult(advantages.to(out), returns.to(out), baselines.to(out))
     scan = _scan(local, dtype, context_group, columns_before, timeout)
     advantages, returns, baselines = _baseline(local, scan, groups, width, align=align,
                                                leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail,
@@ -539,6 +591,99 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
                                                context_group=context_group, timeout=timeout)
     out = check.output_dtype(local.rewards)
     return AdvantageResult(advantages.to(out), returns.to(out), baselines.to(out))
+
+
+class _NativeStart(NamedTuple):
+    """What the native path computed while the handshake travelled: the rank's plan; its first sweep (data
+    parallel: with the grid over its own width T; context parallel: with its row pieces' totals instead); and the
+    reference's error if its values were rejected (sent to the other ranks in the grid's all-reduce)."""
+
+    plan: _native.LocalGroups
+    first: _native.FirstSweep
+    failure: ValueError | None
+    extra: int
+
+
+def _extra(num_groups: int, ranks: int) -> int:
+    """Values after the grid in the all-reduced buffer: each rank's [4, G] group statistics in its own slot (the SUM
+    of slots only one rank fills is an all-gather), then one value-check flag per rank."""
+    return ranks * 4 * num_groups + ranks
+
+
+def _native_first_sweep(local: _Local, num_groups: int, dtype: torch.dtype, *, align: str, leave_one_out: bool,
+                        check_values: bool, context: bool, ranks: int) -> _NativeStart:
+    """The native kernel's work before any collective completes, value checks inside: without a context group the
+    whole first sweep (returns, energies, the rank's grid of width T, group statistics), with one the row pieces'
+    totals. A flag from the kernel (or integer token statistics) runs the reference's validators; their error is
+    kept, not raised, so that this rank still takes part in the collectives that tell the others."""
+    assert local.ids is not None
+    slacks = (check.slack(local.log_probs), check.slack(local.sum_pi_squared)) if check_values else None
+    plan = _native.local_groups(local.ids, local.rewards.shape[1])
+    extra = _extra(num_groups, ranks)
+    first = _native.distributed_first(local.rewards, local.mask, local.log_probs, local.sum_pi_squared,
+                                      local.is_weights, plan, num_groups=num_groups, align=align,
+                                      leave_one_out=leave_one_out, dtype=dtype, check=check_values, slacks=slacks,
+                                      context=context, extra=extra)
+    exact, failure = _exact(local), None
+    if check_values and (exact or first.bad):
+        try:
+            _check_values(local, exact)
+        except ValueError as exc:
+            failure = exc
+    return _NativeStart(plan, first, failure, extra)
+
+
+def _native_baseline(local: _Local, start: _NativeStart, num_groups: int, width: int, columns_before: int, *,
+                     align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float, dtype: torch.dtype,
+                     group: Any, context_group: Any, timeout: float | None, most_rows: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The native path after the handshake: (context parallel) the other pieces' totals and the first sweep with
+    their offsets; one SUM all-reduce over ``group`` of the grid, the group statistics and the value-check flags
+    (every rank raises if one rank's values were rejected); the final sweep. K = ``width``."""
+    first, pieces = start.first, {}
+    ranks, me = dist.get_world_size(group), dist.get_rank(group)
+    if first.totals is not None:                                   # context parallel: offsets from the other pieces
+        gathered = _all_gather(first.totals, context_group, timeout)                  # [P_c, 3, B] float64
+        piece = dist.get_rank(context_group)
+        pieces = dict(columns_before=columns_before,
+                      valid_before=gathered[:piece, 2].sum(0).to(torch.int64).numpy(),
+                      total_lengths=gathered[:, 2].sum(0).to(torch.int64).numpy())
+        first = _native.distributed_offsets(
+            local.mask, start.plan, first, num_groups=num_groups, columns=width, align=align,
+            leave_one_out=leave_one_out, dtype=dtype, ret_offsets=gathered[piece + 1:, 0].sum(0).numpy(),
+            energy_offsets=gathered[:piece, 1].sum(0).numpy(), count_rows=piece == 0, extra=start.extra, **pieces)
+    assert first.grid is not None and first.buffer is not None
+    cells = first.grid.numel()
+    if first.grid.shape[2] < width:                                # another rank's rows are longer: widen to K
+        buffer = torch.zeros(num_groups * first.grid.shape[1] * width + start.extra, dtype=dtype)
+        grid = buffer.narrow(0, 0, num_groups * first.grid.shape[1] * width).view(num_groups, -1, width)
+        grid.narrow(2, 0, first.grid.shape[2]).copy_(first.grid)
+        first, cells = first._replace(buffer=buffer, grid=grid), grid.numel()
+    slots = first.buffer.narrow(0, cells, start.extra)
+    statistics = slots.narrow(0, 0, ranks * 4 * num_groups).view(ranks, 4, num_groups)
+    flags = slots.narrow(0, ranks * 4 * num_groups, ranks)
+    # the statistics (members and counts ≤ a rank's rows, lengths ≤ K) are exact in the buffer's dtype below 2²⁴
+    # in float32; every rank knows K and the ranks' row counts (the handshake), so all make the same choice
+    exact = dtype == torch.float64 or max(width, most_rows) < 2**24
+    if exact:
+        statistics[me] = first.stats.to(dtype)
+    flags[me] = float(start.failure is not None)
+    _all_reduce(first.buffer, dist.ReduceOp.SUM, group, timeout)
+    rejected = torch.nonzero(flags).flatten().tolist()
+    if rejected:
+        if start.failure is not None:
+            raise start.failure
+        members = list(range(ranks)) if group is None else dist.get_process_group_ranks(group)
+        raise ValueError(f"distributed_token_baseline: rank {members[rejected[0]]} rejected its inputs (its own "
+                         "error names the argument); no result on any rank")
+    merged = None
+    if not leave_one_out:
+        merged = _merge_lengths(statistics.numpy().round().astype(np.int64) if exact else
+                                _all_gather(first.stats, group, timeout).numpy())
+    advantages, baselines = _native.distributed_final(
+        local.mask, start.plan, first, merged, num_groups=num_groups, align=align, leave_one_out=leave_one_out,
+        handle_zero_tail=handle_zero_tail, epsilon=epsilon, dtype=dtype, **pieces)
+    return advantages, first.returns, baselines
 
 
 def _baseline(local: _Local, scan: ContextScan, num_groups: int, width: int, *, align: str, leave_one_out: bool,
@@ -612,14 +757,16 @@ def _group_lengths(lengths: torch.Tensor, ids: torch.Tensor, num_groups: int, al
     return stats
 
 
-def _merge_lengths(gathered: torch.Tensor) -> torch.Tensor:
-    """[P, 4, G] → [4, G]: the rule of :func:`otb_spec.distributed.combine_group_lengths`."""
-    members, longest, count, second = gathered.unbind(1)
-    overall = longest.amax(0)
+def _merge_lengths(gathered: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+    """[P, 4, G] → [4, G]: the rule of :func:`otb_spec.distributed.combine_group_lengths` (torch tensors, or NumPy
+    arrays: the native path's statistics are on the host)."""
+    xp = np if isinstance(gathered, np.ndarray) else torch
+    members, longest, count, second = (gathered[:, k] for k in range(4))
+    overall = xp.amax(longest, 0)
     reaches = longest == overall
-    merged_count = torch.where(reaches, count, torch.zeros_like(count)).sum(0)
-    merged_second = torch.where(reaches, second, longest).clamp(min=-1).amax(0)
-    return torch.stack([members.sum(0), overall, merged_count, merged_second])
+    merged_count = xp.where(reaches, count, xp.zeros_like(count)).sum(0)
+    merged_second = xp.amax(xp.where(reaches, second, longest).clip(min=-1), 0)
+    return xp.stack([members.sum(0), overall, merged_count, merged_second])
 
 
 def global_group_ids(ids: Any, *, group: Any = None, device: Any = None) -> tuple[torch.Tensor, int]:

@@ -49,6 +49,7 @@ import torch
 
 import otb_torch
 from otb_spec import _validation as reference_checks
+from otb_torch._otb import leave_one_out_advantages
 
 __all__ = [
     "VARIANTS",
@@ -111,10 +112,9 @@ def _leave_one_out(align: str, token_level_rewards: torch.Tensor, response_mask:
     reference_checks.flag("handle_zero_tail", handle_zero_tail)     # accepted for verl's signature; implied (below)
     check_values = reference_checks.flag("check_values", kwargs.pop("check_values", True))
     compile = reference_checks.flag("compile", kwargs.pop("compile", False))
-    result = otb_torch.leave_one_out_token_baseline(
-        token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, is_weights=rollout_is_weights,
-        align=align, epsilon=epsilon, check_values=check_values, compile=compile)
-    return result.advantages, result.returns
+    return leave_one_out_advantages(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                                    rollout_is_weights, align=align, epsilon=epsilon, check_values=check_values,
+                                    compile=compile)
 
 
 def compute_leave_one_out_token_baseline_advantage(
