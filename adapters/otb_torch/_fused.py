@@ -17,7 +17,7 @@ block costs one matmul and four elementwise passes forward, three matmuls and fo
 
 Memory (beyond inputs, outputs and the returned gradients): two [rows, columns] buffers in the compute dtype
 (default 2 × 2²² values = 32 MiB in float32 on CPU; 2 × 2²⁶ = 512 MiB on CUDA), five per-token floats, two
-[rows, H] temporaries in the backward pass's e_y term, and for half-precision inputs float32 copies of one
+temporaries of 2¹⁸ values (1 MiB) in the backward pass's e_y term, and for half-precision inputs float32 copies of one
 vocabulary chunk of W and of one row block of h (and, in the backward pass, a float32 accumulator for ∂W, and for ∂h
 when the hidden states are half precision) — nothing that grows with N·V. The matmul library may add its own packing
 buffers (of the order of one block's operands); benchmarks/bench_fused.py measures the whole peak.
@@ -39,6 +39,7 @@ __all__ = ["fused_linear_token_statistics"]
 
 _BLOCK_ELEMENTS = {"cpu": 2**22, "cuda": 2**26}     # values per [rows, columns] buffer
 _WEIGHT_CHUNK_ELEMENTS = 2**24                     # float32 copy of a chunk of half-precision W (64 MiB)
+_GATHER_ELEMENTS = 2**18                           # [rows, H] temporaries of the backward's e_y term
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -211,9 +212,10 @@ class _FusedLinearStatistics(torch.autograd.Function):
                     d_hidden[first:last].addmm_(product, w_chunk, alpha=-scale)
                 if d_weight is not None:
                     d_weight[start:stop].addmm_(product.t(), h, alpha=-scale)
-        if g_lp is not None:                                                   # + g_lp·e_y, by row blocks
-            for first in range(0, n_rows, rows):
-                last = min(first + rows, n_rows)
+        if g_lp is not None:     # + g_lp·e_y, by row blocks of ≤ rows and ≤ 2¹⁸ values ([step, H] temporaries: 1 MiB)
+            step = max(1, min(rows, _GATHER_ELEMENTS // hidden.shape[1]))
+            for first in range(0, n_rows, step):
+                last = min(first + step, n_rows)
                 weighted = (g_lp[first:last] * scale)[:, None]
                 if d_hidden is not None:
                     d_hidden[first:last].add_(weight.index_select(0, ids[first:last]).to(dtype) * weighted)
