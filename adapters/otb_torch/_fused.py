@@ -189,6 +189,7 @@ class _FusedLinearStatistics(torch.autograd.Function):
         probs = torch.empty_like(block)
         if g_h is not None:
             offset = entropy * g_h if g_lp is None else g_lp + entropy * g_h     # c = g_lp + g_H·(log π + H)
+        neg_lse = -lse
         for start in range(0, vocab, columns):
             stop = min(start + columns, vocab)
             width = stop - start
@@ -199,14 +200,14 @@ class _FusedLinearStatistics(torch.autograd.Function):
                 z = block[:count * width].view(count, width)
                 p = probs[:count * width].view(count, width)
                 h = hidden[first:last].to(dtype)                               # a view unless h is half
-                z.addmm_(h, w_chunk.t(), beta=0, alpha=scale)
-                z.sub_(lse[first:last, None])                                  # log π_v
+                z.copy_(neg_lse[first:last, None].expand(count, width))
+                z.addmm_(h, w_chunk.t(), alpha=scale)                         # log π_v = h·Wᵀ/τ − lse
                 torch.exp(z, out=p)
                 if g_h is None:
                     p.mul_(g_lp[first:last, None])                             # c·π with c = g_lp
                     product = p
-                else:
-                    z.mul_(g_h[first:last, None]).add_(offset[first:last, None]).mul_(p)
+                else:                                                          # c = offset + g_H·log π
+                    torch.addcmul(offset[first:last, None], z, g_h[first:last, None], out=z).mul_(p)
                     product = z                                                # c·π
                 if d_hidden is not None:
                     d_hidden[first:last].addmm_(product, w_chunk, alpha=-scale)
