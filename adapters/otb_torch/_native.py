@@ -460,6 +460,14 @@ def distributed_offsets(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep
             ctypes.c_int64(num_groups), _pointer(first.returns), _pointer(first.energy), _pointer(stats)]
     owners = (mask, plan, rows_in_order, first, buffer, stats, arrays, scratch)
 
+    _run_in_shares(function, head, tail, bounds, scratch, owners)
+    return first._replace(buffer=buffer, grid=grid, stats=stats)
+
+
+def _run_in_shares(function: Any, head: list, tail: list, bounds: Any, scratch: torch.Tensor, owners: tuple) -> None:
+    """Call a distributed kernel once per thread share, in parallel: ``function(*head, first, stop, *tail,
+    scratch[share])`` for the rows ``bounds[share]:bounds[share + 1]`` of the rank's order; ``owners`` keeps alive the
+    buffers the pointers in ``head`` and ``tail`` point into until every call has returned."""
     def work(share: int) -> int:
         assert owners
         function(*head, ctypes.c_int64(bounds[share]), ctypes.c_int64(bounds[share + 1]), *tail,
@@ -467,7 +475,6 @@ def distributed_offsets(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep
         return 0
 
     _in_parallel(work, len(bounds) - 1)
-    return first._replace(buffer=buffer, grid=grid, stats=stats)
 
 
 def distributed_final(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, merged: np.ndarray | None, *,
@@ -495,13 +502,7 @@ def distributed_final(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, 
             _pointer(first.returns), _pointer(advantages), _pointer(baselines)]
     owners = (mask, plan, rows_in_order, first, merged_c, lengths, valid_before, advantages, baselines, scratch)
 
-    def work(share: int) -> int:
-        assert owners
-        function(*head, ctypes.c_int64(bounds[share]), ctypes.c_int64(bounds[share + 1]), *tail,
-                 _pointer(scratch[share]))
-        return 0
-
-    _in_parallel(work, len(bounds) - 1)
+    _run_in_shares(function, head, tail, bounds, scratch, owners)
     return advantages, baselines
 
 
