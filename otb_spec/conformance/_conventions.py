@@ -34,7 +34,8 @@ import numpy as np
 from otb_spec.conformance._cases import FUSED, Case
 from otb_spec.conformance._fused import subject_for as _fused_subject
 from otb_spec.conformance._subjects import (Outcome, Subject, _bind_problem, _case_source, _import_line, _jax_device,
-                                            _numpy_dtype, _outcome, _Shown, _torch, _torch_dtype)
+                                            _jax_placement, _jax_put, _numpy_dtype, _outcome, _Shown, _torch,
+                                            _torch_dtype)
 
 __all__ = ["Outcome", "Subject", "Convention", "CONVENTIONS", "register_convention", "adapter_subject"]
 
@@ -311,19 +312,13 @@ def _jax(target: Callable, target_spec: str, kind: str, device: str) -> Subject:
     if kind == FUSED:
         return _fused_subject("jax", target, target_spec, device)
     import jax
-    import jax.numpy as jnp
 
     from otb_jax import segment_ids as to_segments
 
-    platform = "gpu" if device.startswith(("cuda", "gpu")) else device
-    try:
-        placement = jax.devices(platform)[0]
-    except RuntimeError as exc:
-        raise RuntimeError(f"--device {device}: JAX has no {platform} device here ({exc})") from None
+    placement = _jax_placement(device)
 
     def array(values: np.ndarray, dtype: str):
-        host = np.asarray(values, dtype=np.float32 if dtype != "float64" else np.float64)
-        return jax.device_put(jnp.asarray(host).astype(dtype), placement)
+        return _jax_put(values, dtype, placement)
 
     def run(case: Case) -> Outcome:
         with jax.enable_x64(case.dtype == "float64"):

@@ -26,7 +26,8 @@ import numpy as np
 
 from otb_spec.conformance._cases import Case
 from otb_spec.conformance._subjects import (Outcome, Subject, _bind_problem, _case_source, _import_line, _jax_device,
-                                            _numpy_dtype, _outcome, _Shown, _torch, _torch_dtype)
+                                            _jax_placement, _jax_put, _numpy_dtype, _outcome, _Shown, _torch,
+                                            _torch_dtype)
 
 __all__: list[str] = []
 
@@ -190,15 +191,10 @@ def jax_subject(target: Callable, target_spec: str, device: str) -> Subject:
     import jax
     import jax.numpy as jnp
 
-    platform = "gpu" if device.startswith(("cuda", "gpu")) else device
-    try:
-        placement = jax.devices(platform)[0]
-    except RuntimeError as exc:
-        raise RuntimeError(f"--device {device}: JAX has no {platform} device here ({exc})") from None
+    placement = _jax_placement(device)
 
     def array(values: np.ndarray, dtype: str):
-        host = np.asarray(values, dtype=np.float32 if dtype != "float64" else np.float64)
-        return jax.device_put(jnp.asarray(host).astype(dtype), placement)
+        return _jax_put(values, dtype, placement)
 
     def run(case: Case) -> Outcome:
         with jax.enable_x64(case.dtype == "float64"):

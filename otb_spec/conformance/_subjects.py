@@ -202,3 +202,23 @@ def _numpy_dtype(dtype: str):
 def _jax_device(value: Any) -> str:
     devices = getattr(value, "devices", None)
     return str(next(iter(devices()))) if callable(devices) else "jax"
+
+
+def _jax_placement(device: str) -> Any:
+    """The JAX device a ``--device`` name means (``cuda``/``gpu`` → JAX's gpu platform), or a RuntimeError saying so."""
+    import jax
+
+    platform = "gpu" if device.startswith(("cuda", "gpu")) else device
+    try:
+        return jax.devices(platform)[0]
+    except RuntimeError as exc:
+        raise RuntimeError(f"--device {device}: JAX has no {platform} device here ({exc})") from None
+
+
+def _jax_put(values: np.ndarray, dtype: str, placement: Any) -> Any:
+    """A case's array as a ``jax.Array`` of ``dtype`` on ``placement`` (through float32, or float64 for float64)."""
+    import jax
+    import jax.numpy as jnp
+
+    host = np.asarray(values, dtype=np.float32 if dtype != "float64" else np.float64)
+    return jax.device_put(jnp.asarray(host).astype(dtype), placement)
