@@ -1,7 +1,7 @@
 """Token statistics from hidden states and the LM head: otb_torch's fused kernel against verl 0.9.1's two paths.
 
     python benchmarks/bench_fused.py [--tokens 2048,4096] [--hidden 1024] [--vocab 65536] [--repeats 3]
-                                     [--device cpu|cuda] [--dtype float32|bfloat16]
+                                     [--device cpu|cuda] [--dtype float32|bfloat16] [--methods …]
 
 For hidden [N, H] and the LM head W [V, H] (float32, N(0, 1) hidden states and N(0, 0.02²) weights: logits of
 magnitude ~1, as a trained model's), with τ = 1, each method in a fresh subprocess, in the same environment:
@@ -12,6 +12,8 @@ magnitude ~1, as a trained model's), with τ = 1, each method in a fresh subproc
 * ``(b) verl FusedLinearForPPO`` — verl's fused torch backend (``verl.utils.experimental.torch_functional``, chunks
   of 512 tokens): log π and entropy only (it has no Σπ², which is why verl refuses OTB with fused kernels);
 * ``otb_torch fused`` — :func:`otb_torch.fused_linear_token_statistics` with its default blocks: all three;
+* ``otb_torch fused (torch ops)`` — the same with ``OTB_TORCH_NATIVE=0``: each block's elementwise work in torch ops
+  instead of the native CPU kernel (what runs without a C compiler; the A/B of the native block kernels);
 * ``matmul floor`` — the matmuls alone, on the same blocks: z = h·Wᵀ forward; z again, ∂h += ∂z·W and ∂W += ∂zᵀ·h
   backward. Any method that never holds the logits does these four N·V·H products for forward + backward (verl's
   fused path too), so ``(b)`` cannot be beaten by more than its time above this floor.
@@ -38,7 +40,8 @@ import sys
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-METHODS = ("(a) verl unfused", "(b) verl FusedLinearForPPO", "otb_torch fused", "matmul floor")
+METHODS = ("(a) verl unfused", "(b) verl FusedLinearForPPO", "otb_torch fused", "otb_torch fused (torch ops)",
+           "matmul floor")
 
 _CHILD = r"""
 import json, os, sys, time, torch
@@ -91,6 +94,7 @@ function = {
     "(a) verl unfused": unfused,
     "(b) verl FusedLinearForPPO": lambda h, w, ids: verl_fused(h, w, ids, 1.0),
     "otb_torch fused": lambda h, w, ids: otb_torch.fused_linear_token_statistics(h, w, ids),
+    "otb_torch fused (torch ops)": lambda h, w, ids: otb_torch.fused_linear_token_statistics(h, w, ids),
     "matmul floor": lambda h, w, ids: _MatmulFloor.apply(h, w),
 }[method]
 generator = torch.Generator(device="cpu").manual_seed(0)
@@ -144,7 +148,10 @@ print(json.dumps({"seconds": min(times), "extra": peak - returned, "logits": tok
 def measure(method: str, mode: str, args: argparse.Namespace, tokens: int) -> dict:
     command = [sys.executable, "-c", _CHILD, ROOT, method, mode, args.device, args.dtype, str(tokens),
                str(args.hidden), str(args.vocab), str(args.repeats)]
-    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    environment = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    if method == "otb_torch fused (torch ops)":        # the block's elementwise work in torch ops, as without a compiler
+        environment["OTB_TORCH_NATIVE"] = "0"
+    result = subprocess.run(command, capture_output=True, text=True, env=environment)
     if result.returncode != 0:
         raise RuntimeError(f"{method} ({mode}) failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -158,7 +165,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help="comma-separated subset of: " + ", ".join(METHODS) + " (the targets need (a), (b), "
+                             "otb_torch fused and the matmul floor)")
     args = parser.parse_args()
+    methods = [name.strip() for name in args.methods.split(",")]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        parser.error(f"--methods: unknown {unknown}; choose from {list(METHODS)}")
     token_counts = [int(value) for value in args.tokens.split(",")]
     print(f"# fused token statistics, {args.device}, {args.dtype}, H = {args.hidden}, V = {args.vocab}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}, {platform.processor() or platform.machine()}")
@@ -167,11 +181,13 @@ def main() -> None:
     results: dict = {}
     for tokens in token_counts:
         for mode in ("forward", "forward + backward"):
-            for method in METHODS:
+            for method in methods:
                 record = measure(method, mode, args, tokens)
                 results[(tokens, mode, method)] = record
                 print(f"| {tokens} | {mode} | {method} | {record['seconds']:.2f} | "
                       f"{record['extra'] / 2**20:.1f} MiB | {record['extra'] / record['logits']:.3f} |", flush=True)
+    if not {"(a) verl unfused", "(b) verl FusedLinearForPPO", "otb_torch fused", "matmul floor"} <= set(methods):
+        return
     print("\n## Targets (issue 23)\n")
     for tokens in token_counts:
         for mode in ("forward", "forward + backward"):

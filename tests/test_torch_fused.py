@@ -3,6 +3,8 @@ logits, equal to the reference (values and gradients, against the analytic formu
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -15,23 +17,30 @@ from otb_spec.tolerances import hidden_comparison_tolerances
 torch = pytest.importorskip("torch")
 otb_torch = pytest.importorskip("otb_torch")
 
+from otb_torch import _native  # noqa: E402
+
+KERNELS = ["native", "eager"]     # the float32 elementwise work in the native kernel (where built), or in torch ops
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _run(case: otb_st.LMHeadCase, dtype: torch.dtype, *, chunk_size=None, vocab_chunk_size=None,
-         use_log_probs: bool = True, use_entropy: bool = True):
-    """The port on ``case`` (cast to ``dtype``): its statistics and the gradients of Σ g_lp·log π + g_H·H."""
+         use_log_probs: bool = True, use_entropy: bool = True, kernel: str = "native"):
+    """The port on ``case`` (cast to ``dtype``): its statistics and the gradients of Σ g_lp·log π + g_H·H, forward
+    and backward with the native elementwise kernel where it serves (float32 on CPU) or, ``kernel="eager"``, the
+    torch fallback."""
     hidden = torch.tensor(case.hidden, dtype=dtype, requires_grad=True)
     weight = torch.tensor(case.weight, dtype=dtype, requires_grad=True)
-    stats = otb_torch.fused_linear_token_statistics(hidden, weight, torch.tensor(case.token_ids),
-                                                    temperature=case.temperature, chunk_size=chunk_size,
-                                                    vocab_chunk_size=vocab_chunk_size)
-    loss = 0 * stats.log_probs.sum()
-    if use_log_probs:
-        loss = loss + (stats.log_probs * torch.tensor(case.log_probs_cotangent, dtype=stats.log_probs.dtype)).sum()
-    if use_entropy:
-        loss = loss + (stats.entropy * torch.tensor(case.entropy_cotangent, dtype=stats.entropy.dtype)).sum()
-    loss.backward()
+    with _native.eager_only() if kernel == "eager" else contextlib.nullcontext():
+        stats = otb_torch.fused_linear_token_statistics(hidden, weight, torch.tensor(case.token_ids),
+                                                        temperature=case.temperature, chunk_size=chunk_size,
+                                                        vocab_chunk_size=vocab_chunk_size)
+        loss = 0 * stats.log_probs.sum()
+        if use_log_probs:
+            loss = loss + (stats.log_probs * torch.tensor(case.log_probs_cotangent, dtype=stats.log_probs.dtype)
+                           ).sum()
+        if use_entropy:
+            loss = loss + (stats.entropy * torch.tensor(case.entropy_cotangent, dtype=stats.entropy.dtype)).sum()
+        loss.backward()
     return stats, hidden, weight
 
 
@@ -63,29 +72,31 @@ def _assert_matches_reference(case, dtype, stats, hidden, weight, *, use_log_pro
 blocks = st.tuples(st.one_of(st.none(), st.integers(1, 9)), st.one_of(st.none(), st.integers(1, 40)))
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @given(case=otb_st.lm_head_inputs(), dtype=st.sampled_from(["float32", "float64"]), block=blocks)
-def test_values_and_gradients_equal_the_reference(case, dtype, block):
+def test_values_and_gradients_equal_the_reference(case, dtype, block, kernel):
     """For any row and vocabulary chunking (online rescaling across vocabulary chunks included)."""
-    stats, hidden, weight = _run(case, DTYPES[dtype], chunk_size=block[0], vocab_chunk_size=block[1])
+    stats, hidden, weight = _run(case, DTYPES[dtype], chunk_size=block[0], vocab_chunk_size=block[1], kernel=kernel)
     _assert_matches_reference(case, DTYPES[dtype], stats, hidden, weight)
 
 
 @given(case=otb_st.lm_head_inputs(max_vocab_size=40, max_hidden_size=12), dtype=st.sampled_from(["bfloat16", "float16"]),
-       block=blocks)
-def test_half_precision_inputs_are_accumulated_in_float32(case, dtype, block):
+       block=blocks, kernel=st.sampled_from(KERNELS))
+def test_half_precision_inputs_are_accumulated_in_float32(case, dtype, block, kernel):
     """bf16/fp16 hidden states and weights: statistics in float32 with float32's bound (not the half precision's)."""
-    stats, hidden, weight = _run(case, DTYPES[dtype], chunk_size=block[0], vocab_chunk_size=block[1])
+    stats, hidden, weight = _run(case, DTYPES[dtype], chunk_size=block[0], vocab_chunk_size=block[1], kernel=kernel)
     _assert_matches_reference(case, DTYPES[dtype], stats, hidden, weight)
 
 
-@given(case=otb_st.lm_head_inputs(lead_shapes=[(3, 4)]), use_log_probs=st.booleans())
-def test_a_loss_of_one_statistic_gets_its_own_gradient(case, use_log_probs):
+@given(case=otb_st.lm_head_inputs(lead_shapes=[(3, 4)]), use_log_probs=st.booleans(),
+       dtype=st.sampled_from(["float32", "float64"]), kernel=st.sampled_from(KERNELS))
+def test_a_loss_of_one_statistic_gets_its_own_gradient(case, use_log_probs, dtype, kernel):
     """Only log π in the loss (a policy loss without entropy bonus) or only the entropy: the backward pass takes
     the matching branch (the other cotangent is None)."""
     use_entropy = not use_log_probs
-    stats, hidden, weight = _run(case, torch.float64, chunk_size=5, vocab_chunk_size=7, use_log_probs=use_log_probs,
-                                 use_entropy=use_entropy)
-    _assert_matches_reference(case, torch.float64, stats, hidden, weight, use_log_probs=use_log_probs,
+    stats, hidden, weight = _run(case, DTYPES[dtype], chunk_size=5, vocab_chunk_size=7, use_log_probs=use_log_probs,
+                                 use_entropy=use_entropy, kernel=kernel)
+    _assert_matches_reference(case, DTYPES[dtype], stats, hidden, weight, use_log_probs=use_log_probs,
                               use_entropy=use_entropy)
 
 

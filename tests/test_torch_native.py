@@ -251,6 +251,116 @@ def test_leave_one_out_clamps_the_other_members_energy_at_zero(kernel, align):
     assert torch.equal(advantages[0, :12], returns[0, :12])
 
 
+def _fold_exact(z: torch.Tensor, split: int):
+    """Float64 running sums of the float32 logits z over two vocabulary chunks (columns < split, then the rest), the
+    first rescaled to the overall maximum: what ``fused_fold`` computes, exactly up to its rounding."""
+    z = z.double()
+    top = z.amax(1, keepdim=True)
+    e, d = torch.exp(z - top), z - top
+    return top[:, 0], e.sum(1), (e * e).sum(1), (e * d).sum(1)
+
+
+@needs_native
+@pytest.mark.parametrize("width", [1, 7, 8, 17, 33, 300])
+def test_fused_block_kernels_equal_their_formulas_for_any_split(width):
+    """``otb_fused_fold_float32`` over two vocabulary chunks (the second rescales the first's sums) and
+    ``otb_fused_cotangent_float32`` against float64, for widths that leave every tail length of the vector loops.
+    Bound per row: naive summation's γ_n Σ|terms| (any order; n = width + 2 for the rescaling) plus each term's own
+    error — the exponential's 2ε and the rounding of z − m (|z − m|·u relative) — all in float32's u."""
+    generator = torch.Generator().manual_seed(width)
+    rows = 37
+    z = (torch.randn(rows, width, generator=generator) * 6).float()
+    z[3] += 50.0                                      # a row whose maximum moves from chunk to chunk
+    split = max(1, width // 3)
+    peak, s1, s2, tilt = (torch.zeros(rows) for _ in range(4))
+    _native.fused_fold(z[:, :split].contiguous(), peak, s1, s2, tilt, first=True)
+    if split < width:
+        _native.fused_fold(z[:, split:].contiguous(), peak, s1, s2, tilt, first=False)
+    top, e1, e2, et = _fold_exact(z, split)
+    u = 2.0**-24
+    gamma = (width + 2) * u / (1 - (width + 2) * u)
+    d = (z.double() - top[:, None]).abs()
+    e = torch.exp(-d)
+    own = e * (4 * u + d * u)                         # 2ε = 4u: the exponential; d·u: z − m rounded
+    assert torch.equal(peak.double(), top)
+    assert ((s1.double() - e1).abs() <= gamma * e1 + own.sum(1) + u * e1).all()
+    assert ((s2.double() - e2).abs() <= gamma * e2 + (2 * e * own).sum(1) + u * e2).all()
+    bound_t = gamma * (e * d).sum(1) + (own * d + e * d * u).sum(1) + u * (e * d).sum(1) + 1e-45
+    assert ((tilt.double() - et).abs() <= bound_t).all()
+    # the cotangent: with x = z − lse (float32-rounded, as the kernel forms it), z ← (c₀ + c₁·x)·e^{min(x, 0)}
+    neg_lse = (-(top + torch.log(e1))).float()
+    x = (z + neg_lse[:, None]).double()
+    offset, slope = torch.randn(rows, generator=generator), torch.randn(rows, generator=generator)
+    for with_slope in (True, False):
+        got = z.clone()
+        _native.fused_cotangent(got, neg_lse, offset, slope if with_slope else None)
+        c = offset.double()[:, None] + (slope.double()[:, None] * x if with_slope else 0)
+        exact = c * torch.exp(x.clamp(max=0))
+        magnitude = (offset.double().abs()[:, None] + (slope.double().abs()[:, None] * x.abs() if with_slope else 0))
+        assert ((got.double() - exact).abs() <= magnitude * torch.exp(x.clamp(max=0)) * 8 * u).all()
+
+
+@needs_native
+@pytest.mark.parametrize("width", [1, 7, 9, 15])
+def test_fused_fold_pads_the_vector_tail_with_nothing_at_any_magnitude(width):
+    """A row of equal logits c gives S₁ = S₂ = width and T = 0 exactly, also where c is so large that c − 1000 rounds
+    to c in float32 (|c| ≥ 2³³): the lanes past the row's end must add e⁰ nowhere."""
+    for value in (0.0, -7.5, 3e10, -3e10):
+        z = torch.full((2, width), value)
+        peak, s1, s2, tilt = torch.full((2,), -float("inf")), torch.zeros(2), torch.zeros(2), torch.zeros(2)
+        _native.fused_fold(z, peak, s1, s2, tilt, first=True)
+        assert torch.equal(peak, torch.full((2,), value))
+        assert torch.equal(s1, torch.full((2,), float(width))) and torch.equal(s2, s1), (value, s1)
+        assert torch.equal(tilt, torch.zeros(2))
+
+
+@needs_native
+@pytest.mark.bitexact
+def test_fused_block_kernels_do_not_depend_on_the_number_of_threads(monkeypatch):
+    """Rows are split over threads and each row is computed by one: 1, 2 or 3 threads give bitwise the same sums and
+    cotangents, and a NaN in one row makes that row's sums NaN and no other's."""
+    monkeypatch.setattr(_native, "ELEMENTS_PER_SHARE", 64)
+    z = torch.randn(29, 70, generator=torch.Generator().manual_seed(3)) * 4
+    z[11, 5] = float("nan")
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            sums = [torch.full((29,), -float("inf"))] + [torch.zeros(29) for _ in range(3)]
+            _native.fused_fold(z[:, :30].contiguous(), *sums, first=True)
+            _native.fused_fold(z[:, 30:].contiguous(), *sums, first=False)
+            cotangent = z.clone()
+            _native.fused_cotangent(cotangent, torch.linspace(-3, 0, 29), torch.linspace(-1, 1, 29),
+                                    torch.linspace(2, 0, 29))
+            results.append(sums + [cotangent])
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for got, expected in zip(other, results[0]):
+            assert torch.equal(got.nan_to_num(7.0), expected.nan_to_num(7.0))
+    for value in results[0][:4]:
+        assert torch.isnan(value[11]) and torch.isfinite(torch.cat([value[:11], value[12:]])).all()
+
+
+@needs_native
+def test_the_fused_statistics_run_the_native_block_kernels_in_float32_only(monkeypatch):
+    """float32 on CPU: the forward folds every block natively and the backward forms every cotangent natively;
+    float64: the eager ops (the kernel is float32 only)."""
+    calls = []
+    for name in ("fused_fold", "fused_cotangent"):
+        original = getattr(_native, name)
+        monkeypatch.setattr(_native, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    for dtype, expected in ((torch.float32, ["fused_fold"] * 6 + ["fused_cotangent"] * 6), (torch.float64, [])):
+        calls.clear()
+        hidden = torch.randn(5, 4, dtype=dtype, requires_grad=True)
+        weight = torch.randn(11, 4, dtype=dtype, requires_grad=True)
+        stats = otb_torch.fused_linear_token_statistics(hidden, weight, torch.tensor([0, 3, 10, 2, 2]), chunk_size=3,
+                                                        vocab_chunk_size=4)
+        (stats.log_probs.sum() + stats.entropy.sum()).backward()
+        assert calls == expected
+
+
 @needs_native
 def test_shares_split_whole_groups():
     """The thread shares are whole groups covering every group once, for any sizes and thread counts."""

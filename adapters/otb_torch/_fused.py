@@ -13,10 +13,15 @@ of logits z[rows, columns] is formed by one matmul into a fixed buffer and folde
 The backward pass needs only lse = m + log S₁ and H per token (saved: two floats per token) to rebuild any block of
 the logit cotangent, ∂z = g_lp(e_y − π) − g_H·π ⊙ (log π + H) with π = e^{z − lse}, and sends it through two matmuls:
 ∂h += ∂z·W/τ and ∂W += ∂zᵀ·h/τ. The e_y term is added per token (a gather of W's rows and an index-add into ∂W), so a
-block costs one matmul and four elementwise passes forward, three matmuls and four passes backward.
+block costs one matmul and four elementwise passes forward, three matmuls and four passes backward in torch ops. On
+CPU in float32 the native kernel (``_kernel.c``: otb_fused_fold_float32, otb_fused_cotangent_float32; one thread per
+share of rows, results independent of the thread count) does a block's elementwise work row by row instead: forward,
+each row read twice (maximum, then the three sums; the second read from cache) and never written; backward, one read
+and one write of each row (z ← c·π in place).
 
-Memory (beyond inputs, outputs and the returned gradients): two [rows, columns] buffers in the compute dtype
-(default 2 × 2²² values = 32 MiB in float32 on CPU; 2 × 2²⁶ = 512 MiB on CUDA), five per-token floats, two
+Memory (beyond inputs, outputs and the returned gradients): one [rows, columns] buffer in the compute dtype with the
+native kernel (2²² values = 16 MiB in float32 on CPU), two with torch ops (2 × 2²² = 32 MiB on CPU without the
+kernel or in float64; 2 × 2²⁶ = 512 MiB on CUDA), five per-token floats, two
 temporaries of 2¹⁸ values (1 MiB) in the backward pass's e_y term, and for half-precision inputs float32 copies of one
 vocabulary chunk of W and of one row block of h (and, in the backward pass, a float32 accumulator for ∂W, and for ∂h
 when the hidden states are half precision) — nothing that grows with N·V. The matmul library may add its own packing
@@ -33,6 +38,7 @@ from typing import Any
 
 import torch
 
+from otb_torch import _native
 from otb_torch._logits import TokenStatistics, _row_dot, checked_token_ids
 
 __all__ = ["fused_linear_token_statistics"]
@@ -125,7 +131,8 @@ class _FusedLinearStatistics(torch.autograd.Function):
         tilt = torch.zeros_like(s1)                      # T = Σ e^{z − m}(z − m) ≤ 0
         chosen = torch.zeros_like(s1)                    # z_y
         block = torch.empty(min(rows, n_rows) * columns, dtype=dtype, device=device)
-        exps = torch.empty_like(block)
+        native = _native.fused_usable(device, dtype)
+        exps = None if native else torch.empty_like(block)
         for start in range(0, vocab, columns):
             stop = min(start + columns, vocab)
             width = stop - start
@@ -135,12 +142,16 @@ class _FusedLinearStatistics(torch.autograd.Function):
                 last = min(first + rows, n_rows)
                 count = last - first
                 z = block[:count * width].view(count, width)
-                a = exps[:count * width].view(count, width)
                 z.addmm_(hidden[first:last].to(dtype), w_chunk.t(), beta=0, alpha=scale)     # z = h·Wᵀ/τ
                 mine = local_ids[first:last]
                 inside = (mine >= 0) & (mine < width)
                 picked = z.gather(1, mine.clamp(0, width - 1)[:, None])[:, 0]
                 chosen[first:last] = torch.where(inside, picked, chosen[first:last])
+                if native:                               # m, S₁, S₂, T updated in one native pass per row
+                    _native.fused_fold(z, peak[first:last], s1[first:last], s2[first:last], tilt[first:last],
+                                       first=start == 0)
+                    continue
+                a = exps[:count * width].view(count, width)
                 old = peak[first:last]
                 new = torch.maximum(old, z.amax(1))
                 z.sub_(new[:, None])
@@ -186,9 +197,13 @@ class _FusedLinearStatistics(torch.autograd.Function):
         d_hidden = torch.zeros(hidden.shape, dtype=dtype, device=device) if want_hidden else None
         d_weight = torch.zeros(weight.shape, dtype=dtype, device=device) if want_weight else None
         block = torch.empty(min(rows, n_rows) * columns, dtype=dtype, device=device)
-        probs = torch.empty_like(block)
+        native = _native.fused_usable(device, dtype)
+        probs = None if native else torch.empty_like(block)
         if g_h is not None:
             offset = entropy * g_h if g_lp is None else g_lp + entropy * g_h     # c = g_lp + g_H·(log π + H)
+        if native:                                       # c = offset + slope·log π_v, contiguous per-row values
+            offset_rows = (g_lp if g_h is None else offset).contiguous()
+            slope_rows = None if g_h is None else g_h.contiguous()
         neg_lse = -lse
         for start in range(0, vocab, columns):
             stop = min(start + columns, vocab)
@@ -198,17 +213,23 @@ class _FusedLinearStatistics(torch.autograd.Function):
                 last = min(first + rows, n_rows)
                 count = last - first
                 z = block[:count * width].view(count, width)
-                p = probs[:count * width].view(count, width)
                 h = hidden[first:last].to(dtype)                               # a view unless h is half
-                z.copy_(neg_lse[first:last, None].expand(count, width))
-                z.addmm_(h, w_chunk.t(), alpha=scale)                         # log π_v = h·Wᵀ/τ − lse
-                torch.exp(z, out=p)
-                if g_h is None:
-                    p.mul_(g_lp[first:last, None])                             # c·π with c = g_lp
-                    product = p
-                else:                                                          # c = offset + g_H·log π
-                    torch.addcmul(offset[first:last, None], z, g_h[first:last, None], out=z).mul_(p)
-                    product = z                                                # c·π
+                if native:                                                     # z ← c·π, one native pass
+                    z.addmm_(h, w_chunk.t(), beta=0, alpha=scale)              # h·Wᵀ/τ (− lse in the pass)
+                    _native.fused_cotangent(z, neg_lse[first:last], offset_rows[first:last],
+                                            None if slope_rows is None else slope_rows[first:last])
+                    product = z
+                else:
+                    z.copy_(neg_lse[first:last, None].expand(count, width))
+                    z.addmm_(h, w_chunk.t(), alpha=scale)                     # log π_v = h·Wᵀ/τ − lse
+                    p = probs[:count * width].view(count, width)
+                    torch.exp(z, out=p)
+                    if g_h is None:
+                        p.mul_(g_lp[first:last, None])                         # c·π with c = g_lp
+                        product = p
+                    else:                                                      # c = offset + g_H·log π
+                        torch.addcmul(offset[first:last, None], z, g_h[first:last, None], out=z).mul_(p)
+                        product = z                                            # c·π
                 if d_hidden is not None:
                     d_hidden[first:last].addmm_(product, w_chunk, alpha=-scale)
                 if d_weight is not None:

@@ -137,6 +137,116 @@ static void otb_exp_row_double(const double *x, double *out, int64_t count) {
 /* The exponential the float32 kernel uses, exported for the accuracy test. */
 OTB_EXPORT void otb_expf_array(const float *x, float *out, int64_t count) { otb_exp_row_float(x, out, count); }
 
+/* The fused linear token statistics (otb_torch._fused), float32: the elementwise work on one block of logits
+ * z [rows, width] (row stride `stride`), rows [begin, end) of it, each row in two reads — the second from cache
+ * (a row of 2048 floats is 8 KiB) — instead of torch's four to six passes over the whole block. */
+
+/* Σ of a vector's lanes, in double. */
+static inline double otb_lanes_sum(otb_vf v) {
+    double total = 0.0;
+    for (int k = 0; k < OTB_LANES; ++k) total += (double)v[k];
+    return total;
+}
+
+/* Forward: fold each row into its running maximum m and sums S₁ = Σ e^{z−m}, S₂ = Σ e^{2(z−m)}, T = Σ e^{z−m}(z − m)
+ * (peak, s1, s2, tilt: one value per row of the block, rows counted from `begin`'s block start); with first = 0 the
+ * sums already there are rescaled to the new maximum m' (shift δ = m − m' ≤ 0: S₁ ← e^δ S₁, S₂ ← e^{2δ} S₂,
+ * T ← e^δ (T + δ S₁)) before the row's terms are added. A NaN in the row gives NaN sums (as the eager path); z is not
+ * written. Lane sums in float, each row's total and the rescaling in double, stored as float. */
+OTB_EXPORT void otb_fused_fold_float32(const float *z, int64_t begin, int64_t end, int64_t width, int64_t stride,
+                                       float *peak, float *s1, float *s2, float *tilt, int first) {
+    for (int64_t r = begin; r < end; ++r) {
+        const float *row = z + r * stride;
+        otb_vf top = OTB_SPLAT(-INFINITY);
+        otb_vi nan = OTB_SPLAT(0);
+        int64_t v = 0;
+        for (; v + OTB_LANES <= width; v += OTB_LANES) {
+            otb_vf x;
+            memcpy(&x, row + v, sizeof x);
+            nan |= x != x;
+            top = otb_select(x > top, x, top);
+        }
+        float high = -INFINITY;
+        int any_nan = 0;
+        for (int k = 0; k < OTB_LANES; ++k) {
+            high = top[k] > high ? top[k] : high;
+            any_nan |= nan[k] != 0;
+        }
+        for (; v < width; ++v) {
+            high = row[v] > high ? row[v] : high;
+            any_nan |= row[v] != row[v];
+        }
+        const float old = peak[r];
+        const float new_peak = any_nan ? NAN : (first || high > old ? high : old);
+        const otb_vf m = OTB_SPLAT(new_peak);
+        otb_vf a1 = OTB_SPLAT(0.0f), a2 = a1, at = a1, b1 = a1, b2 = a1, bt = a1;
+        v = 0;
+        for (; v + 2 * OTB_LANES <= width; v += 2 * OTB_LANES) {     /* two vectors per step: independent chains */
+            otb_vf x, y;
+            memcpy(&x, row + v, sizeof x);
+            memcpy(&y, row + v + OTB_LANES, sizeof y);
+            x -= m;
+            y -= m;
+            const otb_vf e = otb_expv(x), f = otb_expv(y);
+            a1 += e;
+            a2 += e * e;
+            at += e * x;
+            b1 += f;
+            b2 += f * f;
+            bt += f * y;
+        }
+        for (; v < width; v += OTB_LANES) {
+            otb_vf x = m;
+            const int64_t count = width - v < OTB_LANES ? width - v : OTB_LANES;
+            memcpy(&x, row + v, (size_t)count * sizeof(float));
+            x -= m;
+            for (int64_t k = count; k < OTB_LANES; ++k) x[k] = -1000.0f;   /* e^{−1000} = 0, −1000·0 = 0, any m */
+            const otb_vf e = otb_expv(x);
+            a1 += e;
+            a2 += e * e;
+            at += e * x;
+        }
+        const double row1 = otb_lanes_sum(a1 + b1), row2 = otb_lanes_sum(a2 + b2), rowt = otb_lanes_sum(at + bt);
+        if (first) {
+            s1[r] = (float)row1;
+            s2[r] = (float)row2;
+            tilt[r] = (float)rowt;
+        } else {
+            const double shift = (double)old - (double)new_peak, factor = exp(shift);
+            tilt[r] = (float)(factor * ((double)tilt[r] + shift * (double)s1[r]) + rowt);
+            s1[r] = (float)(factor * (double)s1[r] + row1);
+            s2[r] = (float)(factor * factor * (double)s2[r] + row2);
+        }
+        peak[r] = new_peak;
+    }
+}
+
+/* Backward: with x = z + shift[r] (z = h·Wᵀ/τ and shift = −lse: x = log π_v), z ← c·e^{min(x, 0)} in place, with
+ * c = offset[r] + slope[r]·x (slope NULL: c = offset[r]) — the logit cotangent's −c·π part,
+ * c = g_lp + g_H·(log π_v + H). One read and one write of each row. */
+OTB_EXPORT void otb_fused_cotangent_float32(float *z, int64_t begin, int64_t end, int64_t width, int64_t stride,
+                                            const float *shift, const float *offset, const float *slope) {
+    for (int64_t r = begin; r < end; ++r) {
+        float *row = z + r * stride;
+        const otb_vf s = OTB_SPLAT(shift[r]), c0 = OTB_SPLAT(offset[r]), c1 = OTB_SPLAT(slope ? slope[r] : 0.0f);
+        int64_t v = 0;
+        for (; v + OTB_LANES <= width; v += OTB_LANES) {
+            otb_vf x;
+            memcpy(&x, row + v, sizeof x);
+            x += s;
+            x = (c0 + c1 * x) * otb_expv(x);
+            memcpy(row + v, &x, sizeof x);
+        }
+        if (v < width) {
+            otb_vf x = OTB_SPLAT(0.0f);
+            memcpy(&x, row + v, (size_t)(width - v) * sizeof(float));
+            x += s;
+            x = (c0 + c1 * x) * otb_expv(x);
+            memcpy(row + v, &x, (size_t)(width - v) * sizeof(float));
+        }
+    }
+}
+
 /* The scans: four double lanes (AVX; two SSE2 registers elsewhere), shuffled with GCC's or clang's builtin. */
 typedef double otb_v4d __attribute__((vector_size(32)));
 #if defined(__clang__) || __GNUC__ >= 12
