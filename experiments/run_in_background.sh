@@ -5,12 +5,13 @@
 #
 #   experiments/run_in_background.sh [OUT [LOG [extra otb-spec experiment arguments…]]]
 #
-# OUT defaults to experiment-output, LOG to OUT.log (appended to). Run it from the repository root with the
+# OUT defaults to experiments/issue26-output (the pre-registered run of docs/experiment.md, whose finished runs are
+# committed as they come, so that a later session resumes where this one stopped), LOG to OUT.log (appended to). Run it from the repository root with the
 # environment that has torch and matplotlib active. Killing the group stops the run after its last checkpoint;
 # running this again resumes it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=${1:-experiment-output}
+out=${1:-experiments/issue26-output}
 log=${2:-$out.log}
 shift $(( $# < 2 ? $# : 2 ))
 if [[ -e /tmp/otb-experiment.pgid ]] && kill -0 -- "-$(cat /tmp/otb-experiment.pgid)" 2>/dev/null; then
