@@ -253,6 +253,37 @@ def test_vocab_parallel_sum_pi_squared_rows_excluded_on_some_shards(pool):
         np.testing.assert_allclose(result, expected, rtol=1e-14)
 
 
+def test_explicit_vocab_starts_in_any_rank_order_equal_one_process(pool):
+    """Shards held out of rank order (rank k holds the (3 − k)-th slice), placed by explicit ``vocab_start``."""
+    logits = np.random.default_rng(1).normal(size=(2, 3, 10)) * 3
+    ids = np.array([[0, 9, 4], [2, 7, 5]])
+    edges = [0, 2, 5, 6, 10]
+    slices = [(edges[k], edges[k + 1]) for k in range(4)][::-1]
+    arguments = [dict(logits_shard=np.ascontiguousarray(logits[..., a:b]), token_ids=ids, vocab_start=a)
+                 for a, b in slices]
+    outcomes = pool.run("vocab_parallel_token_statistics", "world", arguments)
+    expected = otb.token_statistics_from_logits(logits, ids)
+    for rank, (status, result) in enumerate(outcomes):
+        assert status == "ok", f"rank {rank}: {result}"
+        np.testing.assert_allclose(result.log_probs, expected.log_probs, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(result.sum_pi_squared, expected.sum_pi_squared, rtol=1e-12)
+
+
+@pytest.mark.parametrize("starts, expected", [([0, 2, 6, 7], "token ids [5, 6) lie on no rank's shard"),
+                                              ([0, 2, 4, 6], "rank 2's shard [4, 5) overlaps rank 1's"),
+                                              ([1, 2, 5, 6], "token ids [0, 1) lie on no rank's shard"),
+                                              ([0, 2, 5, 5], "overlaps")])
+def test_vocab_starts_that_do_not_tile_the_vocabulary_raise_on_every_rank(pool, starts, expected):
+    """Explicit offsets with a gap or an overlap would put some token ids on no rank, or on two: every rank raises
+    naming vocab_start (widths 2, 3, 1, 4 — a vocabulary of 10)."""
+    logits = np.random.default_rng(2).normal(size=(2, 10))
+    pieces = _vocab_split(logits, 4, [2, 5, 6])
+    arguments = [dict(logits_shard=piece, vocab_start=start) for piece, start in zip(pieces, starts)]
+    outcomes = pool.run("vocab_parallel_token_statistics", "world", arguments)
+    for _, kind, message in _errors(outcomes, range(4)):
+        assert kind == "ValueError" and message.startswith("vocab_start") and expected in message, message
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Bad input: every rank raises, none hangs
 

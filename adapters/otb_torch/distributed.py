@@ -213,6 +213,22 @@ class _Verdicts:
 # Vocab parallel
 
 
+def _require_tiling(starts: list[int], widths: list[int], ranks: list[int]) -> None:
+    """Explicit ``vocab_start`` offsets must tile [0, ΣV_k) — every token id on exactly one rank — or log π(y) and the
+    id check would read the wrong rank's logits; the same table on every rank, so every rank raises alike."""
+    vocab, expected, previous = sum(widths), 0, None
+    for start, width, rank in sorted(zip(starts, widths, ranks)):
+        if width == 0:
+            continue
+        if start > expected:
+            raise ValueError(f"vocab_start: token ids [{expected}, {start}) lie on no rank's shard (rank {rank} starts "
+                             f"at {start}); the shards must tile [0, {vocab})")
+        if start < expected:
+            raise ValueError(f"vocab_start: rank {rank}'s shard [{start}, {start + width}) overlaps rank {previous}'s, "
+                             f"which ends at {expected}; the shards must tile [0, {vocab})")
+        expected, previous = start + width, rank
+
+
 @torch.no_grad()
 def vocab_parallel_token_statistics(logits_shard: Any, token_ids: Any = None, *, group: Any = None,
                                     vocab_start: int | None = None, chunk_size: int | None = None,
@@ -233,7 +249,8 @@ def vocab_parallel_token_statistics(logits_shard: Any, token_ids: Any = None, *,
       logits_shard: [..., V_k] this rank's logits (same leading shape and dtype on every rank).
       token_ids: optional [...] global token ids y (the same on every rank) for log π(y).
       group: the vocab-parallel (tensor-parallel) process group; None: the default group.
-      vocab_start: v_k, this shard's first global token id; None: the sum of the lower ranks' V_k.
+      vocab_start: v_k, this shard's first global token id; None: the sum of the lower ranks' V_k. Given, on every
+        rank, the shards must tile [0, ΣV_k): a gap or an overlap raises ValueError on every rank.
       chunk_size: rows per chunk buffer (default: about 1M logits).
       check_values: reject NaN/+inf logits, rows that are −inf on every rank, and ids outside [0, V) — on every rank.
       timeout: seconds each collective may take (None: the process group's timeout).
@@ -278,6 +295,8 @@ def vocab_parallel_token_statistics(logits_shard: Any, token_ids: Any = None, *,
     widths, starts = verdicts.column(3), verdicts.column(6)
     if len(set(start < 0 for start in starts)) > 1:
         raise ValueError("vocab_start: given on some ranks only")
+    if starts[0] >= 0:
+        _require_tiling(starts, widths, [row[3] for row in verdicts.table])
     position = dist.get_rank(group)
     begin = sum(widths[:position]) if vocab_start is None else vocab_start
     vocab = sum(widths)
