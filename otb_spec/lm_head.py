@@ -45,6 +45,7 @@ __all__ = [
     "HiddenGradients",
     "LMHeadInputs",
     "validated_lm_head_inputs",
+    "checked_temperature",
     "lm_head_logits",
     "token_statistics_from_hidden",
     "token_statistics_vjp",
@@ -94,10 +95,23 @@ def validated_lm_head_inputs(hidden: Any, weight: Any, token_ids: Any, temperatu
     if w.shape[1] != h.shape[-1]:
         raise ValueError(f"weight: expected shape [V, {h.shape[-1]}] (H = hidden.shape[-1] = {h.shape[-1]}), got "
                          f"{w.shape}")
-    tau = check.scalar("temperature", temperature, minimum=0.0, min_inclusive=False)
+    tau = checked_temperature(temperature)
     lead = h.shape[:-1]
     ids = None if token_ids is None else _token_ids(token_ids, lead + (w.shape[0],), "hidden").reshape(-1)
     return LMHeadInputs(h.reshape(-1, h.shape[-1]), w, ids, lead, tau)
+
+
+def checked_temperature(temperature: Any) -> float:
+    """τ as a float, the rule every port applies to the temperature: a finite real number > 0.
+
+    Raises:
+      TypeError: naming ``temperature`` for a bool or a value that is not a real number.
+      ValueError: naming ``temperature`` for NaN, ±inf or τ ≤ 0.
+
+      >>> checked_temperature(0.7)
+      0.7
+    """
+    return check.scalar("temperature", temperature, minimum=0.0, min_inclusive=False)
 
 
 def lm_head_logits(hidden: Any, weight: Any, *, temperature: float = 1.0) -> np.ndarray:

@@ -34,7 +34,6 @@ or the backward pass (tests/test_jax_fused.py inspects the traced program).
 
 from __future__ import annotations
 
-import math
 from functools import partial
 from typing import Any
 
@@ -45,6 +44,7 @@ import numpy as np
 from otb_jax import _checks as check
 from otb_jax._logits import TokenStatistics
 from otb_spec import _validation as reference_checks
+from otb_spec.lm_head import checked_temperature
 
 __all__ = ["fused_linear_token_statistics"]
 
@@ -61,27 +61,20 @@ def _positive_int(name: str, value: Any) -> int | None:
 
 
 def _temperature(value: Any, compute: Any) -> jax.Array:
-    """τ as a scalar of the compute dtype; checked (finite, > 0) unless traced."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError("temperature: expected a real number, got a bool")
+    """τ as a scalar of the compute dtype, by the reference's rule (otb_spec.lm_head.checked_temperature) unless
+    traced."""
     if isinstance(value, jax.Array):
         if value.size != 1:
             raise ValueError(f"temperature: expected a scalar, got shape {tuple(value.shape)}")
+        if value.dtype == jnp.bool_:
+            raise TypeError("temperature: expected a real number, got a bool")
         if not jnp.issubdtype(value.dtype, jnp.floating) and not jnp.issubdtype(value.dtype, jnp.integer):
             raise TypeError(f"temperature: expected a real number, got dtype {value.dtype}")
         tau = value.reshape(())
         if not check.is_traced(tau):
-            number = float(tau)
-            if not math.isfinite(number) or number <= 0:
-                raise ValueError(f"temperature: must be finite and > 0, got {number!r}")
+            checked_temperature(float(tau))
         return tau.astype(compute)
-    try:
-        number = float(value)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"temperature: expected a real number, got {value!r}") from exc
-    if not math.isfinite(number) or number <= 0:
-        raise ValueError(f"temperature: must be finite and > 0, got {number!r}")
-    return jnp.asarray(number, dtype=compute)
+    return jnp.asarray(checked_temperature(value), dtype=compute)
 
 
 def _blocks(n_rows: int, vocab: int, n_hidden: int, half_weight: bool, chunk_size: int | None,

@@ -40,6 +40,7 @@ import torch
 
 from otb_torch import _native
 from otb_torch._logits import TokenStatistics, _row_dot, checked_token_ids
+from otb_spec.lm_head import checked_temperature
 
 __all__ = ["fused_linear_token_statistics"]
 
@@ -61,19 +62,12 @@ def _positive_int(name: str, value: Any) -> int | None:
 
 
 def _temperature(value: Any) -> float:
-    if isinstance(value, bool):
-        raise TypeError("temperature: expected a real number, got a bool")
+    """τ from a number or a one-element tensor, by the reference's rule (otb_spec.lm_head.checked_temperature)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"temperature: expected a scalar, got shape {tuple(value.shape)}")
         value = value.item()
-    try:
-        number = float(value)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"temperature: expected a real number, got {value!r}") from exc
-    if not math.isfinite(number) or number <= 0:
-        raise ValueError(f"temperature: must be finite and > 0, got {number!r}")
-    return number
+    return checked_temperature(value)
 
 
 def _float_tensor(name: str, value: Any) -> torch.Tensor:
