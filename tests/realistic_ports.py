@@ -513,6 +513,23 @@ def _is_weights_on_returns(token_level_rewards, response_mask, index, old_log_pr
     return torch_index_add(rewards, response_mask, index, old_log_probs, sum_pi_squared, None, **options)
 
 
+def _masks_rewards_in_place(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, **options):
+    """BUG: the caller's rewards masked in place (rewards.mul_(mask)) — the results are right, and only masked
+    positions change, so the change shows only on inputs with padding."""
+    token_level_rewards.mul_(response_mask)
+    return torch_index_add(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, **options)
+
+
+def _clamps_weights_in_place(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                             rollout_is_weights=None, **options):
+    """BUG: the caller's importance weights clamped in place (a truncated-IS habit) — only weights above the clamp
+    change."""
+    if rollout_is_weights is not None:
+        rollout_is_weights.clamp_(max=2.0)
+    return torch_index_add(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                           rollout_is_weights, **options)
+
+
 CORRECT: dict[str, tuple[str, str, Callable[..., Any]]] = {
     "numpy_loops": ("otb", "numpy", numpy_loops),
     "numpy_reduceat": ("otb", "numpy", numpy_reduceat),
@@ -561,6 +578,10 @@ BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
     "contiguous_groups": ("otb", "verl", _variant(torch_one_hot_matmul, "contiguous_groups"),
                           "groups assumed contiguous blocks (balance_batch reorders rows)"),
     "is_weights_on_returns": ("otb", "verl", _is_weights_on_returns, "ρ scales the rewards instead of the energy"),
+    "masks_rewards_in_place": ("otb", "verl", _masks_rewards_in_place,
+                               "the caller's rewards masked in place (only padded positions change)"),
+    "clamps_weights_in_place": ("otb", "verl", _clamps_weights_in_place,
+                                "the caller's importance weights clamped in place"),
     "outputs_float32": ("otb", "verl", _torch_output_float32(torch_index_add),
                         "outputs always float32 (float64 inputs lose precision)"),
     "tir_keeps_observations": ("tir-otb", "numpy", _variant(numpy_multi_turn_loops, "tir_keeps_observations"),

@@ -106,7 +106,7 @@ def test_float64_computed_in_float32_is_the_documented_deviation_in_every_layer(
     pytest.importorskip("torch")
     report = verify(_float32_always, KIND, **FAST)
     assert report.conformant, report.to_text()
-    assert report.verdict == "CONFORMANT WITH 1 DOCUMENTED DEVIATIONS"
+    assert report.verdict == "CONFORMANT WITH 1 DOCUMENTED DEVIATION"
     assert report.observed_deviations == ["fused-float64-in-float32"]
     layers = {r.layer for r in report.deviations}
     assert layers == {"structure", "golden", "generated"}

@@ -403,7 +403,7 @@ def test_a_verl_like_port_is_conformant_with_its_documented_deviation_and_fails_
     report = verify(_verl_like, "otb", convention="numpy", layers=("golden",))
     lines = report.to_text().splitlines()
     assert report.conformant and report.exit_status == 0
-    assert lines[0] == report.verdict == "CONFORMANT WITH 1 DOCUMENTED DEVIATIONS"
+    assert lines[0] == report.verdict == "CONFORMANT WITH 1 DOCUMENTED DEVIATION"
     deviating = sorted(r.id for r in report.deviations)
     assert deviating and all("epsilon-0" in check_id for check_id in deviating)
     assert report.observed_deviations == ["epsilon-zero-nan"]

@@ -391,6 +391,9 @@ def _matching_deviation(session: _Session, case: Case, outcome: Outcome | None,
     return None
 
 
+_MODIFIED = "the call modified its inputs"      # a failure in every layer, robustness included
+
+
 def _value_check(session: _Session, case: Case, check_id: str, layer: str, snippet: bool = True,
                  deviations: tuple[Deviation, ...] = ()) -> CheckResult:
     start = time.perf_counter()
@@ -433,6 +436,11 @@ def _value_check(session: _Session, case: Case, check_id: str, layer: str, snipp
                 result.status = "deviation"
                 result.message = (f"documented deviation {deviation.id} ({deviation.category}): {what} — "
                                   f"{deviation.title}; the reference: {deviation.reference}")
+    if outcome is not None and outcome.mutated:         # never excused: no deviation writes into its inputs
+        result.status, result.ratio, result.deviation = "fail", math.inf, ""
+        modified = f"{_MODIFIED} ({', '.join(outcome.mutated)}): inputs must be left unchanged"
+        result.message = modified if not result.message or result.message.startswith("documented deviation") else \
+            f"{result.message}; {modified}"
     if result.status == "fail" and snippet:
         result.snippet = subject.snippet(case)
     result.seconds = time.perf_counter() - start
@@ -523,7 +531,8 @@ def _structure_checks(session: _Session, kind: str, deviations: tuple[Deviation,
     rule = {"same": "outputs in the input dtype", "at-least": "outputs at least as precise as the inputs"}
     titles = {"runs": f"runs on {', '.join(dtypes)} inputs", "shapes": "outputs have the inputs' shape",
               "dtypes": rule[subject.dtype_rule], "devices": "outputs on the inputs' device",
-              "inputs-unchanged": "inputs not modified", "deterministic": "two identical calls, identical outputs"}
+              "inputs-unchanged": "inputs not modified (every later call is checked too)",
+              "deterministic": "two identical calls, identical outputs"}
     results = []
     for name in names:
         found, noted, explained = problems[name], notes[name], documented[name]
@@ -685,12 +694,13 @@ def _generated_check(session: _Session, kind: str, profile: str, max_examples: i
 
 
 def _robustness_check(session: _Session, case: Case, check_id: str) -> CheckResult:
-    """A value check whose failure is a warning: the inputs are ones no trainer produces."""
+    """A value check whose failure is a warning: the inputs are ones no trainer produces (a call that writes into its
+    inputs still fails)."""
     result = _value_check(session, case, check_id, "robustness", snippet=False)
-    if result.status == "fail" and not session.hung:
+    if result.status == "fail" and not session.hung and _MODIFIED not in result.message:
         result.status = "warn"
-        result.message = ("with values no trainer produces at masked positions the result differs from the "
-                          f"reference ({result.message}) — a robustness note, not a failure")
+        result.message = (f"on inputs no trainer produces ({case.name}) the result differs from the reference "
+                          f"({result.message}) — a robustness note, not a failure")
         result.ratio = 0.0
     return result
 

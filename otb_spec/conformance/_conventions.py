@@ -35,7 +35,7 @@ from otb_spec.conformance._cases import FUSED, Case
 from otb_spec.conformance._fused import subject_for as _fused_subject
 from otb_spec.conformance._subjects import (Outcome, Subject, _bind_problem, _case_source, _import_line, _jax_device,
                                             _jax_placement, _jax_put, _numpy_dtype, _outcome, _Shown, _torch,
-                                            _torch_dtype)
+                                            _torch_dtype, changed)
 
 __all__ = ["Outcome", "Subject", "Convention", "CONVENTIONS", "register_convention", "adapter_subject"]
 
@@ -168,8 +168,8 @@ def _verl(target: Callable, target_spec: str, kind: str, device: str) -> Subject
                             handle_zero_tail=case.handle_zero_tail, epsilon=case.epsilon)
             results = tuple(zip(("advantages", "returns"), _pair(result)))
         outcome = _outcome(results, {str(value.device) for value in inputs.values()})
-        outcome.mutated = [name for name, value in inputs.items() if not torch.equal(before[name], value)]
-        if kind != "sum-pi-squared" and not np.array_equal(index_before, index):
+        outcome.mutated = [name for name, value in inputs.items() if changed(before[name], value)]
+        if kind != "sum-pi-squared" and changed(index_before, index):
             outcome.mutated.append("index")
         return outcome
 
@@ -253,7 +253,7 @@ def _numpy(target: Callable, target_spec: str, kind: str, device: str, grouped: 
                     unsorted.append((name, host))
                 results = tuple(unsorted)
         outcome = _outcome(results, {"cpu"})
-        outcome.mutated = [name for name, value in inputs.items() if not np.array_equal(before[name], value)]
+        outcome.mutated = [name for name, value in inputs.items() if changed(before[name], value)]
         return outcome
 
     def snippet(case: Case) -> str:
@@ -417,8 +417,7 @@ def adapter_subject(adapter: Any) -> Subject:
         for key, value in results:
             outputs[key], dtypes[key] = host(value)
             devices.add(_device_of(value, adapter.device))
-        mutated = [key for key, value in arrays.items()
-                   if not np.array_equal(before[key], adapter.to_numpy(value), equal_nan=True)]
+        mutated = [key for key, value in arrays.items() if changed(before[key], np.asarray(adapter.to_numpy(value)))]
         return Outcome(outputs, dtypes, devices, {str(adapter.device)}, mutated)
 
     def snippet(case: Case) -> str:

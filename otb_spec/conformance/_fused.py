@@ -27,7 +27,7 @@ import numpy as np
 from otb_spec.conformance._cases import Case
 from otb_spec.conformance._subjects import (Outcome, Subject, _bind_problem, _case_source, _import_line, _jax_device,
                                             _jax_placement, _jax_put, _numpy_dtype, _outcome, _Shown, _torch,
-                                            _torch_dtype)
+                                            _torch_dtype, changed)
 
 __all__: list[str] = []
 
@@ -126,7 +126,7 @@ def torch_subject(target: Callable, target_spec: str, device: str) -> Subject:
                                    f"failed — the statistics must carry gradients: {exc}") from exc
             results += [("grad_hidden", grads[0]), ("grad_weight", grads[1])]
         outcome = _outcome(tuple(results), {str(hidden.device)})
-        outcome.mutated = [name for name, value in inputs.items() if not torch.equal(before[name], value.detach())]
+        outcome.mutated = [name for name, value in inputs.items() if changed(before[name], value)]
         return outcome
 
     def snippet(case: Case) -> str:
@@ -165,7 +165,7 @@ def numpy_subject(target: Callable, target_spec: str) -> Subject:
         results = statistics(target(inputs["hidden"], inputs["weight"], inputs["token_ids"],
                                     temperature=case.temperature))
         outcome = _outcome(tuple(results), {"cpu"})
-        outcome.mutated = [name for name, value in inputs.items() if not np.array_equal(before[name], value)]
+        outcome.mutated = [name for name, value in inputs.items() if changed(before[name], value)]
         return outcome
 
     def snippet(case: Case) -> str:

@@ -107,11 +107,14 @@ class Report:
 
     @property
     def verdict(self) -> str:
-        """``CONFORMANT``, ``CONFORMANT WITH N DOCUMENTED DEVIATIONS`` or ``NOT CONFORMANT``."""
+        """``CONFORMANT``, ``CONFORMANT WITH N DOCUMENTED DEVIATIONS`` (``… 1 DOCUMENTED DEVIATION``) or
+        ``NOT CONFORMANT``."""
         if not self.conformant:
             return "NOT CONFORMANT"
         count = len({r.deviation for r in self.deviations})
-        return f"CONFORMANT WITH {count} DOCUMENTED DEVIATIONS" if count else "CONFORMANT"
+        if not count:
+            return "CONFORMANT"
+        return f"CONFORMANT WITH {count} DOCUMENTED DEVIATION{'S' if count > 1 else ''}"
 
     @property
     def exit_status(self) -> int:

@@ -14,7 +14,7 @@ import numpy as np
 
 from otb_spec.conformance._cases import Case, compute_dtype_for
 
-__all__ = ["Outcome", "Subject"]
+__all__ = ["Outcome", "Subject", "changed"]
 
 
 @dataclass
@@ -26,6 +26,25 @@ class Outcome:
     output_devices: set[str] = field(default_factory=set)
     input_devices: set[str] = field(default_factory=set)
     mutated: list[str] = field(default_factory=list)
+
+
+def changed(before: Any, after: Any) -> bool:
+    """True if an input's value after the call is not bit for bit its value before (shape, dtype or any bit; NaN
+    compares equal to the same NaN): what "inputs unchanged" means, checked on every call. NumPy arrays or torch
+    tensors (``before`` a copy made before the call)."""
+    if isinstance(before, np.ndarray):
+        after = np.asarray(after)
+        if before.shape != after.shape or before.dtype != after.dtype:
+            return True
+        if before.dtype == object:                   # ids as Python objects: compared by value
+            return not np.array_equal(before, after)
+        return before.tobytes() != after.tobytes()
+    torch = sys.modules["torch"]                     # a tensor: torch is loaded
+    after = after.detach()
+    if before.shape != after.shape or before.dtype != after.dtype:
+        return True
+    raw = lambda t: t.contiguous().reshape(-1).view(torch.uint8)  # noqa: E731 — the bits, whatever the dtype
+    return not torch.equal(raw(before), raw(after))
 
 
 @dataclass
