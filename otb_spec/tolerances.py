@@ -41,7 +41,7 @@ that argument checking shares without an import cycle).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -400,7 +400,8 @@ def otb_comparison_tolerance(
     options = dict(align=align, leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail, epsilon=epsilon)
     given = compute_dtype if input_dtype is None else input_dtype
     implementation = _otb_bounds(prepared, dtype=compute_dtype, input_dtype=given, **options)
-    reference = _otb_bounds(prepared, dtype=np.float64, input_dtype=np.float64, **options)
+    reference = tuple(replace(bound, reason="the reference's own float64 bound")
+                      for bound in _otb_bounds(prepared, dtype=np.float64, input_dtype=np.float64, **options))
     if output_dtype is None:
         output_dtype = given if machine_epsilon(given) >= machine_epsilon(compute_dtype) else compute_dtype
     rounding = output_rounding(output_dtype)

@@ -61,7 +61,8 @@ class Comparison:
     them; the rest are ill-conditioned); ``worst_*`` describe the element furthest outside its tolerance — the largest
     ratio of error to allowed error, ``worst_ratio`` (or the closest to it, when all pass) — and ``worst_allowed`` its
     tolerance ``atol + rtol·|expected|``. ``first_nan`` is the first position (row-major) where the output is NaN and
-    the reference is not, and ``first_nan_masked`` whether the mask is 0 there.
+    the reference is not, and ``first_nan_masked`` whether the mask is 0 there; ``worst_masked`` whether the mask is
+    0 at the worst element.
     """
 
     output: str
@@ -79,6 +80,7 @@ class Comparison:
     worst_ratio: float = 0.0
     first_nan: tuple[int, ...] | None = None
     first_nan_masked: bool = False
+    worst_masked: bool = False
 
     @property
     def ok(self) -> bool:
@@ -91,9 +93,12 @@ class Comparison:
         if self.worst_index is not None:
             got, expected = _distinguishing(self.worst_got, self.worst_expected)
             error = abs(self.worst_got - self.worst_expected) if _finite(self.worst_got) else math.nan
-            where = (f"; worst at {self.worst_index}: got {got}, expected {expected} (|Δ| = {_number(error)}, "
-                     f"allowed {_number(self.worst_allowed)}"
-                     + (f", {_ratio(self.worst_ratio)} the allowed error" if self.violations else "") + ")")
+            exact = self.worst_allowed is not None and self.worst_allowed < _EXACT
+            excess = "the reference is exact here" if exact else f"{_ratio(self.worst_ratio)} the allowed error"
+            masked = (", a MASKED position (mask 0 there: the reference's returns still carry the rewards to come, "
+                      "Σ_{k≥t} mₖrₖ, and its advantages are 0)") if self.worst_masked and self.violations else ""
+            where = (f"; worst at {self.worst_index}{masked}: got {got}, expected {expected} (|Δ| = {_number(error)}, "
+                     f"allowed {_number(self.worst_allowed)}" + (f", {excess}" if self.violations else "") + ")")
         head = (f"{self.output}: {self.violations} of {self.size} elements outside tolerance" if self.violations
                 else f"{self.output}: all {self.size} elements within tolerance")
         nan = ""
@@ -143,6 +148,9 @@ def _finite(value: Any) -> bool:
 
 def _number(value: float | None) -> str:
     return "—" if value is None else f"{value:.6g}"
+
+
+_EXACT = 1e-290      # an allowed error below this is the underflow allowance of an exact result: no ratio shown
 
 
 def _ratio(value: float) -> str:
@@ -261,7 +269,8 @@ def _compare_values(name: str, got: np.ndarray, want: np.ndarray, tolerance, mas
         float(np.max(np.where(considered, relative, 0.0), initial=0.0)), float(checked.mean()) if want.size else 1.0,
         worst, pick(got), pick(want), pick(allowed), tolerance.reason,
         worst_ratio=float(excess[worst]) if worst is not None and bad.any() else 0.0,
-        first_nan=first_nan, first_nan_masked=first_nan_masked)
+        first_nan=first_nan, first_nan_masked=first_nan_masked,
+        worst_masked=worst is not None and mask is not None and bool(mask[worst] == 0))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

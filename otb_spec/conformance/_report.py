@@ -262,7 +262,11 @@ class Report:
 
 
 def _times(ratio: float) -> str:
-    return "∞×" if not math.isfinite(ratio) else f"{ratio:.3g}×"
+    """The ratio to the allowed error; above 1e30 the allowed error is an exact result's underflow allowance and the
+    number says nothing more than "far outside"."""
+    if not math.isfinite(ratio):
+        return "∞×"
+    return "over 1e30×" if ratio > 1e30 else f"{ratio:.3g}×"
 
 
 def _describe(result: CheckResult, full: bool = True) -> list[str]:
