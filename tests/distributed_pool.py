@@ -13,7 +13,10 @@ Process groups, created once at start-up in every process (``new_group`` is coll
 
 The task ``"native_kernel_status"`` answers whether a rank has otb_torch's native kernel. A task's arguments may hold
 ``_eager=True``: that rank then runs under ``otb_torch._native.eager_only()`` (the eager
-kernels, as without a C compiler); otherwise otb_torch's native CPU kernel runs where it is built.
+kernels, as without a C compiler); otherwise otb_torch's native CPU kernel runs where it is built. ``_float32_exact_below=N``
+lowers, for that call, the bound below which the native path's float32 all-reduce carries the group statistics
+(``otb_torch.distributed._FLOAT32_EXACT_BELOW``, 2²⁴): N = 1 takes the all-gather that batches of 2²⁴ rows or
+positions need.
 
 A task that does not answer within ``timeout`` seconds fails the test and the pool is restarted; collectives inside
 the processes time out after ``COLLECTIVE_TIMEOUT`` seconds (the process groups' timeout), so nothing can hang.
@@ -80,14 +83,19 @@ def _worker(rank: int, port: int, inbox: Any, outbox: Any) -> None:  # pragma: n
                 getattr(otb_dist, name)
             arguments = dict(arguments)
             kernel = _native.eager_only() if arguments.pop("_eager", False) else contextlib.nullcontext()
+            exact_below = arguments.pop("_float32_exact_below", otb_dist._FLOAT32_EXACT_BELOW)
             call = {key: torch.from_numpy(value) if isinstance(value, np.ndarray) and value.dtype.kind in "biuf" else value
                     for key, value in arguments.items()}
             if name in ("vocab_parallel_token_statistics", "vocab_parallel_sum_pi_squared", "global_group_ids"):
                 groups = {"group": groups.get("group")}
             elif name == "context_parallel_returns_and_energy":
                 groups = {"context_group": groups.get("context_group", groups.get("group"))}
-            with kernel:
-                result = function(**call, **groups)
+            saved, otb_dist._FLOAT32_EXACT_BELOW = otb_dist._FLOAT32_EXACT_BELOW, exact_below
+            try:
+                with kernel:
+                    result = function(**call, **groups)
+            finally:
+                otb_dist._FLOAT32_EXACT_BELOW = saved
             outbox.put((rank, "ok", _to_numpy(result)))
         except Exception as exc:  # reported to the parent, which decides
             outbox.put((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))

@@ -85,7 +85,7 @@ KERNELS = ["native", "eager"]       # otb_torch's native CPU kernel (where it bu
 
 
 def _check_split(pool, batch, row_shards, *, layout, column_cuts=(), align="position", leave_one_out=False,
-                 epsilon=1e-8, kernel="native"):
+                 epsilon=1e-8, kernel="native", float32_exact_below=None):
     ids = group_segments(batch.group_ids).index
     num_groups = int(ids.max()) + 1
     context_size = len(column_cuts) + 1
@@ -93,6 +93,8 @@ def _check_split(pool, batch, row_shards, *, layout, column_cuts=(), align="posi
                                          align=align, leave_one_out=leave_one_out, epsilon=epsilon)
     if kernel == "eager":
         arguments = [dict(argument, _eager=True) for argument in arguments]
+    if float32_exact_below is not None:
+        arguments = [dict(argument, _float32_exact_below=float32_exact_below) for argument in arguments]
     arguments += [None] * (WORLD_SIZE - len(arguments))
     outcomes = pool.run("distributed_token_baseline", layout, arguments)
     expected = _reference(batch, ids, align=align, leave_one_out=leave_one_out, epsilon=epsilon)
@@ -192,6 +194,21 @@ def test_adversarial_splits(pool, align, leave_one_out, kernel):
     # a context piece of a single column, and a piece with no valid token in any row
     _check_split(pool, batch, [np.arange(8)], layout="context", column_cuts=(1, 2, 5), align=align,
                  leave_one_out=leave_one_out, kernel=kernel)
+
+
+@pytest.mark.parametrize("align", ["position", "valid_token"])
+def test_group_statistics_by_all_gather_when_float32_cannot_hold_them(pool, align):
+    """float32 batches of 2²⁴ rows or positions cannot carry the members and lengths in the grid's float32 all-reduce;
+    the native path then all-gathers them as integers. Forced here (the bound lowered to 1 on every rank, as every
+    rank decides alike from the handshake): self-inclusive with the zero tail, data and context parallel."""
+    batch = _fixed_batch()
+    batch = dataclasses.replace(batch, **{name: np.asarray(getattr(batch, name), np.float32)
+                                          for name in ("rewards", "response_mask", "log_probs", "sum_pi_squared",
+                                                       "is_weights")})
+    row_shards = [np.array([0, 1, 6]), np.array([2]), np.array([3, 4, 5]), np.array([7])]
+    _check_split(pool, batch, row_shards, layout="world", align=align, float32_exact_below=1)
+    _check_split(pool, batch, [np.array([0, 2, 4, 6]), np.array([1, 3, 5, 7])], layout="mesh", column_cuts=(3,),
+                 align=align, float32_exact_below=1)
 
 
 def test_zero_tail_needs_the_global_top_two(pool):

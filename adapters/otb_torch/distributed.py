@@ -652,6 +652,9 @@ def _native_first_sweep(local: _Local, num_groups: int, dtype: torch.dtype, *, a
     return _NativeStart(plan, first, failure, extra)
 
 
+_FLOAT32_EXACT_BELOW = 2**24     # integers below this are exact in float32: the statistics may ride in the grid
+
+
 def _native_baseline(local: _Local, start: _NativeStart, num_groups: int, width: int, columns_before: int, *,
                      align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float, dtype: torch.dtype,
                      group: Any, context_group: Any, timeout: float | None, most_rows: int
@@ -683,7 +686,7 @@ def _native_baseline(local: _Local, start: _NativeStart, num_groups: int, width:
     flags = slots.narrow(0, ranks * 4 * num_groups, ranks)
     # the statistics (members and counts ≤ a rank's rows, lengths ≤ K) are exact in the buffer's dtype below 2²⁴
     # in float32; every rank knows K and the ranks' row counts (the handshake), so all make the same choice
-    exact = dtype == torch.float64 or max(width, most_rows) < 2**24
+    exact = dtype == torch.float64 or max(width, most_rows) < _FLOAT32_EXACT_BELOW
     if exact:
         statistics[me] = first.stats.to(dtype)
     flags[me] = float(start.failure is not None)
