@@ -19,6 +19,7 @@ import or input errors (with a one-line message on stderr).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -233,7 +234,6 @@ def _run_compute(args: argparse.Namespace) -> int:
 
 def _run_lab(args: argparse.Namespace) -> int:
     import json
-    import os
 
     from otb_spec.lab import GROUP_SIZES, format_report, plot_variance, run_lab
 
@@ -305,7 +305,20 @@ def _run_verify(args: argparse.Namespace) -> int:
     if args.json:
         report.write_json(args.json)
         print(f"wrote {args.json}")
+    _exit_if_a_target_is_still_running(report.exit_status)
     return report.exit_status
+
+
+def _exit_if_a_target_is_still_running(status: int) -> None:
+    """A target that timed out still runs in its daemon thread; letting the interpreter finalise under it can abort
+    the process from native code (torch: "terminate called without an active exception", exit 134). The report is
+    out, so leave at once with the report's exit status."""
+    import threading
+
+    if any(thread.name == "otb-spec-verify-target" and thread.is_alive() for thread in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 def _run_mutants(args: argparse.Namespace) -> int:

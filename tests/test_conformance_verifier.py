@@ -10,6 +10,8 @@ import contextlib
 import io
 import json
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -455,6 +457,23 @@ def test_a_target_that_hangs_gets_a_verdict_not_a_stuck_terminal():
     timed_out = [r for r in report.failures if "timed out" in r.message]
     assert len(timed_out) == 1 and "remaining checks were not run" in timed_out[0].message
     assert not [r for r in report.results if r.layer in ("golden", "generated", "special")]
+
+
+def test_the_cli_exits_1_when_a_target_is_still_running_in_torch(tmp_path):
+    """After a timeout the abandoned call may still be inside torch: the command prints the report and leaves with
+    exit status 1 — not the abort (134) of an interpreter shutting down under a thread in native code."""
+    pytest.importorskip("torch")
+    target = tmp_path / "busy.py"
+    target.write_text("import time, torch\n"
+                      "def otb(rewards, response_mask, index, old_log_probs, sum_pi_squared, **options):\n"
+                      "    end = time.monotonic() + 60\n"
+                      "    while time.monotonic() < end:\n"
+                      "        torch.randn(300, 300) @ torch.randn(300, 300)\n")
+    result = subprocess.run([sys.executable, "-m", "otb_spec.cli", "verify", f"{target}:otb", "--kind", "otb",
+                             "--layer", "golden", "--timeout", "1", "--no-progress"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, (result.returncode, result.stderr[-2000:])
+    assert result.stdout.splitlines()[0] == "NOT CONFORMANT" and "timed out" in result.stdout
 
 
 def test_an_exception_in_the_target_is_reported_with_its_traceback_and_the_call():
