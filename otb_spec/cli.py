@@ -109,9 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     verify.add_argument("--verbose", action="store_true", help="list passing checks too")
     verify.add_argument("--working-dtype", metavar="DTYPE", choices=["float64", "float32", "float16", "bfloat16"],
-                        help="fused-token-statistics: judge the target as working in at least this precision (e.g. "
-                             "float32 for a kernel that widens bfloat16 inputs before its matmul; default: the "
-                             "inputs' dtype, as verl's FusedLinearForPPO)")
+                        help="fused-token-statistics and sum-pi-squared: judge the target as working in at least "
+                             "this precision (e.g. float32 for a kernel that widens bfloat16 inputs before its "
+                             "matmul or its log-sum-exps; default: the inputs' dtype, as verl's FusedLinearForPPO and "
+                             "calculate_sum_pi_squared_from_logits)")
     verify.add_argument("--list", action="store_true", help="list conventions and kinds, then exit")
     verify.set_defaults(run=_run_verify)
 
@@ -294,7 +295,7 @@ def _run_verify(args: argparse.Namespace) -> int:
                    progress=progress, fail_fast=args.fail_fast)
     if args.adapter is not None:
         if args.working_dtype is not None:
-            raise ValueError("--working-dtype: only with TARGET and --kind fused-token-statistics")
+            raise ValueError("--working-dtype: only with TARGET and --kind fused-token-statistics or sum-pi-squared")
         report = verify_adapter(args.adapter, kinds=tuple(args.kind) if args.kind else None, **options)
     else:
         report = verify(args.target, args.kind[0], convention=args.convention, device=args.device,

@@ -430,8 +430,9 @@ def spp_softmax_then_square(logits, **kwargs):
 
 @torch.no_grad()
 def spp_chunked_online(logits, chunk: int = 1000, bugs=frozenset(), **kwargs):
-    """One online pass over vocabulary chunks keeping (max, Σe, Σe²), rescaled as the maximum grows."""
-    z = _spp_in(logits)
+    """One online pass over vocabulary chunks keeping (max, Σe, Σe²), rescaled as the maximum grows (bug
+    ``half_running_totals``: for bfloat16/float16 logits the pass and its running totals stay in that dtype)."""
+    z = logits if "half_running_totals" in bugs and logits.dtype in (torch.bfloat16, torch.float16) else _spp_in(logits)
     running = torch.full(z.shape[:-1], -torch.inf, dtype=z.dtype)
     first, second = torch.zeros_like(running), torch.zeros_like(running)
     for part in z.split(chunk, dim=-1):

@@ -36,3 +36,18 @@ def test_the_net_is_as_wide_as_promised():
     assert len(realistic_ports.CORRECT) >= 10 and len(realistic_ports.BUGGY) >= 20
     assert {kind for kind, _, _ in realistic_ports.CORRECT.values()} == {"otb", "tir-otb", "loo-otb", "sum-pi-squared",
                                                                          "fused-token-statistics"}
+
+
+def test_sum_pi_squared_ports_held_to_float32_with_working_dtype():
+    """working_dtype="float32" holds a Σπ² port to the bound of a program that widens half-precision logits first:
+    every correct port (all widen) still passes, and running totals kept in bfloat16/float16 — within the default
+    bound, which must admit verl's log-sum-exps rounded to the logits' dtype — fail."""
+    options = dict(FAST, layers=("golden", "special"))
+    for name, (kind, convention, function) in realistic_ports.CORRECT.items():
+        if kind == "sum-pi-squared":
+            report = verify(function, kind, convention=convention, working_dtype="float32", **options)
+            assert report.conformant, f"{name}:\n{report.to_text()}"
+    half = realistic_ports._variant(realistic_ports.spp_chunked_online, "half_running_totals")
+    report = verify(half, "sum-pi-squared", working_dtype="float32", **options)
+    assert not report.conformant
+    assert {r.id.rsplit("/", 1)[-1] for r in report.failures} <= {"bfloat16", "float16"}, report.to_text()

@@ -135,8 +135,9 @@ def _subject(target: Callable | str, kind: str, convention: str, device: str,
     chosen = CONVENTIONS[convention]
     if kind not in chosen.kinds:
         raise TargetError(f"kind: the {convention} convention has no {kind!r} (it has {', '.join(chosen.kinds)})")
-    if working_dtype is not None and kind != FUSED:
-        raise TargetError(f"working_dtype: only for the {FUSED} kind (the other kinds' bounds take the inputs' dtype)")
+    if working_dtype is not None and kind not in _WORKING_KINDS:
+        raise TargetError(f"working_dtype: only for the {' and '.join(_WORKING_KINDS)} kinds (the OTB kinds' bounds "
+                          "take the inputs' dtype)")
     if working_dtype is not None and working_dtype not in ("float64", "float32", "float16", "bfloat16"):
         raise TargetError(f"working_dtype: expected float64, float32, float16 or bfloat16, got {working_dtype!r}")
     if isinstance(target, str):
@@ -158,28 +159,36 @@ def _subject(target: Callable | str, kind: str, convention: str, device: str,
         subject = chosen.build(function, built_from, kind, device)
     except (ImportError, RuntimeError) as exc:
         raise TargetError(f"convention {convention!r}: {exc}") from exc
-    if kind == FUSED:
-        subject = _with_fused_bound(subject, working_dtype)
+    if kind in _WORKING_KINDS:
+        subject = _with_working_bound(subject, kind, working_dtype)
     return subject, spec
 
 
-def _with_fused_bound(subject: Subject, working_dtype: str | None) -> Subject:
+_WORKING_KINDS = (FUSED, "sum-pi-squared")      # kinds whose bound can assume a working precision above the inputs'
+
+
+def _with_working_bound(subject: Subject, kind: str, working_dtype: str | None) -> Subject:
     """The subject with its working precision and a report line saying which bound judges it."""
     if working_dtype is None:
         rule = ("working precision = the inputs' dtype (the logits and per-token values may be rounded to it: "
-                "bfloat16 inputs are judged with bfloat16's ε, as verl forms its logits in the inputs' dtype)")
+                "bfloat16 inputs are judged with bfloat16's ε, as verl forms its logits in the inputs' dtype)"
+                if kind == FUSED else
+                "working precision = the logits' dtype (log-sum-exps and exponentials may be rounded to it, as verl's "
+                "calculate_sum_pi_squared_from_logits does for bfloat16 logits)")
         working = subject.working_dtype
     else:
         limit = machine_epsilon(working_dtype)
+        widens = "before the matmul" if kind == FUSED else "before anything else"
         rule = (f"working precision = the inputs' dtype or {working_dtype}, whichever is more precise "
-                f"(working_dtype={working_dtype!r}: a target that widens its inputs before the matmul)")
+                f"(working_dtype={working_dtype!r}: a target that widens its inputs {widens})")
 
         def working(dtype: str) -> str:
             return dtype if machine_epsilon(dtype) <= limit else working_dtype
 
-    bound = (f"bound:       otb_spec.tolerances.hidden_statistics_tolerance and hidden_gradient_tolerance (+ the "
-             f"reference's float64 bound + each output's rounding), {rule}; sums accumulated in float32 (float64 for "
-             "float64 inputs)")
+    functions = ("otb_spec.tolerances.hidden_statistics_tolerance and hidden_gradient_tolerance" if kind == FUSED else
+                 "otb_spec.tolerances.sum_pi_squared_tolerance")
+    bound = (f"bound:       {functions} (+ the reference's float64 bound + each output's rounding), {rule}; sums "
+             "accumulated in float32 (float64 for float64 inputs)")
     return replace(subject, working_dtype=working, notes=subject.notes + (bound,))
 
 
@@ -207,9 +216,11 @@ def verify(target: Callable | str, kind: str, *, convention: str = "verl", devic
         check, and the remaining checks are not run.
       progress: called with a short label before each check (the command line shows it on a terminal).
       fail_fast: stop at the first failing check.
-      working_dtype: fused-token-statistics only — hold the target to the bound of a program working in at least
-        this precision (e.g. ``"float32"`` for a kernel that widens bfloat16 inputs before its matmul); default: the
-        inputs' dtype (verl's ``FusedLinearForPPO`` forms its logits in the inputs' dtype). The report says which.
+      working_dtype: fused-token-statistics and sum-pi-squared only — hold the target to the bound of a program
+        working in at least this precision (e.g. ``"float32"`` for a kernel that widens bfloat16 inputs before its
+        matmul, or a Σπ² that widens bfloat16 logits before its log-sum-exps); default: the inputs' dtype (verl's
+        ``FusedLinearForPPO`` forms its logits in the inputs' dtype; its Σπ² rounds its log-sum-exps to the logits'
+        dtype). The report says which.
     Raises:
       TargetError: the target cannot be loaded, or the convention does not offer ``kind`` or ``device``.
     """

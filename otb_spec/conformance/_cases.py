@@ -189,11 +189,12 @@ class Case:
             rounding = output_rounding(out)
             return {name: bound + rounding
                     for name, bound in self._fused_bounds(working_dtype or self.dtype, compute).items()}
-        key = ("tolerances", out, compute)
+        working = working_dtype or self.dtype if self.kind == "sum-pi-squared" else self.dtype
+        key = ("tolerances", out, compute, working)
         if key not in self._cache:
             if self.kind == "sum-pi-squared":
                 vocab, spread = self.logits.shape[-1], logit_spread(self.logits)
-                tolerance = (sum_pi_squared_tolerance(self.logits, dtype=self.dtype, accumulation_dtype=compute)
+                tolerance = (sum_pi_squared_tolerance(self.logits, dtype=working, accumulation_dtype=compute)
                              + logsumexp_tolerance(vocab, spread) + output_rounding(out))
                 self._cache[key] = {"sum_pi_squared": tolerance}
             else:
