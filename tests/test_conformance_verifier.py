@@ -459,6 +459,18 @@ def test_a_target_that_hangs_gets_a_verdict_not_a_stuck_terminal():
     assert not [r for r in report.results if r.layer in ("golden", "generated", "special")]
 
 
+def test_a_passing_check_reports_its_margin():
+    """A passing value check carries how close it came (largest error / allowed, in [0, 1)), in the JSON too."""
+    def rounded_otb(rewards, *args, **kwargs):              # the exact answer rounded to the inputs' dtype
+        result = otb_spec.optimal_token_baseline(rewards, *args, **kwargs)
+        return result.advantages.astype(rewards.dtype), result.returns.astype(rewards.dtype)
+    report = verify(rounded_otb, "otb", convention="numpy", layers=("golden",))
+    passed = [r for r in report.results if r.status == "pass"]
+    assert passed and all(0.0 <= r.ratio < 1.0 for r in passed)
+    assert any(r.ratio > 0.0 for r in passed if r.id.endswith("float32"))    # rounded: nonzero errors, within bounds
+    assert all(0.0 <= c.worst_ratio < 1.0 for r in passed for c in r.comparisons)
+
+
 def test_the_cli_exits_1_when_a_target_is_still_running_in_torch(tmp_path):
     """After a timeout the abandoned call may still be inside torch: the command prints the report and leaves with
     exit status 1 — not the abort (134) of an interpreter shutting down under a thread in native code."""

@@ -116,7 +116,8 @@ class CheckResult:
 
     ``deviation`` names the documented deviation a ``"deviation"`` check matched (or, with ``strict``, the one a
     failing check matched); ``ratio`` is how far outside its tolerance the check's worst element was (error / allowed;
-    inf for an exception, a timeout, NaN or a shape error), which decides which failure the report shows in full;
+    inf for an exception, a timeout, NaN or a shape error), which decides which failure the report shows in full — for
+    a passing value check its margin, the largest error / allowed (below 1);
     ``call`` describes the arguments the target was called with and ``traceback`` its exception, if it raised.
     """
 
@@ -268,7 +269,7 @@ def _compare_values(name: str, got: np.ndarray, want: np.ndarray, tolerance, mas
         name, int(bad.sum()), int(want.size), float(np.max(np.where(considered, error, 0.0), initial=0.0)),
         float(np.max(np.where(considered, relative, 0.0), initial=0.0)), float(checked.mean()) if want.size else 1.0,
         worst, pick(got), pick(want), pick(allowed), tolerance.reason,
-        worst_ratio=float(excess[worst]) if worst is not None and bad.any() else 0.0,
+        worst_ratio=max(float(excess[worst]), 0.0) if worst is not None else 0.0,
         first_nan=first_nan, first_nan_masked=first_nan_masked,
         worst_masked=worst is not None and mask is not None and bool(mask[worst] == 0))
 
@@ -426,6 +427,7 @@ def _value_check(session: _Session, case: Case, check_id: str, layer: str, snipp
                                      compute_dtype=subject.compute_dtype(case.dtype),
                                      working_dtype=subject.working_dtype(case.dtype))
         failed = [c for c in result.comparisons if not c.ok]
+        result.ratio = max((c.worst_ratio for c in result.comparisons), default=0.0)   # a pass: its margin (< 1)
         if failed:
             result.status = "fail"
             result.ratio = max(c.worst_ratio for c in failed)
