@@ -44,8 +44,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "otb_kind(kind): the kind (otb, tir-otb, loo-otb, sum-pi-squared) whose "
-                                       "golden/special cases otb_golden_case and otb_special_case run over")
+    config.addinivalue_line("markers", "otb_kind(kind): the kind (otb, tir-otb, loo-otb, sum-pi-squared, "
+                                       "fused-token-statistics) whose golden/special cases otb_golden_case and "
+                                       "otb_special_case run over")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -69,8 +70,11 @@ def otb_verify(request: pytest.FixtureRequest) -> Callable[..., Any]:
     """``otb_verify(target, kind, *, convention="verl", **options) → Report``; fails the test unless conformant.
 
     ``target``: a callable or ``"package.module:callable"``; options as :func:`otb_spec.conformance.verify`
-    (``device``, ``max_examples``, ``seed``, ``layers``, ``skips``, ``shrink_budget``), defaulting to the
-    ``--otb-*`` command-line options."""
+    (``device``, ``max_examples``, ``seed``, ``layers``, ``skips``, ``shrink_budget``, ``strict``, ``timeout``,
+    ``fail_fast``, ``working_dtype``), ``device``, ``max_examples`` and ``seed`` defaulting to the ``--otb-*``
+    command-line options. For your own implementation pass ``strict=True``: it then fails where it only reproduces
+    one of verl 0.9.1's documented deviations (e.g. lengths rounded in bfloat16), which are otherwise listed and
+    accepted."""
     from otb_spec.conformance import verify
 
     defaults = {"max_examples": request.config.getoption("--otb-max-examples"),

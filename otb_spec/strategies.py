@@ -68,6 +68,14 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
+def _check_sequence(name: str, value: Any, what: str) -> list:
+    """A list of the items of a sequence option (a tuple, a list or a 1-D array), or InvalidArgument naming it."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)) or \
+            isinstance(value, np.ndarray) and value.ndim != 1:
+        raise InvalidArgument(f"{name}={value!r}: expected a sequence of {what} (a tuple or a list)")
+    return list(value)
+
+
 def _check_range(low_name: str, low: int, high_name: str, high: int) -> None:
     if low > high:
         raise InvalidArgument(f"{low_name}={low} exceeds {high_name}={high}")
@@ -133,9 +141,10 @@ def group_ids(sizes: Sequence[int], *, kind: str = "any", shuffle: bool = True) 
         ``"trainer"`` (one of int, str, uuid: what trainers use — verl's uids are strings), or ``"any"``.
       shuffle: permute the batch so groups are not contiguous.
 
-    Example: ``group_ids([2, 1], kind="str").example()`` → ``array(['prompt-9', 'prompt-0', 'prompt-9'], ...)``.
+    One draw (``.example()`` is random: yours will differ): ``group_ids([2, 1], kind="str").example()`` →
+    ``array(['prompt-9', 'prompt-0', 'prompt-9'], ...)``.
     """
-    sizes = [_check_int("sizes[...]", size, 1) for size in sizes]
+    sizes = [_check_int("sizes[...]", size, 1) for size in _check_sequence("sizes", sizes, "group sizes, e.g. [2, 1]")]
     if not sizes:
         raise InvalidArgument("sizes: need at least one group")
     kind = _check_choice("kind", kind, _ID_KINDS)
@@ -189,7 +198,7 @@ def token_statistics(shape: tuple[int, ...], *, min_vocab_size: int = 2,
     π ranges from e^{−20} ≈ 2e-9 to 0.999 and, in some draws, exactly 1 at some positions (certain tokens, w = 0).
     Shrinks towards π = ½ — an ordinary token — not towards the degenerate π = 1.
     """
-    shape = tuple(_check_int("shape[...]", n, 0) for n in shape)
+    shape = tuple(_check_int("shape[...]", n, 0) for n in _check_sequence("shape", shape, "sizes, e.g. (4, 6)"))
     low = _check_int("min_vocab_size", min_vocab_size, 2)
     high = _check_int("max_vocab_size", max_vocab_size, 2)
     _check_range("min_vocab_size", low, "max_vocab_size", high)
@@ -229,9 +238,10 @@ def logits(shape: tuple[int, ...], *, vocab_size: int | None = None, min_vocab_s
       allow_neg_inf: set some entries (never a whole row) to −inf.
       dtype: float32 or float64.
 
-    Example: ``logits((2,), vocab_size=3).example()`` → ``array([[ 0.5, -3. , 12.1], [ 0. ,  0. ,  0. ]])``.
+    One draw (``.example()`` is random: yours will differ): ``logits((2,), vocab_size=3).example()`` →
+    ``array([[ 0.5, -3. , 12.1], [ 0. ,  0. ,  0. ]])``.
     """
-    shape = tuple(_check_int("shape[...]", n, 0) for n in shape)
+    shape = tuple(_check_int("shape[...]", n, 0) for n in _check_sequence("shape", shape, "sizes, e.g. (2,)"))
     if vocab_size is not None:
         vocab_size = _check_int("vocab_size", vocab_size, 1)
         min_vocab_size = max_vocab_size = vocab_size
@@ -242,7 +252,11 @@ def logits(shape: tuple[int, ...], *, vocab_size: int | None = None, min_vocab_s
     extreme = _check_optional_bool("extreme", extreme)
     if not isinstance(allow_neg_inf, bool):
         raise InvalidArgument(f"allow_neg_inf={allow_neg_inf!r}: expected True or False")
-    return _logits(shape, low, high, max_abs, extreme, allow_neg_inf, _check_dtype(dtype))
+    dtype = _check_dtype(dtype)
+    if max_abs > float(np.finfo(dtype).max):
+        raise InvalidArgument(f"max_abs={max_abs!r}: larger than the largest finite {dtype} "
+                              f"({float(np.finfo(dtype).max):.4g}); the logits would overflow to ±inf")
+    return _logits(shape, low, high, max_abs, extreme, allow_neg_inf, dtype)
 
 
 @st.composite
@@ -299,9 +313,12 @@ def lm_head_inputs(*, lead_shapes: Sequence[tuple[int, ...]] = ((1,), (7,), (2, 
       max_logit: the largest |z| aimed at.
       dtype: float32 or float64.
 
-    Example: ``lm_head_inputs(lead_shapes=[(2,)], max_vocab_size=3).example().token_ids`` → ``array([2, 0])``.
+    One draw (random): ``lm_head_inputs(lead_shapes=[(2,)], max_vocab_size=3).example().token_ids`` →
+    ``array([2, 0])``.
     """
-    shapes = [tuple(_check_int("lead_shapes[...]", n, 1) for n in shape) for shape in lead_shapes]
+    shapes = [tuple(_check_int("lead_shapes[...]", n, 1)
+                    for n in _check_sequence("lead_shapes[...]", shape, "sizes, e.g. (7,) or (2, 5)"))
+              for shape in _check_sequence("lead_shapes", lead_shapes, "leading shapes, e.g. [(7,), (2, 5)]")]
     if not shapes:
         raise InvalidArgument("lead_shapes=[]: expected at least one leading shape")
     low_h = _check_int("min_hidden_size", min_hidden_size, 1)
@@ -396,7 +413,7 @@ def rollout_batches(
       logit_scale: standard scale of the drawn logits.
       dtype: float64 or float32 for every float array.
 
-    Example of ``rollout_batches(max_groups=2, max_group_size=2, max_length=3).example()``::
+    One draw of ``rollout_batches(max_groups=2, max_group_size=2, max_length=3).example()`` (random)::
 
       RolloutBatch(rewards=array([[ 0. ,  1.5, -3. ], [ 0. ,  0. ,  1. ]]),
                    response_mask=array([[1., 1., 0.], [1., 1., 1.]]),
@@ -412,6 +429,9 @@ def rollout_batches(
     if not isinstance(singleton_groups, bool):
         raise InvalidArgument(f"singleton_groups={singleton_groups!r}: expected True or False")
     if not singleton_groups:
+        if max_group_size < 2:
+            raise InvalidArgument(f"singleton_groups=False needs max_group_size ≥ 2, got max_group_size="
+                                  f"{max_group_size}")
         min_group_size = max(min_group_size, 2)
     _check_range("min_group_size", min_group_size, "max_group_size", max_group_size)
     min_length = _check_int("min_length", min_length, 1)
@@ -573,9 +593,11 @@ def toy_policies(*, parametrization: str = "any", min_vocab_size: int = 2, max_v
         parameters: it is not), or ``"any"``.
       min_vocab_size, max_vocab_size: V, including EOS (≥ 2).
       min_horizon, max_horizon: T (≥ 1). The number of sequences grows like (V − 1)^T; keep V^T small.
-      max_scale: standard deviation bound of the parameters (larger → more deterministic policies).
+      max_scale: standard deviation bound of the parameters (larger → more deterministic policies); the scale is
+        drawn in [min(0.1, max_scale), max_scale].
 
-    Example: ``toy_policies().example()`` → ``EnumerablePolicy(vocab_size=3, horizon=2, parametrization='tabular', …)``.
+    One draw (random): ``toy_policies().example()`` →
+    ``EnumerablePolicy(vocab_size=3, horizon=2, parametrization='tabular', …)``.
     """
     parametrization = _check_choice("parametrization", parametrization, _PARAMETRIZATIONS)
     low_v = _check_int("min_vocab_size", min_vocab_size, 2)
@@ -598,7 +620,7 @@ def _toy_policies(draw: Any, parametrization: str, low_v: int, high_v: int, low_
     vocab = draw(st.integers(low_v, high_v), label="V")
     horizon = draw(st.integers(low_t, high_t), label="T")
     seed = draw(st.integers(0, 2**32 - 1), label="parameter seed")
-    scale = draw(st.floats(0.1, max_scale), label="parameter scale")
+    scale = draw(st.floats(min(0.1, max_scale), max_scale), label="parameter scale")
     constructor = EnumerablePolicy.tabular if parametrization == "tabular" else EnumerablePolicy.log_linear
     return constructor(vocab, horizon, seed=seed, scale=scale)
 

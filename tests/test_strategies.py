@@ -111,7 +111,8 @@ def test_token_statistics_are_consistent_with_a_policy(pair):
     (otb_st.rollout_batches, dict(min_groups=3, max_groups=2), "min_groups=3 exceeds max_groups=2"),
     (otb_st.rollout_batches, dict(padding="middle"), "padding='middle': expected one of"),
     (otb_st.rollout_batches, dict(holes="sometimes"), "holes='sometimes': expected True, False or None"),
-    (otb_st.rollout_batches, dict(max_group_size=1, singleton_groups=False), "min_group_size=2 exceeds"),
+    (otb_st.rollout_batches, dict(max_group_size=1, singleton_groups=False),
+     "singleton_groups=False needs max_group_size ≥ 2, got max_group_size=1"),
     (otb_st.rollout_batches, dict(dtype=np.int32), "dtype=.*expected float32 or float64"),
     (otb_st.rollout_batches, dict(max_abs_reward=float("inf")), "max_abs_reward=inf: must be finite"),
     (otb_st.rollout_batches, dict(id_kind="bytes"), "id_kind='bytes'"),
@@ -119,10 +120,21 @@ def test_token_statistics_are_consistent_with_a_policy(pair):
     (otb_st.logits, dict(shape=(2,), vocab_size=0), "vocab_size=0: must be ≥ 1"),
     (otb_st.group_ids, dict(sizes=[0]), r"sizes\[...\]=0: must be ≥ 1"),
     (otb_st.token_statistics, dict(shape=(2,), min_vocab_size=1), "min_vocab_size=1: must be ≥ 2"),
+    (otb_st.token_statistics, dict(shape=4), "shape=4: expected a sequence of sizes"),
+    (otb_st.logits, dict(shape=3), "shape=3: expected a sequence of sizes"),
+    (otb_st.logits, dict(shape=(2,), max_abs=1e39, dtype=np.float32), "max_abs=1e\\+39: larger than the largest finite"),
+    (otb_st.group_ids, dict(sizes=3), "sizes=3: expected a sequence of group sizes"),
+    (otb_st.lm_head_inputs, dict(lead_shapes=(7,)), r"lead_shapes\[...\]=7: expected a sequence of sizes"),
 ])
 def test_bad_options_raise_invalid_argument_at_once(factory, options, message):
     with pytest.raises(InvalidArgument, match=message):
         factory(**options)
+
+
+@given(policy=otb_st.toy_policies(max_scale=0.05))
+def test_a_small_max_scale_draws_policies_within_it(policy):
+    """max_scale below the usual lower end of the draw (0.1): policies near uniform, drawn, not an error."""
+    assert np.abs(policy.theta).max() < 1.0
 
 
 def test_large_arrays_are_filled_from_a_seeded_generator():

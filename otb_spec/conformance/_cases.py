@@ -275,7 +275,7 @@ def _otb_golden(kind: str) -> list[Case]:
                       epsilon=0.0))
     lp, spp = _policy_statistics((6, 5), 1)
     rewards = np.zeros((6, 5))
-    rewards[:, -1] = [1, 0, 1, 0, 1, 1]
+    rewards[:, -1] = [1, 0, 1, 0.5, 1, 1]        # the singleton uid-c has G ≠ 0: a baseline given to it shows
     cases.append(Case(kind, "non-contiguous groups with string ids and a singleton", "float64", rewards,
                       np.ones((6, 5)), _ids("uid-b", "uid-a", "uid-b", "uid-c", "uid-a", "uid-b"), lp, spp))
     mask = np.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1.0],

@@ -101,7 +101,7 @@ _UNPACK = ("got = target(h, w, ids, temperature=temperature)",
 def torch_subject(target: Callable, target_spec: str, device: str) -> Subject:
     torch = _torch()
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda: torch sees no CUDA device on this machine")
+        raise RuntimeError("device='cuda' (--device cuda): torch sees no CUDA device on this machine")
 
     def tensor(array: np.ndarray, dtype: str):
         host = np.array(array, dtype=np.float32 if dtype != "float64" else np.float64, copy=True)
