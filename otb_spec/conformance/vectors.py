@@ -165,17 +165,30 @@ def _sample_generated(kind: str, profile: str, count: int, seed: int) -> list[Ca
     seen: set[str] = set()
 
     @hypothesis_seed(seed)
-    @settings(max_examples=max(count * 4, 1), database=None, deadline=None, phases=(Phase.generate,),
+    @settings(max_examples=max(count * 8, 1), database=None, deadline=None, phases=(Phase.generate,),
               suppress_health_check=list(HealthCheck))
     @given(generated_cases(kind, profile=profile))
     def collect(case: Case) -> None:
         key = _fingerprint(case)
-        if len(cases) < count and key not in seen:
+        if key not in seen:
             seen.add(key)
             cases.append(replace(case, name=f"{profile} profile"))
 
     collect()
-    return cases
+    # Hypothesis starts from its simplest draws (T = 1, no padding): keep the `count` richest, in drawing order
+    richest = sorted(range(len(cases)), key=lambda i: _richness(cases[i]), reverse=True)[:count]
+    return [cases[i] for i in sorted(richest)]
+
+
+def _richness(case: Case) -> tuple:
+    """How much of the behaviour a case exercises, for choosing the committed sample: masked positions inside the
+    rows (holes, padding), more than one position and group, then size."""
+    if case.kind == "sum-pi-squared":
+        return (int(case.logits.shape[-1] > 2), int(np.isneginf(case.logits).any()), case.logits.size)
+    mask = np.asarray(case.response_mask)
+    groups = len({repr(g) for g in np.asarray(case.group_ids, dtype=object).tolist()})
+    return (int(mask.shape[1] > 1), int((mask == 0).any()), int(groups > 1), int(case.is_weights is not None),
+            mask.size)
 
 
 def write_vectors(directory: str, *, kinds: tuple[str, ...] = VECTOR_KINDS, generated: int = 10, special: bool = True,
