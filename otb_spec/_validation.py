@@ -200,7 +200,9 @@ def token_statistics(
         raise ValueError(
             f"{spp_name}: must be ≥ π² = exp(2·{lp_name}) at valid positions (Σ_v π_v² contains the sampled "
             f"token's own π²); at index {first} {spp_name} = {shown(spp64[first])} < π² = {shown(own[first])}. "
-            f"Were {lp_name} and {spp_name} taken from different forward passes or shifted by one position?"
+            f"Were {lp_name} and {spp_name} taken from different forward passes or shifted by one position? "
+            f"(Or were float32 statistics cast to float64? The slack follows the dtype the arrays arrive in — "
+            f"{slack_spp + 2.0 * slack_lp:g} here — so pass them in the precision they were computed in.)"
         )
     return log_probs64, spp64
 

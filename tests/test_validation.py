@@ -170,3 +170,14 @@ def test_cuda_like_objects_get_a_clear_conversion_error():
             raise TypeError("can't convert cuda:0 device type tensor to numpy")
     with pytest.raises(TypeError, match="rewards: cannot be converted to a NumPy array"):
         _call(otb.optimal_token_baseline, rewards=DeviceTensor())
+
+
+def test_float32_statistics_cast_to_float64_get_a_hint_about_the_cast():
+    """π² ≤ Σπ² holds for this float32 pair within float32's slack, not within float64's: given as float32 it is
+    accepted; cast to float64 first it is rejected, and the message names the cast as a possible cause."""
+    log_probs, spp = np.float32(-0.20030527), np.float32(0.6699109)
+    rewards, mask = np.zeros((1, 1)), np.ones((1, 1))
+    otb.optimal_token_baseline(rewards, mask, [0], np.full((1, 1), log_probs), np.full((1, 1), spp))
+    with pytest.raises(ValueError, match="float32 statistics cast to float64"):
+        otb.optimal_token_baseline(rewards, mask, [0], np.full((1, 1), log_probs, np.float64),
+                                   np.full((1, 1), spp, np.float64))
