@@ -86,6 +86,25 @@ def test_inside_a_callers_jit_values_are_not_checked_but_results_agree():
                                                arrays["sum_pi_squared"])), np.asarray(eager), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("function", ["optimal_token_baseline", "multi_turn_optimal_token_baseline",
+                                      "leave_one_out_token_baseline"])
+def test_under_jit_a_too_small_segment_count_gives_nan_rows_not_wrong_numbers(function):
+    """Inside jit the ids are not checked: a num_segments smaller than the number of groups leaves the last group's
+    rows without sums — NaN there, not plausible wrong values — and every other row as with the right count."""
+    batch, arrays, ids, count = _inputs()
+    assert count >= 2
+    run = getattr(otb_jax, function)
+    jitted = jax.jit(lambda r, m, s, lp, spp: run(r, m, s, count - 1, lp, spp))
+    result = jitted(arrays["rewards"], arrays["response_mask"], ids, arrays["log_probs"], arrays["sum_pi_squared"])
+    right = run(arrays["rewards"], arrays["response_mask"], ids, count, arrays["log_probs"], arrays["sum_pi_squared"])
+    last = np.asarray(ids) == count - 1
+    for got, expected in ((result.advantages, right.advantages), (result.baselines, right.baselines)):
+        got, expected = np.asarray(got), np.asarray(expected)
+        assert np.isnan(got[last]).all()
+        np.testing.assert_array_equal(got[~last], expected[~last])
+    np.testing.assert_array_equal(np.asarray(result.returns), np.asarray(right.returns))
+
+
 def test_float64_with_x64_enabled():
     batch = example_batch()
     ids, count = otb_jax.segment_ids(batch.group_ids)

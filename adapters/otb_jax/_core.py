@@ -106,7 +106,9 @@ def token_baseline(returns: jax.Array, energy: jax.Array, mask: jax.Array, segme
         member_baselines = _safe_ratio(numerator, denominator + epsilon)[segment_ids]
     baselines = grid.scatter(member_baselines * keep)
     advantages = grid.scatter(grid_returns - member_baselines * keep)
-    return advantages, baselines
+    # an id outside [0, num_segments) — unchecked under jit — has no sums: its row is NaN, not silently wrong
+    outside = ((segment_ids < 0) | (segment_ids >= num_segments))[:, None]
+    return jnp.where(outside, jnp.nan, advantages), jnp.where(outside, jnp.nan, baselines)
 
 
 def otb_pipeline(rewards: jax.Array, mask: jax.Array, segment_ids: jax.Array, log_probs: jax.Array,

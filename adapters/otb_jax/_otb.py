@@ -78,7 +78,10 @@ def optimal_token_baseline(rewards: Any, response_mask: Any, segment_ids: Any, n
     ``segment_ids`` [B] int and the static ``num_segments`` come from :func:`segment_ids` (``num_segments`` may be
     larger than the number of groups — fix it, e.g. to B, to avoid recompiling when the group count changes). Jitted
     (no recompilation for batches of the same shape and options); callable inside ``jit`` and ``vmap`` (values are
-    then not checked).
+    then not checked: a segment id outside [0, num_segments) — a ``num_segments`` smaller than the number of groups —
+    gives NaN advantages and baselines on its rows, a NaN input spreads over its group). The outputs are
+    differentiable functions of ``log_probs`` and ``sum_pi_squared``: in a loss, wrap them in
+    ``jax.lax.stop_gradient`` (the advantages are constants of the policy gradient).
     """
     return _run(rewards, response_mask, segment_ids, num_segments, log_probs, sum_pi_squared, is_weights,
                 check_values, align="position", leave_one_out=False,
@@ -89,7 +92,8 @@ def multi_turn_optimal_token_baseline(rewards: Any, response_mask: Any, segment_
                                       log_probs: Any, sum_pi_squared: Any, *, is_weights: Any = None,
                                       handle_zero_tail: bool = True, epsilon: float = 1e-8,
                                       check_values: bool = True) -> AdvantageResult:
-    """Multi-turn (valid-token aligned) OTB; the port of :func:`otb_spec.multi_turn_optimal_token_baseline`."""
+    """Multi-turn (valid-token aligned) OTB; the port of :func:`otb_spec.multi_turn_optimal_token_baseline`
+    (segment ids, jit and gradients as :func:`optimal_token_baseline`)."""
     return _run(rewards, response_mask, segment_ids, num_segments, log_probs, sum_pi_squared, is_weights,
                 check_values, align="valid_token", leave_one_out=False,
                 handle_zero_tail=check.flag("handle_zero_tail", handle_zero_tail), epsilon=epsilon)
@@ -99,7 +103,8 @@ def leave_one_out_token_baseline(rewards: Any, response_mask: Any, segment_ids: 
                                  log_probs: Any, sum_pi_squared: Any, *, is_weights: Any = None,
                                  align: str = "position", epsilon: float = 1e-8,
                                  check_values: bool = True) -> AdvantageResult:
-    """Leave-one-out OTB (unbiased); the port of :func:`otb_spec.leave_one_out_token_baseline`."""
+    """Leave-one-out OTB (unbiased); the port of :func:`otb_spec.leave_one_out_token_baseline` (segment ids, jit
+    and gradients as :func:`optimal_token_baseline`)."""
     if align not in _ALIGNMENTS:
         raise ValueError(f"align: expected one of {_ALIGNMENTS}, got {align!r}")
     return _run(rewards, response_mask, segment_ids, num_segments, log_probs, sum_pi_squared, is_weights,

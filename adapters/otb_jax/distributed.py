@@ -76,6 +76,13 @@ def vocab_parallel_token_statistics_local(logits_shard: jax.Array, token_ids: ja
                            (squares / jnp.square(total)).astype(out))
 
 
+def _axis_size(mesh: Mesh, name: Any, argument: str) -> int:
+    """The size of ``mesh``'s axis ``name``, or a ValueError naming the argument and the mesh's axes."""
+    if name not in mesh.shape:
+        raise ValueError(f"{argument}: the mesh has no axis {name!r} (its axes: {', '.join(map(repr, mesh.axis_names))})")
+    return int(mesh.shape[name])
+
+
 def vocab_parallel_token_statistics(logits: Any, token_ids: Any = None, *, mesh: Mesh, vocab_axis: str,
                                     check_values: bool = True) -> TokenStatistics:
     """log π(y), entropy and Σπ² of logits [..., V] whose vocabulary is split over ``mesh``'s ``vocab_axis``
@@ -84,7 +91,7 @@ def vocab_parallel_token_statistics(logits: Any, token_ids: Any = None, *, mesh:
     z = check.array("logits", logits)
     if z.ndim < 1 or z.shape[-1] == 0:
         raise ValueError(f"logits: expected shape [..., V] with a non-empty vocabulary axis, got {z.shape}")
-    size = mesh.shape[vocab_axis]
+    size = _axis_size(mesh, vocab_axis, "vocab_axis")
     if z.shape[-1] % size:
         raise ValueError(f"logits: the vocabulary ({z.shape[-1]}) must divide evenly over the {size} devices of "
                          f"mesh axis {vocab_axis!r}")
@@ -249,7 +256,7 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
         count = 1
         for name in names:
             if name is not None:
-                count *= mesh.shape[name]
+                count *= _axis_size(mesh, name, "data_axis" if axis is data_axis else "context_axis")
         if size % count:
             raise ValueError(f"rewards: the {size} {what} must divide evenly over the {count} devices of mesh axis "
                              f"{axis!r}")
