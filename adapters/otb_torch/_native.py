@@ -506,23 +506,28 @@ def distributed_final(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, 
     return advantages, baselines
 
 
-def _row_shares(block: torch.Tensor, call: Callable[[int, int], None]) -> None:
-    """call(begin, end) over about equal row ranges of ``block``, one per thread (rows are independent: the split does
-    not change a bit of the result)."""
+def fused_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """True if the fused linear token statistics' elementwise work runs natively: CPU, float32 computation."""
+    return dtype == torch.float32 and usable(device, dtype)
+
+
+def _by_rows(name: str, block: torch.Tensor, per_row: list[torch.Tensor | None], *trailing: Any) -> None:
+    """``name(block, begin, end, width, stride, *per_row, *trailing)`` of ``_kernel.c`` over about equal row ranges of
+    a float32 block (rows contiguous), one per thread: rows are independent, so the split changes no bit."""
+    function = getattr(_load()[0], name)
+    function.restype = None
+    pointers = [_pointer(value) for value in per_row]
+    shape = (ctypes.c_int64(block.shape[1]), ctypes.c_int64(block.stride(0)))
     rows = block.shape[0]
     count = max(1, min(_workers(block.numel()), rows))
     bounds = [rows * share // count for share in range(count + 1)]
 
     def work(share: int) -> int:
-        call(bounds[share], bounds[share + 1])
+        function(_pointer(block), ctypes.c_int64(bounds[share]), ctypes.c_int64(bounds[share + 1]), *shape,
+                 *pointers, *trailing)
         return 0
 
     _in_parallel(work, count)
-
-
-def fused_usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """True if the fused linear token statistics' elementwise work runs natively: CPU, float32 computation."""
-    return dtype == torch.float32 and usable(device, dtype)
 
 
 def fused_fold(block: torch.Tensor, peak: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor, tilt: torch.Tensor, *,
@@ -530,12 +535,7 @@ def fused_fold(block: torch.Tensor, peak: torch.Tensor, s1: torch.Tensor, s2: to
     """Fold a block of logits z [rows, width] (float32, rows contiguous) into each row's running maximum and sums
     S₁, S₂, T (contiguous float32 [rows], updated in place; ``first``: the block's columns are the first chunk of the
     vocabulary, nothing to rescale) — ``otb_fused_fold_float32``. z is only read."""
-    function = _load()[0].otb_fused_fold_float32
-    function.restype = None
-    pointers = [_pointer(value) for value in (block, peak, s1, s2, tilt)]
-    shape = (ctypes.c_int64(block.shape[1]), ctypes.c_int64(block.stride(0)))
-    _row_shares(block, lambda begin, end: function(pointers[0], ctypes.c_int64(begin), ctypes.c_int64(end), *shape,
-                                                   *pointers[1:], ctypes.c_int(int(first))))
+    _by_rows("otb_fused_fold_float32", block, [peak, s1, s2, tilt], ctypes.c_int(int(first)))
 
 
 def fused_cotangent(block: torch.Tensor, shift: torch.Tensor, offset: torch.Tensor, slope: torch.Tensor | None
@@ -543,12 +543,7 @@ def fused_cotangent(block: torch.Tensor, shift: torch.Tensor, offset: torch.Tens
     """With x = z + shift (per row: −lse, so that x = log π_v), z ← (offset + slope·x)·e^{min(x, 0)} row by row, in
     place (``slope`` None: offset·e^{min(x, 0)}), for a block z (float32, rows contiguous) and per-row float32
     ``shift``, ``offset``, ``slope`` (contiguous [rows]) — ``otb_fused_cotangent_float32``."""
-    function = _load()[0].otb_fused_cotangent_float32
-    function.restype = None
-    pointers = [_pointer(value) for value in (block, shift, offset, slope)]
-    shape = (ctypes.c_int64(block.shape[1]), ctypes.c_int64(block.stride(0)))
-    _row_shares(block, lambda begin, end: function(pointers[0], ctypes.c_int64(begin), ctypes.c_int64(end), *shape,
-                                                   *pointers[1:]))
+    _by_rows("otb_fused_cotangent_float32", block, [shift, offset, slope])
 
 
 def exp_float32(values: torch.Tensor) -> torch.Tensor:
