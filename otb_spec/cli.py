@@ -316,7 +316,9 @@ def _exit_if_a_target_is_still_running(status: int) -> None:
     out, so leave at once with the report's exit status."""
     import threading
 
-    if any(thread.name == "otb-spec-verify-target" and thread.is_alive() for thread in threading.enumerate()):
+    from otb_spec.conformance._checks import TARGET_THREAD
+
+    if any(thread.name == TARGET_THREAD and thread.is_alive() for thread in threading.enumerate()):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)

@@ -43,8 +43,8 @@ from otb_spec.conformance._conventions import Outcome, Subject
 from otb_spec.conformance._deviations import RAISES, Deviation, deviations_for
 from otb_spec.tolerances import machine_epsilon
 
-__all__ = ["LAYERS", "STATUSES", "SHRINK_BUDGET", "DEFAULT_TIMEOUT", "Comparison", "CheckResult", "compare",
-           "run_checks", "read_skip_file"]
+__all__ = ["LAYERS", "STATUSES", "SHRINK_BUDGET", "DEFAULT_TIMEOUT", "TARGET_THREAD", "Comparison", "CheckResult",
+           "compare", "run_checks", "read_skip_file"]
 
 LAYERS = ("signature", "structure", "golden", "generated", "special", "robustness")
 STATUSES = ("pass", "fail", "deviation", "warn", "skip")
@@ -310,6 +310,9 @@ class TargetTimeout(Exception):
     """The target did not return within the time limit."""
 
 
+TARGET_THREAD = "otb-spec-verify-target"     # the name of the thread each call of the target runs in
+
+
 class _Session:
     """What the checks of one run share: the subject, the time limit, and whether the target has hung."""
 
@@ -338,7 +341,7 @@ class _Session:
             except BaseException as exc:        # noqa: BLE001 - handed to the caller below
                 box["error"] = exc
 
-        worker = threading.Thread(target=work, name="otb-spec-verify-target", daemon=True)
+        worker = threading.Thread(target=work, name=TARGET_THREAD, daemon=True)
         worker.start()
         worker.join(self.timeout)
         if worker.is_alive():
@@ -401,11 +404,10 @@ def _matching_deviation(session: _Session, case: Case, outcome: Outcome | None,
     return None
 
 
-_MODIFIED = "the call modified its inputs"      # a failure in every layer, robustness included
-
-
 def _value_check(session: _Session, case: Case, check_id: str, layer: str, snippet: bool = True,
-                 deviations: tuple[Deviation, ...] = ()) -> CheckResult:
+                 deviations: tuple[Deviation, ...] = (), differences_warn: bool = False) -> CheckResult:
+    """Run ``case`` and compare with the reference. ``differences_warn`` (the robustness layer): a difference is a
+    warning, not a failure; a call that writes into its inputs fails in every layer."""
     start = time.perf_counter()
     subject = session.subject
     result = CheckResult(check_id, layer, case.kind, "pass", case=case.describe(), note=case.note)
@@ -449,9 +451,13 @@ def _value_check(session: _Session, case: Case, check_id: str, layer: str, snipp
                                   f"{deviation.title}; the reference: {deviation.reference}")
     if outcome is not None and outcome.mutated:         # never excused: no deviation writes into its inputs
         result.status, result.ratio, result.deviation = "fail", math.inf, ""
-        modified = f"{_MODIFIED} ({', '.join(outcome.mutated)}): inputs must be left unchanged"
+        modified = f"the call modified its inputs ({', '.join(outcome.mutated)}): inputs must be left unchanged"
         result.message = modified if not result.message or result.message.startswith("documented deviation") else \
             f"{result.message}; {modified}"
+    elif differences_warn and result.status == "fail" and not session.hung:
+        result.status, result.ratio = "warn", 0.0
+        result.message = (f"on inputs no trainer produces ({case.name}) the result differs from the reference "
+                          f"({result.message}) — a robustness note, not a failure")
     if result.status == "fail" and snippet:
         result.snippet = subject.snippet(case)
     result.seconds = time.perf_counter() - start
@@ -707,13 +713,7 @@ def _generated_check(session: _Session, kind: str, profile: str, max_examples: i
 def _robustness_check(session: _Session, case: Case, check_id: str) -> CheckResult:
     """A value check whose failure is a warning: the inputs are ones no trainer produces (a call that writes into its
     inputs still fails)."""
-    result = _value_check(session, case, check_id, "robustness", snippet=False)
-    if result.status == "fail" and not session.hung and _MODIFIED not in result.message:
-        result.status = "warn"
-        result.message = (f"on inputs no trainer produces ({case.name}) the result differs from the reference "
-                          f"({result.message}) — a robustness note, not a failure")
-        result.ratio = 0.0
-    return result
+    return _value_check(session, case, check_id, "robustness", snippet=False, differences_warn=True)
 
 
 def run_checks(subject: Subject, kind: str, *, max_examples: int = 100, seed: int = 0,
