@@ -18,7 +18,7 @@ verl's own function (``compute_optimal_token_baseline_advantage`` / ``compute_mu
 or without verl installed, the loop transcriptions in benchmarks/loop_*.py), the otb_torch drop-in (value checks on,
 ``index`` as verl passes it), the hot path (precomputed ``Segments``, ``check_values=False``) and the memory floor
 (read the four inputs, write the two outputs into freshly allocated tensors — no arithmetic; the same bytes in every
-layout, so the floor is the same), and otb_torch.verl's leave-one-out drop-in (value checks on) and hot path, with
+layout, so the floor is the same; on CPU the outputs' pages mapped in bulk first, as the native drop-ins map theirs), and otb_torch.verl's leave-one-out drop-in (value checks on) and hot path, with
 their ratio to the self-inclusive ones (issue 25: at most 1.2×). TIR-OTB rows use masks with tool-output holes.
 The targets also print two parts of a drop-in call timed alone (CPU, native kernel): planning verl's uids into
 groups, and the kernel's exponential over the valid spans — with the memory floor, what a call cannot avoid. Context
@@ -113,35 +113,45 @@ def rounds(cases: dict, repeats: int, device: str) -> dict[str, float]:
     time — which a loaded machine inflates only through the caches and memory it shares, not by descheduling.
     Also records, in ``FAULTS``, the minor page faults of each case's best call: a drop-in's fresh outputs fault in
     page by page unless the allocator hands it reused memory, which depends on the calls before it — hence each round
-    after the first runs the cases in another (seeded) order."""
+    after the first runs the cases in another (seeded) order. ``MODES`` gets each case's mean user-mode and
+    kernel-mode CPU time per call over the rounds (process-wide ``getrusage``; a mean, because the kernel splits a
+    thread's time between the two modes by sampling)."""
     clock = CLOCKS[CLOCK]
 
-    def once(function) -> tuple[float, int]:
+    def once(function) -> tuple[float, int, float, float]:
         if device == "cuda":
             torch.cuda.synchronize()
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        before = resource.getrusage(resource.RUSAGE_SELF)
         start = clock()
         function()
         if device == "cuda":
             torch.cuda.synchronize()
-        return clock() - start, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        seconds, after = clock() - start, resource.getrusage(resource.RUSAGE_SELF)
+        return (seconds, after.ru_minflt - before.ru_minflt, after.ru_utime - before.ru_utime,
+                after.ru_stime - before.ru_stime)
 
     for function in cases.values():
         once(function)
     FAULTS.clear()
+    MODES.clear()
     best = {name: float("inf") for name in cases}
+    modes = {name: [0.0, 0.0] for name in cases}
     names = list(cases)
     for round_ in range(repeats):
         if round_:                  # each round in another order (seeded): no case always follows the same one
             random.Random(round_).shuffle(names)
         for name in names:
-            seconds, faults = once(cases[name])
+            seconds, faults, user, system = once(cases[name])
+            modes[name][0] += user / repeats
+            modes[name][1] += system / repeats
             if seconds < best[name]:
                 best[name], FAULTS[name] = seconds, faults
+    MODES.update({name: (user, system) for name, (user, system) in modes.items()})
     return best
 
 
 FAULTS: dict[str, int] = {}     # the minor page faults (process-wide) of each case's best call in the last rounds()
+MODES: dict[str, tuple[float, float]] = {}  # each case's mean (user, kernel) CPU seconds per call in the last rounds()
 
 
 def competitor(multi_turn: bool, against: str):
@@ -218,6 +228,19 @@ def unavoidable_parts(rewards, mask, index, log_probs, device: str) -> dict:
     return {"planning": lambda: otb_torch.segments_from_index(index), "exp": exp}
 
 
+def memory_floor(rewards, mask, log_probs, spp) -> tuple:
+    """Read the four inputs and write two outputs into fresh tensors, no arithmetic; on CPU the outputs' pages are
+    mapped in bulk first, as the native drop-ins map theirs (``otb_torch._native.populate``), so that the floor is
+    not above what a drop-in pays."""
+    first, second = torch.empty_like(rewards), torch.empty_like(log_probs)
+    if rewards.device.type == "cpu":
+        from otb_torch import _native
+
+        shares = torch.get_num_threads()         # each torch thread maps its part, as the drop-ins' shares do
+        _native._in_parallel(lambda share: _native.populate([first, second], share, shares) or 0, shares)
+    return torch.add(rewards, mask, out=first), torch.add(log_probs, spp, out=second)
+
+
 def bench_advantages(args, multi_turn: bool) -> list[dict]:
     label, against = competitor(multi_turn, args.against)
     drop_in = otb_torch.compute_multi_turn_optimal_token_baseline_advantage if multi_turn else \
@@ -238,7 +261,7 @@ def bench_advantages(args, multi_turn: bool) -> list[dict]:
                 "competitor": lambda: against(rewards, mask, index, log_probs, spp),
                 "drop-in": lambda: drop_in(rewards, mask, index, log_probs, spp),
                 "hot path": lambda: drop_in(rewards, mask, segments, log_probs, spp, check_values=False),
-                "floor": lambda: (torch.add(rewards, mask), torch.add(log_probs, spp)),
+                "floor": lambda: memory_floor(rewards, mask, log_probs, spp),
                 "leave-one-out": lambda: unbiased(rewards, mask, index, log_probs, spp),
                 "leave-one-out hot path": lambda: unbiased(rewards, mask, segments, log_probs, spp,
                                                            check_values=False),
@@ -248,13 +271,13 @@ def bench_advantages(args, multi_turn: bool) -> list[dict]:
                 cases["hot path, compile=True"] = lambda: drop_in(rewards, mask, segments, log_probs, spp,
                                                                   check_values=False, compile=True)
             best = rounds(cases, args.repeats, args.device)
-            faults = dict(FAULTS)
+            faults, modes = dict(FAULTS), dict(MODES)
             eager = best["floor"] + eager_floor(rewards, mask, log_probs, multi_turn, args.repeats, args.device)
             mine, theirs = drop_in(rewards, mask, index, log_probs, spp), against(rewards, mask, index, log_probs, spp)
             difference = max(float((a - b).abs().max()) for a, b in zip(mine, theirs))
             record = {"size": f"{groups}×{size}×{positions}", "layout": layout, "rows": rewards.shape[0],
                       "difference": difference, "eager floor": eager, "threads": torch.get_num_threads(),
-                      "faults": faults, **best}
+                      "faults": faults, "modes": modes, **best}
             records.append(record)
             ms = lambda seconds: f"{seconds * 1e3:.{0 if seconds >= 0.0095 else 2}f} ms"  # noqa: E731
             print(f"| {record['size']} | {layout} | {ms(best['competitor'])} | {ms(best['drop-in'])} | "
@@ -401,6 +424,22 @@ def _parts(record: dict) -> str:
             f"{parts * 1e3:.1f} ms, {record['competitor'] / parts:.1f}× faster than the competitor")
 
 
+def _modes(record: dict) -> str:
+    """One thread on CPU: where a drop-in call's time goes — user mode (the kernel's arithmetic and memory traffic,
+    planning, Python) and kernel mode (mostly the page faults of its fresh outputs), beside the memory floor's — and
+    how much user-mode time 10× leaves once the kernel-mode time is paid."""
+    modes = record.get("modes", {})
+    if record["threads"] != 1 or "drop-in" not in modes or "floor" not in modes:
+        return ""
+    (user, system), (floor_user, floor_system) = modes["drop-in"], modes["floor"]
+    budget = record["competitor"] / 10 - system
+    return (f"; CPU time per call (means over the rounds): drop-in {user * 1e3:.1f} ms user + {system * 1e3:.1f} ms "
+            f"kernel mode, memory floor {floor_user * 1e3:.1f} + {floor_system * 1e3:.1f} ms ({record['faults'].get('drop-in', 0)} and "
+            f"{record['faults'].get('floor', 0)} page faults in the best calls); after the drop-in's kernel-mode time, 10× leaves "
+            f"{budget * 1e3:.1f} ms for its user-mode work, which takes {user * 1e3:.1f} ms "
+            f"({user / budget:.2f}× that; the floor's own reading and writing: {floor_user * 1e3:.1f} ms)")
+
+
 def verdict(otb: list[dict], tir: list[dict], spp: dict) -> None:
     """The targets at 256×8×4096 (glibc's default allocator), each met or not, with the floor that bounds it: issue
     12's (OTB, Σπ²) and issue 25's (leave-one-out ≤ 1.2× the self-inclusive kernel, TIR-OTB ≥ 10× verl)."""
@@ -427,7 +466,7 @@ def verdict(otb: list[dict], tir: list[dict], spp: dict) -> None:
               f"{record['competitor'] / 10 / record['floor']:.2f}× the memory floor; it is "
               f"{record['drop-in'] / record['floor']:.2f}×), the eager floor "
               f"{record['competitor'] / record['eager floor']:.1f}×"
-              + _parts(record))
+              + _parts(record) + _modes(record))
     for kind, records in (("OTB", otb), ("TIR-OTB", tir)):
         for record in records:
             if record["size"] != size:

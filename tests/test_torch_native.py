@@ -473,3 +473,77 @@ def test_inconsistent_segments_are_an_error_not_a_write_outside_the_batch(monkey
 def _core_run(size: int, count: int, start: int, first_row: int):
     from otb_torch._core import Run
     return Run(size, count, start, first_row)
+
+
+needs_memory_calls = pytest.mark.skipif(_native._memory_calls() is None,
+                                        reason="populating needs madvise and mincore (Linux on x86-64 or ARM64)")
+
+
+def _fresh_mapping(pages: int):
+    """A tensor on a fresh private anonymous mapping (what the allocator gives a large tensor: no page mapped yet),
+    and the mapping that owns its memory."""
+    import mmap
+
+    mapping = mmap.mmap(-1, pages * _native._PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=torch.float32), mapping
+
+
+@needs_memory_calls
+def test_populating_a_fresh_output_changes_no_value_and_saves_its_page_faults():
+    """Populating maps a fresh tensor's pages without changing a value (unwritten pages read 0, a written page keeps
+    its values); where the kernel has MADV_POPULATE_WRITE (Linux ≥ 5.14), writing the tensor afterwards takes
+    (almost) no page fault, where writing an unpopulated twin takes one per page."""
+    import resource
+
+    madvise, _ = _native._memory_calls()
+    probe, probe_mapping = _fresh_mapping(1)
+    supported = madvise(probe.data_ptr(), _native._PAGE, _native._MADV_POPULATE_WRITE) == 0
+    pages, per_page = 256, _native._PAGE // 4
+    tensor, mapping = _fresh_mapping(pages)
+    twin, twin_mapping = _fresh_mapping(pages)
+    tensor[5 * per_page:6 * per_page] = torch.arange(per_page, dtype=torch.float32)   # page 5 mapped, with values
+    _native.populate([tensor, None])
+    expected = torch.zeros(pages * per_page)
+    expected[5 * per_page:6 * per_page] = torch.arange(per_page, dtype=torch.float32)
+    assert torch.equal(tensor, expected)
+
+    def faults_writing(values: torch.Tensor) -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        values.fill_(1.0)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    if supported:
+        assert faults_writing(tensor) < pages // 8 < faults_writing(twin)
+    del tensor, twin, probe
+    mapping.close(), twin_mapping.close(), probe_mapping.close()
+
+
+@needs_memory_calls
+@pytest.mark.parametrize("offset", [0, 3, 1021])
+def test_populating_in_shares_maps_every_whole_page_once_and_skips_mapped_memory(monkeypatch, offset):
+    """The shares' ranges are page-aligned, inside the tensor, disjoint, and together every whole page of it; a
+    tensor whose first page is mapped (reused memory) is not walked."""
+    madvise, mincore = _native._memory_calls()
+    calls = []
+    monkeypatch.setitem(_native._STATE, "memory calls",
+                        (lambda start, length, advice: calls.append((start, length, advice)) or 0, mincore))
+    base, mapping = _fresh_mapping(64)
+    tensor = base[offset:offset + 60 * 1024 - 5]
+    for shares in (1, 2, 3, 7):
+        calls.clear()
+        for share in range(shares):
+            _native.populate([tensor], share, shares)
+        page = _native._PAGE
+        first = -(-tensor.data_ptr() // page) * page
+        last = (tensor.data_ptr() + tensor.numel() * 4) // page * page
+        ranges = sorted((start, start + length) for start, length, advice in calls)
+        assert all(advice == _native._MADV_POPULATE_WRITE for _, _, advice in calls)
+        assert all(start % page == 0 and stop % page == 0 for start, stop in ranges)
+        assert ranges[0][0] == first and ranges[-1][1] == last
+        assert all(stop == start for (_, stop), (start, _) in zip(ranges, ranges[1:]))
+    calls.clear()
+    tensor.fill_(1.0)                                     # every page mapped now: nothing to populate
+    _native.populate([tensor], 0, 1)
+    assert calls == []
+    del tensor, base
+    mapping.close()
