@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -311,7 +311,7 @@ def _memory_calls() -> tuple[Any, Any] | None:
     return _STATE["memory calls"]
 
 
-def populate(outputs: list[torch.Tensor | None], share: int = 0, shares: int = 1) -> None:
+def populate(outputs: Sequence[torch.Tensor | None], share: int = 0, shares: int = 1) -> None:
     """Map part ``share`` of ``shares`` of the whole pages inside each contiguous CPU tensor of ``outputs`` (the
     parts: consecutive runs of equal page counts, together every whole page once) before a kernel writes it —
     unless the part's first page is mapped already (memory the allocator reused, where walking the pages would only
@@ -515,14 +515,14 @@ def distributed_offsets(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep
 
 
 def _run_in_shares(function: Any, head: list, tail: list, bounds: Any, scratch: torch.Tensor, owners: tuple,
-                   fresh: list[torch.Tensor | None] = ()) -> None:
+                   fresh: tuple[torch.Tensor | None, ...] = ()) -> None:
     """Call a distributed kernel once per thread share, in parallel: ``function(*head, first, stop, *tail,
     scratch[share])`` for the rows ``bounds[share]:bounds[share + 1]`` of the rank's order; ``owners`` keeps alive the
     buffers the pointers in ``head`` and ``tail`` point into until every call has returned; each share populates
     its part of the ``fresh`` outputs first."""
     def work(share: int) -> int:
         assert owners
-        populate(list(fresh), share, len(bounds) - 1)
+        populate(fresh, share, len(bounds) - 1)
         function(*head, ctypes.c_int64(bounds[share]), ctypes.c_int64(bounds[share + 1]), *tail,
                  _pointer(scratch[share]))
         return 0
@@ -556,7 +556,7 @@ def distributed_final(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, 
     owners = (mask, plan, rows_in_order, first, merged_c, lengths, valid_before, advantages, baselines, scratch)
 
     _run_in_shares(function, head, tail, bounds, scratch, owners,
-                   fresh=[baselines] + ([advantages] if first.energy is None else []))
+                   fresh=(baselines, None if first.energy is not None else advantages))
     return advantages, baselines
 
 
