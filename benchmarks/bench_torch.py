@@ -18,8 +18,9 @@ verl's own function (``compute_optimal_token_baseline_advantage`` / ``compute_mu
 or without verl installed, the loop transcriptions in benchmarks/loop_*.py), the otb_torch drop-in (value checks on,
 ``index`` as verl passes it), the hot path (precomputed ``Segments``, ``check_values=False``) and the memory floor
 (read the four inputs, write the two outputs into freshly allocated tensors — no arithmetic; the same bytes in every
-layout, so the floor is the same; on CPU the outputs' pages mapped in bulk first, as the native drop-ins map theirs), and otb_torch.verl's leave-one-out drop-in (value checks on) and hot path, with
-their ratio to the self-inclusive ones (issue 25: at most 1.2×). TIR-OTB rows use masks with tool-output holes.
+layout, so the floor is the same; on CPU the outputs' pages mapped in bulk first, as the native drop-ins map
+theirs), and otb_torch.verl's leave-one-out drop-in (value checks on) and hot path, with their ratio to the
+self-inclusive ones (issue 25: at most 1.2×). TIR-OTB rows use masks with tool-output holes.
 The targets also print two parts of a drop-in call timed alone (CPU, native kernel): planning verl's uids into
 groups, and the kernel's exponential over the valid spans — with the memory floor, what a call cannot avoid. Context
 lines give the eager floor: the passes no eager-mode implementation avoids (two scans and one exp over the batch;
@@ -236,7 +237,7 @@ def memory_floor(rewards, mask, log_probs, spp) -> tuple:
     if rewards.device.type == "cpu":
         from otb_torch import _native
 
-        shares = torch.get_num_threads()         # each torch thread maps its part, as the drop-ins' shares do
+        shares = _native._workers(rewards.numel())      # the drop-ins' thread shares map their parts so
         _native._in_parallel(lambda share: _native.populate([first, second], share, shares) or 0, shares)
     return torch.add(rewards, mask, out=first), torch.add(log_probs, spp, out=second)
 
@@ -432,12 +433,16 @@ def _modes(record: dict) -> str:
     if record["threads"] != 1 or "drop-in" not in modes or "floor" not in modes:
         return ""
     (user, system), (floor_user, floor_system) = modes["drop-in"], modes["floor"]
+    faults = record["faults"]
     budget = record["competitor"] / 10 - system
-    return (f"; CPU time per call (means over the rounds): drop-in {user * 1e3:.1f} ms user + {system * 1e3:.1f} ms "
-            f"kernel mode, memory floor {floor_user * 1e3:.1f} + {floor_system * 1e3:.1f} ms ({record['faults'].get('drop-in', 0)} and "
-            f"{record['faults'].get('floor', 0)} page faults in the best calls); after the drop-in's kernel-mode time, 10× leaves "
-            f"{budget * 1e3:.1f} ms for its user-mode work, which takes {user * 1e3:.1f} ms "
-            f"({user / budget:.2f}× that; the floor's own reading and writing: {floor_user * 1e3:.1f} ms)")
+    left = (f"10× leaves {budget * 1e3:.1f} ms for its user-mode work, which takes {user * 1e3:.1f} ms "
+            f"({user / budget:.2f}× that" if budget > 0 else
+            f"10× is out of reach: the kernel-mode time alone exceeds a tenth of the competitor's "
+            f"({user * 1e3:.1f} ms of user-mode work besides")
+    return (f"; CPU time per call (means over the rounds): drop-in {user * 1e3:.1f} ms user + "
+            f"{system * 1e3:.1f} ms kernel mode, memory floor {floor_user * 1e3:.1f} + {floor_system * 1e3:.1f} ms "
+            f"({faults.get('drop-in', 0)} and {faults.get('floor', 0)} page faults in the best calls); after the "
+            f"drop-in's kernel-mode time, {left}; the floor's own reading and writing: {floor_user * 1e3:.1f} ms)")
 
 
 def verdict(otb: list[dict], tir: list[dict], spp: dict) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import mmap
 import os
 import platform
 import shlex
@@ -286,10 +287,10 @@ def _in_parallel(work: Callable[[int], int], count: int) -> list[int]:
 # madvise(MADV_POPULATE_WRITE) (Linux ≥ 5.14; the generic value, x86-64's and ARM64's): map a range's pages
 # writable in one call. A kernel's fresh outputs otherwise fault in one 4 KiB page at a time, at first write — in the
 # row order of the groups, between the arithmetic; in bulk the same pages cost less (a call's page faults were 30–34
-# ms of a 60 ms single-threaded call at 256 × 8 × 4096, 22 ms populated: docs/performance.md). Only a hint: any
+# ms of a 60 ms single-threaded call at 256 × 8 × 4096, 21 ms populated: docs/performance.md). Only a hint: any
 # failure (older kernel, another system) leaves the pages to fault in as before.
 _MADV_POPULATE_WRITE = 23
-_PAGE = 4096
+_PAGE = mmap.PAGESIZE          # 4 KiB on x86-64; 4, 16 or 64 KiB on ARM64 kernels
 
 
 def _memory_calls() -> tuple[Any, Any] | None:
