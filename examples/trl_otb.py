@@ -6,8 +6,9 @@
 Needs the README's main install plus the ``trl`` extra (``pip install ".[all,trl]"``). A randomly initialised
 two-layer Llama over a character vocabulary learns to write the letter "a" (reward: the fraction of a's in the
 completion, 0 for an empty one); ``otb_torch.trl.OTBGRPOTrainer`` replaces ``trl.GRPOTrainer`` — same arguments, plus
-``variant``, ``align``, ``epsilon`` and ``handle_zero_tail``. Each step prints TRL's reward and the ``otb/…`` metrics the trainer logs: the advantages
-that reached the loss (mean, std, min, max over the valid tokens), the mean baseline and the mean realized energy W.
+``variant``, ``align``, ``epsilon`` and ``handle_zero_tail``. Each step prints TRL's reward and the ``otb/…``
+metrics the trainer logs: the advantages that reached the loss (mean, std, min, max over the valid tokens), the mean
+baseline and the mean realized energy W.
 """
 
 from __future__ import annotations

@@ -79,7 +79,8 @@ def vocab_parallel_token_statistics_local(logits_shard: jax.Array, token_ids: ja
 def _axis_size(mesh: Mesh, name: Any, argument: str) -> int:
     """The size of ``mesh``'s axis ``name``, or a ValueError naming the argument and the mesh's axes."""
     if name not in mesh.shape:
-        raise ValueError(f"{argument}: the mesh has no axis {name!r} (its axes: {', '.join(map(repr, mesh.axis_names))})")
+        axes = ", ".join(map(repr, mesh.axis_names))
+        raise ValueError(f"{argument}: the mesh has no axis {name!r} (its axes: {axes})")
     return int(mesh.shape[name])
 
 
