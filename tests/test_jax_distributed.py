@@ -129,6 +129,14 @@ def test_bad_input_is_named():
     vocab_mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("vocab",))
     with pytest.raises(ValueError, match="logits: the vocabulary"):
         jax_distributed.vocab_parallel_token_statistics(np.zeros((2, 6)), mesh=vocab_mesh, vocab_axis="vocab")
+    with pytest.raises(ValueError, match=r"vocab_axis: the mesh has no axis 'model' \(its axes: 'vocab'\)"):
+        jax_distributed.vocab_parallel_token_statistics(np.zeros((2, 8)), mesh=vocab_mesh, vocab_axis="model")
+    ones = np.ones((4, 3))
+    for axis_options, argument in ((dict(data_axis="batch"), "data_axis"),
+                                   (dict(data_axis="data", context_axis="seq"), "context_axis")):
+        with pytest.raises(ValueError, match=f"{argument}: the mesh has no axis"):
+            jax_distributed.distributed_token_baseline(ones, ones, np.zeros(4, np.int32), ones * 0, ones,
+                                                       num_groups=1, mesh=mesh, **axis_options)
 
 
 def test_junk_weights_at_masked_positions_are_ignored():
