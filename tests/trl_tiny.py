@@ -290,8 +290,20 @@ def worker(output_dir: str) -> None:  # pragma: no cover - runs in the processes
         np.savez(os.path.join(output_dir, f"{name}_rank{rank}.npz"), **arrays)
 
 
+def _leave_the_process_group() -> None:  # pragma: no cover - runs in the processes started by the two-process test
+    """Tear the gloo group down before the interpreter exits: left to the interpreter's finalisation, its threads can
+    still be running when their C++ objects are destroyed, and the process aborts ("terminate called without an
+    active exception", SIGABRT) after the work is done — seen once in CI."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":  # pragma: no cover
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", required=True, help="output directory")
     worker(parser.parse_args().worker)
+    _leave_the_process_group()
     sys.exit(0)
