@@ -14,6 +14,9 @@ magnitude ~1, as a trained model's), with τ = 1, each method in a fresh subproc
 * ``otb_torch fused`` — :func:`otb_torch.fused_linear_token_statistics` with its default blocks: all three;
 * ``otb_torch fused (torch ops)`` — the same with ``OTB_TORCH_NATIVE=0``: each block's elementwise work in torch ops
   instead of the native CPU kernel (what runs without a C compiler; the A/B of the native block kernels);
+* ``unfused (torch ops)`` — where verl is not importable (the default there in place of (a) and (b)): the logits
+  held as in (a), the statistics by their formulas in torch ops (log_softmax + gather, lse − Σ π·z,
+  exp(lse(2z) − 2·lse(z)));
 * ``matmul floor`` — the matmuls alone, on the same blocks: z = h·Wᵀ forward; z again, ∂h += ∂z·W and ∂W += ∂zᵀ·h
   backward. Any method that never holds the logits does these four N·V·H products for forward + backward (verl's
   fused path too), so ``(b)`` cannot be beaten by more than its time above this floor.
@@ -41,7 +44,10 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = ("(a) verl unfused", "(b) verl FusedLinearForPPO", "otb_torch fused", "otb_torch fused (torch ops)",
-           "matmul floor")
+           "matmul floor", "unfused (torch ops)")
+VERL_METHODS = METHODS[:2]
+DEFAULT_METHODS = METHODS[:5]                   # with verl importable; without it, (a) and (b) become the line below
+WITHOUT_VERL = ("unfused (torch ops)", "otb_torch fused", "otb_torch fused (torch ops)", "matmul floor")
 
 _CHILD = r"""
 import json, os, sys, time, torch
@@ -50,24 +56,35 @@ method, mode, device, dtype_name = sys.argv[2], sys.argv[3], sys.argv[4], sys.ar
 tokens, hidden_size, vocab, repeats = (int(value) for value in sys.argv[6:10])
 dtype = getattr(torch, dtype_name)
 import otb_torch
-from verl.utils import torch_functional as verl_F
-from verl.utils.experimental.torch_functional import FusedLinearForPPO
+if method.startswith("(a) verl") or method.startswith("(b) verl"):
+    from verl.utils import torch_functional as verl_F
+    from verl.utils.experimental.torch_functional import FusedLinearForPPO
+    verl_fused = FusedLinearForPPO()
 
 def unfused(h, w, ids):
     logits = (h @ w.t()).float()
     return (verl_F.logprobs_from_logits(logits, ids), verl_F.entropy_from_logits(logits),
             verl_F.calculate_sum_pi_squared_from_logits(logits))
-verl_fused = FusedLinearForPPO()
+
+def unfused_torch_ops(h, w, ids):
+    # the logits held, then the three statistics by their textbook formulas: log_softmax + gather, lse − Σ π·z,
+    # exp(lse(2z) − 2·lse(z)) — the materialising baseline where verl is not importable
+    logits = (h @ w.t()).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, None]).squeeze(-1)
+    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return log_probs, entropy, torch.exp(torch.logsumexp(2 * logits, dim=-1) - 2 * lse).detach()
 
 class _MatmulFloor(torch.autograd.Function):
     # only the matmuls any method that never holds the logits must do, on otb_torch's default blocks: forward
-    # z = h·Wᵀ; backward z again, ∂h += ∂z·W, ∂W += ∂zᵀ·h (∂z = the block itself: no elementwise work)
+    # z = h·Wᵀ; backward z again, ∂h += ∂z·W, ∂W += ∂zᵀ·h (∂z = the block itself: no elementwise work), in the
+    # inputs' dtype (bf16 products for bf16 inputs: the least a half-precision method must do)
 
     @staticmethod
     def forward(ctx, h, w):
         rows, columns = otb_torch._fused._blocks(h.shape[0], w.shape[0], h.device, torch.float32, w.dtype,
                                                  h.shape[1], None, None)
-        block = torch.empty(min(rows, h.shape[0]) * columns, dtype=torch.float32, device=h.device)
+        block = torch.empty(min(rows, h.shape[0]) * columns, dtype=h.dtype, device=h.device)
         for start in range(0, w.shape[0], columns):
             for first in range(0, h.shape[0], rows):
                 z = block[:min(rows, h.shape[0] - first) * min(columns, w.shape[0] - start)].view(
@@ -80,7 +97,7 @@ class _MatmulFloor(torch.autograd.Function):
     def backward(ctx, *_):
         h, w = ctx.saved_tensors; rows, columns = ctx.blocks
         dh, dw = torch.zeros_like(h), torch.zeros_like(w)
-        block = torch.empty(min(rows, h.shape[0]) * columns, dtype=torch.float32, device=h.device)
+        block = torch.empty(min(rows, h.shape[0]) * columns, dtype=h.dtype, device=h.device)
         for start in range(0, w.shape[0], columns):
             for first in range(0, h.shape[0], rows):
                 z = block[:min(rows, h.shape[0] - first) * min(columns, w.shape[0] - start)].view(
@@ -93,6 +110,7 @@ class _MatmulFloor(torch.autograd.Function):
 function = {
     "(a) verl unfused": unfused,
     "(b) verl FusedLinearForPPO": lambda h, w, ids: verl_fused(h, w, ids, 1.0),
+    "unfused (torch ops)": unfused_torch_ops,
     "otb_torch fused": lambda h, w, ids: otb_torch.fused_linear_token_statistics(h, w, ids),
     "otb_torch fused (torch ops)": lambda h, w, ids: otb_torch.fused_linear_token_statistics(h, w, ids),
     "matmul floor": lambda h, w, ids: _MatmulFloor.apply(h, w),
@@ -165,14 +183,27 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--methods", default=",".join(METHODS),
+    parser.add_argument("--methods", default="",
                         help="comma-separated subset of: " + ", ".join(METHODS) + " (the targets need (a), (b), "
-                             "otb_torch fused and the matmul floor)")
+                             "otb_torch fused and the matmul floor; default: those and otb_torch fused (torch ops) "
+                             "where verl is importable, else " + ", ".join(WITHOUT_VERL) + "; on CUDA without "
+                             "otb_torch fused (torch ops), the same code there)")
     args = parser.parse_args()
-    methods = [name.strip() for name in args.methods.split(",")]
+    try:
+        import verl  # noqa: F401
+        has_verl = True
+    except ImportError:
+        has_verl = False
+    if args.methods:
+        methods = [name.strip() for name in args.methods.split(",")]
+    else:
+        methods = [name for name in (DEFAULT_METHODS if has_verl else WITHOUT_VERL)
+                   if not (args.device == "cuda" and name == "otb_torch fused (torch ops)")]
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         parser.error(f"--methods: unknown {unknown}; choose from {list(METHODS)}")
+    if not has_verl and set(methods) & set(VERL_METHODS):
+        parser.error(f"--methods: {sorted(set(methods) & set(VERL_METHODS))} need verl, which is not importable here")
     token_counts = [int(value) for value in args.tokens.split(",")]
     print(f"# fused token statistics, {args.device}, {args.dtype}, H = {args.hidden}, V = {args.vocab}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}, {platform.processor() or platform.machine()}")
@@ -184,8 +215,17 @@ def main() -> None:
             for method in methods:
                 record = measure(method, mode, args, tokens)
                 results[(tokens, mode, method)] = record
-                print(f"| {tokens} | {mode} | {method} | {record['seconds']:.2f} | "
+                print(f"| {tokens} | {mode} | {method} | {record['seconds']:.4g} | "
                       f"{record['extra'] / 2**20:.1f} MiB | {record['extra'] / record['logits']:.3f} |", flush=True)
+    if not has_verl and {"unfused (torch ops)", "otb_torch fused", "matmul floor"} <= set(methods):
+        print("\n## Without verl: otb_torch fused against the materialising baseline and the matmul floor\n")
+        for tokens in token_counts:
+            for mode in ("forward", "forward + backward"):
+                ours, unfused = (results[(tokens, mode, name)] for name in ("otb_torch fused", "unfused (torch ops)"))
+                floor = results[(tokens, mode, "matmul floor")]
+                print(f"* N = {tokens}, {mode}: extra memory {ours['extra'] / ours['logits']:.3f}× the logits "
+                      f"(unfused: {unfused['extra'] / unfused['logits']:.3f}×); time {ours['seconds'] / unfused['seconds']:.2f}× "
+                      f"unfused, {ours['seconds'] / floor['seconds']:.2f}× the matmul floor")
     if not {"(a) verl unfused", "(b) verl FusedLinearForPPO", "otb_torch fused", "matmul floor"} <= set(methods):
         return
     print("\n## Targets (issue 23)\n")

@@ -3,12 +3,16 @@
     python benchmarks/gpu_check.py [--out benchmarks/results]
 
 Runs, on the machine's first GPU:
-  1. python -m pytest -q -m gpu tests/                       — the GPU-only tests (sync-free hot path, CUDA graphs, …)
+  1. python -m pytest -q -m gpu tests/ --ignore tests/test_adapters.py — the GPU-only tests (sync-free hot path,
+     CUDA graphs, the fused LM-head statistics on CUDA and JAX-GPU, …)
   2. OTB_ADAPTERS=torch-cuda,jax-gpu python -m pytest -q tests/test_adapters.py   — the shared equivalence suite
   3. python benchmarks/bench_torch.py --device cuda            — vs the loop pattern and a device-to-device copy
   4. python benchmarks/bench_jax.py --device gpu               — jit'd OTB and Σπ² at [4096, 152064] bf16 vs a copy
-and writes benchmarks/results/gpu-check-<date>-<gpu>.md with the device, the versions, every command and its output.
-Exit status: 0 when every step passed, 1 when a test failed, 2 when no GPU is visible (nothing was checked).
+  5., 6. python benchmarks/bench_fused.py --device cuda …      — the fused LM-head statistics, float32, then bf16
+and writes benchmarks/results/gpu-check-<date>-<gpu>.md with the device, the versions, every command and its output
+— rewritten after each step, so a run cut short (a lease that ends, a step past --step-timeout) keeps what it did.
+Exit status: 0 when every step passed, 1 when a step failed or timed out, 2 when no GPU is visible (nothing was
+checked).
 """
 
 from __future__ import annotations
@@ -20,23 +24,32 @@ import platform
 import re
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(command: list[str], environment: dict | None = None) -> tuple[int, str]:
+def run(command: list[str], environment: dict | None = None, timeout: float | None = None) -> tuple[int, str]:
+    """(exit status, stdout + stderr); status 124 with what it had printed when it ran past ``timeout`` seconds."""
     try:
-        completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+        completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                                    env={**os.environ, **(environment or {})})
     except FileNotFoundError as exc:
         return 127, str(exc)
+    except subprocess.TimeoutExpired as exc:
+        partial = "".join(part.decode(errors="replace") if isinstance(part, bytes) else (part or "")
+                          for part in (exc.stdout, exc.stderr))
+        return 124, partial.strip() + f"\n[stopped after {timeout:.0f} s (--step-timeout)]"
     return completed.returncode, (completed.stdout + completed.stderr).strip()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    parser.add_argument("--step-timeout", type=float, default=1200.0, help="seconds one step may run (default 1200)")
+    parser.add_argument("--skip", default="", help="comma-separated step numbers (1–6) not to run")
     args = parser.parse_args()
+    skipped = {int(number) for number in args.skip.split(",") if number.strip()}
     code, smi = run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
     try:
         import torch
@@ -55,31 +68,44 @@ def main() -> int:
     except ImportError:
         versions["jax"] = "not installed"
     steps = [
-        ("GPU-only tests", [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/"], None),
+        ("GPU-only tests (the adapters suite is step 2)",
+         [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/", "--ignore", "tests/test_adapters.py"], None),
         ("equivalence suite on the GPU adapters", [sys.executable, "-m", "pytest", "-q", "tests/test_adapters.py"],
          {"OTB_ADAPTERS": "torch-cuda,jax-gpu"}),
         ("torch benchmark", [sys.executable, "benchmarks/bench_torch.py", "--device", "cuda"], None),
         ("JAX benchmark", [sys.executable, "benchmarks/bench_jax.py", "--device", "gpu"], None),
+        ("fused LM-head statistics, float32", [sys.executable, "benchmarks/bench_fused.py", "--device", "cuda",
+                                                "--tokens", "4096,8192", "--vocab", "152064", "--hidden", "4096"],
+         None),
+        ("fused LM-head statistics, bfloat16", [sys.executable, "benchmarks/bench_fused.py", "--device", "cuda",
+                                                 "--dtype", "bfloat16", "--tokens", "4096,8192", "--vocab", "152064",
+                                                 "--hidden", "4096"], None),
     ]
-    failed = False
-    sections = []
-    for title, command, environment in steps:
-        print(f"gpu_check: {title} …", flush=True)
-        status, output = run(command, environment)
-        failed |= status != 0
-        prefix = " ".join(f"{k}={v}" for k, v in (environment or {}).items())
-        sections.append(f"## {title} — {'passed' if status == 0 else f'FAILED (exit {status})'}\n\n"
-                        f"```\n$ {prefix + ' ' if prefix else ''}{' '.join(command[1:] if command[0] == sys.executable else command)}\n"
-                        f"{output[-6000:]}\n```\n")
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu_name).strip("-").lower()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"gpu-check-{stamp}-{slug}.md")
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(f"# GPU check, {stamp}\n\nCommand: `python benchmarks/gpu_check.py`\n\n"
-                     f"* device: {gpu_name} ({smi if code == 0 else 'nvidia-smi unavailable'})\n"
-                     + "".join(f"* {name}: {value}\n" for name, value in versions.items()) + "\n"
-                     + "\n".join(sections))
+    header = (f"# GPU check, {stamp}\n\nCommand: `python benchmarks/gpu_check.py`"
+              + (f" (steps {args.skip} skipped)" if skipped else "") + "\n\n"
+              f"* device: {gpu_name} ({smi if code == 0 else 'nvidia-smi unavailable'})\n"
+              + "".join(f"* {name}: {value}\n" for name, value in versions.items()) + "\n")
+    failed = False
+    sections = []
+    for number, (title, command, environment) in enumerate(steps, start=1):
+        if number in skipped:
+            continue
+        print(f"gpu_check: {number}. {title} …", flush=True)
+        started = time.perf_counter()
+        status, output = run(command, environment, args.step_timeout)
+        failed |= status != 0
+        prefix = " ".join(f"{k}={v}" for k, v in (environment or {}).items())
+        verdict = "passed" if status == 0 else f"FAILED (exit {status})"
+        print(f"gpu_check: {number}. {verdict} in {time.perf_counter() - started:.0f} s\n{output[-3000:]}", flush=True)
+        shown = " ".join(command[1:] if command[0] == sys.executable else command)
+        sections.append(f"## {number}. {title} — {verdict}, {time.perf_counter() - started:.0f} s\n\n"
+                        f"```\n$ {prefix + ' ' if prefix else ''}{shown}\n{output[-20000:]}\n```\n")
+        with open(path, "w", encoding="utf-8") as handle:       # after every step: a cut-short run keeps its record
+            handle.write(header + "\n".join(sections))
     print(f"gpu_check: wrote {os.path.relpath(path, ROOT)}")
     return 1 if failed else 0
 

@@ -264,3 +264,27 @@ def test_inside_a_trace_values_are_unknown_and_an_id_outside_the_vocabulary_give
     out = statistics(jnp.asarray([1, 6]))
     assert np.isnan(float(out.log_probs[1])) and np.isfinite(float(out.log_probs[0]))
     np.testing.assert_allclose(np.asarray(out.entropy), np.log(6.0), rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# GPU (skipped cleanly without one). The port sets no matmul precision of its own: it follows the caller's
+# jax_default_matmul_precision, as the model's own logits matmul would. On recent NVIDIA GPUs JAX's default lets
+# float32 matmuls run in TF32 (10-bit mantissa), which float32's bounds do not cover; with "float32" precision they do.
+
+
+def _gpu_available() -> bool:
+    try:
+        return len(jax.devices("gpu")) > 0
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_available(), reason="no GPU visible to JAX on this machine")
+@settings(max_examples=15, deadline=None)
+@given(case=CASES, chunking=st.sampled_from(CHUNKINGS), dtype=st.sampled_from(["float32", "bfloat16"]))
+def test_gpu_values_and_gradients_equal_the_reference(case, chunking, dtype):
+    with jax.default_device(jax.devices("gpu")[0]), jax.default_matmul_precision("float32"):
+        outputs, gradients, inputs = _run(case, dtype, chunking)
+    assert all(value.devices() == {jax.devices("gpu")[0]} for value in (*outputs, *gradients))
+    _assert_matches_reference(case, dtype, outputs, gradients, inputs)

@@ -7,7 +7,7 @@ import contextlib
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import otb_spec as otb
@@ -24,24 +24,36 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 
 def _run(case: otb_st.LMHeadCase, dtype: torch.dtype, *, chunk_size=None, vocab_chunk_size=None,
-         use_log_probs: bool = True, use_entropy: bool = True, kernel: str = "native"):
-    """The port on ``case`` (cast to ``dtype``): its statistics and the gradients of Σ g_lp·log π + g_H·H, forward
-    and backward with the native elementwise kernel where it serves (float32 on CPU) or, ``kernel="eager"``, the
-    torch fallback."""
-    hidden = torch.tensor(case.hidden, dtype=dtype, requires_grad=True)
-    weight = torch.tensor(case.weight, dtype=dtype, requires_grad=True)
+         use_log_probs: bool = True, use_entropy: bool = True, kernel: str = "native", device: str = "cpu"):
+    """The port on ``case`` (cast to ``dtype``, on ``device``): its statistics and the gradients of
+    Σ g_lp·log π + g_H·H, forward and backward with the native elementwise kernel where it serves (float32 on CPU)
+    or, ``kernel="eager"``, the torch fallback. Returned on the CPU."""
+    hidden = torch.tensor(case.hidden, dtype=dtype, device=device, requires_grad=True)
+    weight = torch.tensor(case.weight, dtype=dtype, device=device, requires_grad=True)
     with _native.eager_only() if kernel == "eager" else contextlib.nullcontext():
-        stats = otb_torch.fused_linear_token_statistics(hidden, weight, torch.tensor(case.token_ids),
+        stats = otb_torch.fused_linear_token_statistics(hidden, weight, torch.tensor(case.token_ids, device=device),
                                                         temperature=case.temperature, chunk_size=chunk_size,
                                                         vocab_chunk_size=vocab_chunk_size)
         loss = 0 * stats.log_probs.sum()
         if use_log_probs:
-            loss = loss + (stats.log_probs * torch.tensor(case.log_probs_cotangent, dtype=stats.log_probs.dtype)
-                           ).sum()
+            loss = loss + (stats.log_probs * torch.tensor(case.log_probs_cotangent, dtype=stats.log_probs.dtype,
+                                                          device=device)).sum()
         if use_entropy:
-            loss = loss + (stats.entropy * torch.tensor(case.entropy_cotangent, dtype=stats.entropy.dtype)).sum()
+            loss = loss + (stats.entropy * torch.tensor(case.entropy_cotangent, dtype=stats.entropy.dtype,
+                                                        device=device)).sum()
         loss.backward()
+    assert stats.log_probs.device.type == hidden.grad.device.type == weight.grad.device.type == device
+    if device != "cpu":
+        stats = type(stats)(*(value.cpu() for value in stats))
+        hidden, weight = (_on_cpu(tensor) for tensor in (hidden, weight))
     return stats, hidden, weight
+
+
+def _on_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of a leaf tensor and of its gradient."""
+    copy = tensor.detach().cpu().requires_grad_(True)
+    copy.grad = tensor.grad.cpu()
+    return copy
 
 
 def _assert_matches_reference(case, dtype, stats, hidden, weight, *, use_log_probs=True, use_entropy=True):
@@ -189,3 +201,38 @@ def test_bad_types_raise_naming_the_argument():
     with pytest.raises(TypeError, match="temperature: expected a real number, got a bool"):
         otb_torch.fused_linear_token_statistics(torch.ones(2, 4), torch.ones(6, 4), torch.tensor([0, 1]),
                                                 temperature=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# CUDA (skipped cleanly without a GPU): the same bounds as on the CPU — torch's defaults keep float32 matmuls in
+# float32 (no TF32 unless the caller allows it), and the port adds no precision setting of its own
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible to torch")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@settings(max_examples=40, deadline=None)
+@given(case=otb_st.lm_head_inputs(), dtype=st.sampled_from(["float32", "float64", "bfloat16"]), block=blocks)
+def test_cuda_values_and_gradients_equal_the_reference(case, dtype, block):
+    stats, hidden, weight = _run(case, DTYPES[dtype], chunk_size=block[0], vocab_chunk_size=block[1], device="cuda")
+    _assert_matches_reference(case, DTYPES[dtype], stats, hidden, weight)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_default_blocks_at_a_realistic_size_equal_the_reference():
+    """N·V = 1100 × 65600 > 2²⁶ (CUDA's block budget): several default blocks, vocabulary not a power of two, hidden
+    states N(0, 1) and weights N(0, 0.02²) (logits ~1, a trained model's scale), both exact in float32."""
+    generator = np.random.default_rng(23)
+    tokens, hidden_size, vocab = 1100, 64, 65600
+    case = otb_st.LMHeadCase(
+        hidden=generator.standard_normal((tokens, hidden_size)).astype(np.float32).astype(np.float64),
+        weight=(0.02 * generator.standard_normal((vocab, hidden_size))).astype(np.float32).astype(np.float64),
+        token_ids=generator.integers(0, vocab, tokens), temperature=0.7,
+        log_probs_cotangent=generator.standard_normal(tokens), entropy_cotangent=0.01 * generator.standard_normal(tokens))
+    rows, columns = otb_torch._fused._blocks(tokens, vocab, torch.device("cuda"), torch.float32, torch.float32,
+                                             hidden_size, None, None)
+    assert rows * columns < tokens * vocab                            # more than one block: the online rescaling runs
+    stats, hidden, weight = _run(case, torch.float32, device="cuda")
+    _assert_matches_reference(case, torch.float32, stats, hidden, weight)

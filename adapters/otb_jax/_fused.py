@@ -11,6 +11,12 @@ grows (online log-sum-exp):
 
     log π(y) = z_y − m − log S₁,   H = log S₁ − T/S₁,   Σπ² = S₂/S₁²
 
+Matmul precision: the port sets none of its own — its ``dot_general`` calls follow the caller's
+``jax_default_matmul_precision``, as the model's own logits matmul does. JAX's default lets float32 products run in
+TF32 on recent NVIDIA GPUs (a 10-bit mantissa), which the float32 error bounds do not cover; under
+``jax.default_matmul_precision("float32")`` the statistics and gradients meet them (tests/test_jax_fused.py, run on
+an H200).
+
 When V is not a multiple of the vocabulary chunk, the last chunk is the final ``vocab_chunk_size`` columns of W
 (a clamped ``dynamic_slice``, no padded copy of W) with the columns an earlier chunk already covered masked out.
 
