@@ -1,6 +1,6 @@
 """The whole GPU check in one command: equivalence tests and benchmarks on CUDA (torch) and GPU (JAX), recorded.
 
-    python benchmarks/gpu_check.py [--out benchmarks/results]
+    python benchmarks/gpu_check.py [--out benchmarks/results] [--quick] [--skip 3,4] [--step-timeout 1200]
 
 Runs, on the machine's first GPU:
   1. python -m pytest -q -m gpu tests/ --ignore tests/test_adapters.py — the GPU-only tests (sync-free hot path,
@@ -11,6 +11,8 @@ Runs, on the machine's first GPU:
   5., 6. python benchmarks/bench_fused.py --device cuda …      — the fused LM-head statistics, float32, then bf16
 and writes benchmarks/results/gpu-check-<date>-<gpu>.md with the device, the versions, every command and its output
 — rewritten after each step, so a run cut short (a lease that ends, a step past --step-timeout) keeps what it did.
+On an H200 (2026-11-26) the steps took about 1, 2.5, 1.5, 0.3 and 2 × 2 minutes; ``--quick`` runs the benchmarks
+at one size each, about 6 minutes in all (plus the machine's start and the install).
 Exit status: 0 when every step passed, 1 when a step failed or timed out, 2 when no GPU is visible (nothing was
 checked).
 """
@@ -48,6 +50,9 @@ def main() -> int:
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     parser.add_argument("--step-timeout", type=float, default=1200.0, help="seconds one step may run (default 1200)")
     parser.add_argument("--skip", default="", help="comma-separated step numbers (1–6) not to run")
+    parser.add_argument("--quick", action="store_true",
+                        help="benchmarks at one size each (256×8×4096; N = 4096, 2 repeats): about 6 minutes on an "
+                             "H200 instead of 10, for a lease of 15 minutes of device time")
     args = parser.parse_args()
     skipped = {int(number) for number in args.skip.split(",") if number.strip()}
     code, smi = run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
@@ -72,21 +77,19 @@ def main() -> int:
          [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/", "--ignore", "tests/test_adapters.py"], None),
         ("equivalence suite on the GPU adapters", [sys.executable, "-m", "pytest", "-q", "tests/test_adapters.py"],
          {"OTB_ADAPTERS": "torch-cuda,jax-gpu"}),
-        ("torch benchmark", [sys.executable, "benchmarks/bench_torch.py", "--device", "cuda"], None),
+        ("torch benchmark", [sys.executable, "benchmarks/bench_torch.py", "--device", "cuda",
+                             *(["--sizes", "256x8x4096"] if args.quick else [])], None),
         ("JAX benchmark", [sys.executable, "benchmarks/bench_jax.py", "--device", "gpu"], None),
-        ("fused LM-head statistics, float32", [sys.executable, "benchmarks/bench_fused.py", "--device", "cuda",
-                                                "--tokens", "4096,8192", "--vocab", "152064", "--hidden", "4096"],
-         None),
-        ("fused LM-head statistics, bfloat16", [sys.executable, "benchmarks/bench_fused.py", "--device", "cuda",
-                                                 "--dtype", "bfloat16", "--tokens", "4096,8192", "--vocab", "152064",
-                                                 "--hidden", "4096"], None),
+        *((f"fused LM-head statistics, {dtype}",
+           [sys.executable, "benchmarks/bench_fused.py", "--device", "cuda", "--dtype", dtype, "--vocab", "152064",
+            "--hidden", "4096", *(["--tokens", "4096", "--repeats", "2"] if args.quick else ["--tokens", "4096,8192"])],
+           None) for dtype in ("float32", "bfloat16")),
     ]
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu_name).strip("-").lower()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"gpu-check-{stamp}-{slug}.md")
-    header = (f"# GPU check, {stamp}\n\nCommand: `python benchmarks/gpu_check.py`"
-              + (f" (steps {args.skip} skipped)" if skipped else "") + "\n\n"
+    header = (f"# GPU check, {stamp}\n\nCommand: `{' '.join(['python benchmarks/gpu_check.py', *sys.argv[1:]])}`\n\n"
               f"* device: {gpu_name} ({smi if code == 0 else 'nvidia-smi unavailable'})\n"
               + "".join(f"* {name}: {value}\n" for name, value in versions.items()) + "\n")
     failed = False
