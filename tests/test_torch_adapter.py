@@ -8,6 +8,8 @@ import inspect
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 otb_torch = pytest.importorskip("otb_torch")
@@ -425,6 +427,25 @@ def test_segments_from_any_kind_of_index():
         assert segments.num_groups == 2
         assert segments.index[0] == segments.index[2] != segments.index[1]
     assert otb_torch.segments_from_index(from_numpy) is from_numpy
+
+
+@given(labels=st.lists(st.integers(0, 6), min_size=1, max_size=40), kind=st.sampled_from(["object", "unicode", "bytes",
+                                                                                      "mixed objects"]))
+def test_segments_of_string_ids_are_the_references_partition_numbered_by_first_appearance(labels, kind):
+    """verl's uids (an object array of str) are planned from one dict pass, other ids through the reference's
+    sort-based group_segments: either way the groups are the reference's partition, numbered in order of first
+    appearance."""
+    names = [f"uid-{label:02d}" for label in labels]
+    ids = {"object": np.array(names, dtype=object), "unicode": np.array(names), "bytes": np.array(names, dtype="S"),
+           "mixed objects": np.array([name if label % 2 else label for name, label in zip(names, labels)],
+                                     dtype=object)}[kind]
+    segments = otb_torch.segments_from_index(ids)
+    reference = otb.group_segments(np.array(labels)).index
+    got = segments.index.numpy()
+    assert all((got[i] == got[j]) == (reference[i] == reference[j]) for i in range(len(labels))
+               for j in range(len(labels)))
+    _, first = np.unique(got, return_index=True)
+    assert segments.num_groups == len(first) and list(np.argsort(first, kind="stable")) == list(range(len(first)))
 
 
 def test_sum_pi_squared_is_chunk_invariant_and_matches_the_plain_formula():

@@ -112,15 +112,31 @@ def segments_from_index(index: Any, device: torch.device | str | None = None) ->
             index = inverse.cpu().numpy()
         else:
             index = index.detach().cpu().numpy()
-    segments = group_segments(index if isinstance(index, np.ndarray) else np.asarray(index), name="index")
-    _, first_rows = np.unique(segments.index, return_index=True)
-    rank = np.empty(segments.n_groups, dtype=np.int64)
-    rank[np.argsort(first_rows, kind="stable")] = np.arange(segments.n_groups)
-    relabelled = rank[segments.index]
-    order, runs = _plan(relabelled, segments.n_groups)
-    return Segments(torch.as_tensor(relabelled, device=device), segments.n_groups,
-                    _contiguous_size(relabelled, segments.n_groups), torch.as_tensor(order, device=device), runs,
-                    planned=True)
+    ids = index if isinstance(index, np.ndarray) else np.asarray(index)
+    relabelled = _string_labels(ids)
+    if relabelled is None:
+        segments = group_segments(ids, name="index")
+        _, first_rows = np.unique(segments.index, return_index=True)
+        rank = np.empty(segments.n_groups, dtype=np.int64)
+        rank[np.argsort(first_rows, kind="stable")] = np.arange(segments.n_groups)
+        relabelled = rank[segments.index]
+    num_groups = int(relabelled.max()) + 1
+    order, runs = _plan(relabelled, num_groups)
+    return Segments(torch.as_tensor(relabelled, device=device), num_groups, _contiguous_size(relabelled, num_groups),
+                    torch.as_tensor(order, device=device), runs, planned=True)
+
+
+def _string_labels(ids: np.ndarray) -> np.ndarray | None:
+    """Group labels in order of first appearance for a non-empty 1-D array of strings (verl's uids: an object array of
+    str), from one dict pass — the partition :func:`otb_spec.group_segments` finds by sorting, for strings, where
+    equality and order agree; None for any other array (the reference then plans it)."""
+    if ids.ndim != 1 or ids.shape[0] == 0 or ids.dtype.kind not in "OUS":
+        return None
+    keys = ids.tolist()
+    if ids.dtype.kind == "O" and not all(type(key) is str for key in keys):
+        return None
+    table: dict[Any, int] = {}
+    return np.fromiter((table.setdefault(key, len(table)) for key in keys), dtype=np.int64, count=len(keys))
 
 
 def segment_sum(values: torch.Tensor, segments: Segments) -> torch.Tensor:
