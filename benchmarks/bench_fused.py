@@ -34,6 +34,7 @@ logits that does not grow with N, forward + backward time ≤ 0.6× path (b), an
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -189,11 +190,7 @@ def main() -> None:
                              "where verl is importable, else " + ", ".join(WITHOUT_VERL) + "; on CUDA without "
                              "otb_torch fused (torch ops), the same code there)")
     args = parser.parse_args()
-    try:
-        import verl  # noqa: F401
-        has_verl = True
-    except ImportError:
-        has_verl = False
+    has_verl = importlib.util.find_spec("verl") is not None     # a broken install then fails in the child, loudly
     if args.methods:
         methods = [name.strip() for name in args.methods.split(",")]
     else:
@@ -224,8 +221,9 @@ def main() -> None:
                 ours, unfused = (results[(tokens, mode, name)] for name in ("otb_torch fused", "unfused (torch ops)"))
                 floor = results[(tokens, mode, "matmul floor")]
                 print(f"* N = {tokens}, {mode}: extra memory {ours['extra'] / ours['logits']:.3f}× the logits "
-                      f"(unfused: {unfused['extra'] / unfused['logits']:.3f}×); time {ours['seconds'] / unfused['seconds']:.2f}× "
-                      f"unfused, {ours['seconds'] / floor['seconds']:.2f}× the matmul floor")
+                      f"(unfused: {unfused['extra'] / unfused['logits']:.3f}×); time "
+                      f"{ours['seconds'] / unfused['seconds']:.2f}× unfused, "
+                      f"{ours['seconds'] / floor['seconds']:.2f}× the matmul floor")
     if not {"(a) verl unfused", "(b) verl FusedLinearForPPO", "otb_torch fused", "matmul floor"} <= set(methods):
         return
     print("\n## Targets (issue 23)\n")

@@ -11,8 +11,10 @@ Runs, on the machine's first GPU:
   5., 6. python benchmarks/bench_fused.py --device cuda …      — the fused LM-head statistics, float32, then bf16
 and writes benchmarks/results/gpu-check-<date>-<gpu>.md with the device, the versions, every command and its output
 — rewritten after each step, so a run cut short (a lease that ends, a step past --step-timeout) keeps what it did.
-On an H200 (2026-11-26) the steps took about 1, 2.5, 1.5, 0.3 and 2 × 2 minutes; ``--quick`` runs the benchmarks
-at one size each, about 6 minutes in all (plus the machine's start and the install).
+On an H200 (2026-11-26) steps 2–4 took 2.6, 1.6 and 0.3 minutes; the rest are estimates from that lease's partial
+runs — step 1 about 1 minute, steps 5 and 6 about 2 each — and ``--quick`` (never run whole yet) about 6 minutes in
+all, plus the machine's start and the install. A second run the same day writes ``…-2.md`` (a resume with ``--skip``
+keeps the first record).
 Exit status: 0 when every step passed, 1 when a step failed or timed out, 2 when no GPU is visible (nothing was
 checked).
 """
@@ -24,6 +26,7 @@ import datetime
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -32,29 +35,48 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(command: list[str], environment: dict | None = None, timeout: float | None = None) -> tuple[int, str]:
-    """(exit status, stdout + stderr); status 124 with what it had printed when it ran past ``timeout`` seconds."""
+    """(exit status, stdout + stderr); status 124 with what it had printed when it ran past ``timeout`` seconds.
+
+    The step runs in a session of its own, and a step past its time is stopped with every process it started (the
+    benchmarks run each method in a subprocess): nothing of it runs on beside the next step."""
     try:
-        completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                                   env={**os.environ, **(environment or {})})
+        process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env={**os.environ, **(environment or {})}, start_new_session=True)
     except FileNotFoundError as exc:
         return 127, str(exc)
-    except subprocess.TimeoutExpired as exc:
-        partial = "".join(part.decode(errors="replace") if isinstance(part, bytes) else (part or "")
-                          for part in (exc.stdout, exc.stderr))
-        return 124, partial.strip() + f"\n[stopped after {timeout:.0f} s (--step-timeout)]"
-    return completed.returncode, (completed.stdout + completed.stderr).strip()
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        stdout, stderr = process.communicate()
+        return 124, (stdout + stderr).strip() + f"\n[stopped after {timeout:.0f} s (--step-timeout)]"
+    return process.returncode, (stdout + stderr).strip()
+
+
+def _step_numbers(text: str) -> set[int]:
+    try:
+        numbers = {int(number) for number in text.split(",") if number.strip()}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated step numbers 1–6, got {text!r}") from None
+    if not numbers <= set(range(1, 7)):
+        raise argparse.ArgumentTypeError(f"steps are numbered 1–6, got {sorted(numbers - set(range(1, 7)))}")
+    return numbers
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     parser.add_argument("--step-timeout", type=float, default=1200.0, help="seconds one step may run (default 1200)")
-    parser.add_argument("--skip", default="", help="comma-separated step numbers (1–6) not to run")
+    parser.add_argument("--skip", type=_step_numbers, default=set(),
+                        help="comma-separated step numbers (1–6) not to run")
     parser.add_argument("--quick", action="store_true",
                         help="benchmarks at one size each (256×8×4096; N = 4096, 2 repeats): about 6 minutes on an "
                              "H200 instead of 10, for a lease of 15 minutes of device time")
     args = parser.parse_args()
-    skipped = {int(number) for number in args.skip.split(",") if number.strip()}
+    skipped = args.skip
     code, smi = run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
     try:
         import torch
@@ -89,6 +111,10 @@ def main() -> int:
     slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu_name).strip("-").lower()
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"gpu-check-{stamp}-{slug}.md")
+    attempt = 1
+    while os.path.exists(path):             # a second run that day (a resume with --skip) keeps the first record
+        attempt += 1
+        path = os.path.join(args.out, f"gpu-check-{stamp}-{slug}-{attempt}.md")
     header = (f"# GPU check, {stamp}\n\nCommand: `{' '.join(['python benchmarks/gpu_check.py', *sys.argv[1:]])}`\n\n"
               f"* device: {gpu_name} ({smi if code == 0 else 'nvidia-smi unavailable'})\n"
               + "".join(f"* {name}: {value}\n" for name, value in versions.items()) + "\n")
@@ -98,13 +124,16 @@ def main() -> int:
         if number in skipped:
             continue
         print(f"gpu_check: {number}. {title} …", flush=True)
+        shown = " ".join(command[1:] if command[0] == sys.executable else command)
+        with open(path, "w", encoding="utf-8") as handle:       # a run cut off in this step still says it began it
+            handle.write(header + "\n".join([*sections, f"## {number}. {title} — started, not finished\n\n"
+                                                         f"```\n$ {shown}\n```\n"]))
         started = time.perf_counter()
         status, output = run(command, environment, args.step_timeout)
         failed |= status != 0
         prefix = " ".join(f"{k}={v}" for k, v in (environment or {}).items())
         verdict = "passed" if status == 0 else f"FAILED (exit {status})"
         print(f"gpu_check: {number}. {verdict} in {time.perf_counter() - started:.0f} s\n{output[-3000:]}", flush=True)
-        shown = " ".join(command[1:] if command[0] == sys.executable else command)
         sections.append(f"## {number}. {title} — {verdict}, {time.perf_counter() - started:.0f} s\n\n"
                         f"```\n$ {prefix + ' ' if prefix else ''}{shown}\n{output[-20000:]}\n```\n")
         with open(path, "w", encoding="utf-8") as handle:       # after every step: a cut-short run keeps its record

@@ -204,10 +204,23 @@ def test_bad_types_raise_naming_the_argument():
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# CUDA (skipped cleanly without a GPU): the same bounds as on the CPU — torch's defaults keep float32 matmuls in
-# float32 (no TF32 unless the caller allows it), and the port adds no precision setting of its own
+# CUDA (skipped cleanly without a GPU): the same bounds as on the CPU under torch's default float32 matmul precision
+# (no TF32; the port follows the caller's setting and adds none of its own)
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible to torch")
+
+
+@contextlib.contextmanager
+def _float32_matmuls():
+    """torch's default float32 matmul precision ("highest", no TF32) for the test, whatever was set before it."""
+    precision, tf32 = torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 @pytest.mark.gpu
@@ -215,7 +228,9 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUD
 @settings(max_examples=40, deadline=None)
 @given(case=otb_st.lm_head_inputs(), dtype=st.sampled_from(["float32", "float64", "bfloat16"]), block=blocks)
 def test_cuda_values_and_gradients_equal_the_reference(case, dtype, block):
-    stats, hidden, weight = _run(case, DTYPES[dtype], chunk_size=block[0], vocab_chunk_size=block[1], device="cuda")
+    with _float32_matmuls():
+        stats, hidden, weight = _run(case, DTYPES[dtype], chunk_size=block[0], vocab_chunk_size=block[1],
+                                     device="cuda")
     _assert_matches_reference(case, DTYPES[dtype], stats, hidden, weight)
 
 
@@ -230,9 +245,11 @@ def test_cuda_default_blocks_at_a_realistic_size_equal_the_reference():
         hidden=generator.standard_normal((tokens, hidden_size)).astype(np.float32).astype(np.float64),
         weight=(0.02 * generator.standard_normal((vocab, hidden_size))).astype(np.float32).astype(np.float64),
         token_ids=generator.integers(0, vocab, tokens), temperature=0.7,
-        log_probs_cotangent=generator.standard_normal(tokens), entropy_cotangent=0.01 * generator.standard_normal(tokens))
+        log_probs_cotangent=generator.standard_normal(tokens),
+        entropy_cotangent=0.01 * generator.standard_normal(tokens))
     rows, columns = otb_torch._fused._blocks(tokens, vocab, torch.device("cuda"), torch.float32, torch.float32,
                                              hidden_size, None, None)
     assert rows * columns < tokens * vocab                            # more than one block: the online rescaling runs
-    stats, hidden, weight = _run(case, torch.float32, device="cuda")
+    with _float32_matmuls():
+        stats, hidden, weight = _run(case, torch.float32, device="cuda")
     _assert_matches_reference(case, torch.float32, stats, hidden, weight)

@@ -95,9 +95,9 @@ def _plan(index: np.ndarray, num_groups: int) -> tuple[np.ndarray, tuple[Run, ..
 def segments_from_index(index: Any, device: torch.device | str | None = None) -> Segments:
     """Map arbitrary group ids (a NumPy array of any hashable ids, a list, or an integer tensor) to segments.
 
-    Uses the reference's :func:`otb_spec.group_segments` on the host (the partition verl's dict of ids builds), numbers
-    the groups in order of first appearance, plans the blocks (:class:`Segments`), and copies the result to ``device``
-    once. An integer tensor is mapped with ``torch.unique`` on its own device and planned on the host (one
+    Uses the reference's :func:`otb_spec.group_segments` on the host (the partition verl's dict of ids builds) — for
+    strings (verl's uids) the same partition from one dict pass — numbers the groups in order of first appearance,
+    plans the blocks (:class:`Segments`), and copies the result to ``device`` once. An integer tensor is mapped with ``torch.unique`` on its own device and planned on the host (one
     synchronisation).
     """
     if isinstance(index, Segments):

@@ -28,13 +28,15 @@ when the hidden states are half precision) — nothing that grows with N·V. The
 buffers (of the order of one block's operands); benchmarks/bench_fused.py measures the whole peak.
 
 bf16/fp16 inputs are accumulated in float32 (float64 inputs in float64); log π, entropy and Σπ² are returned in that
-precision, Σπ² detached (OTB uses it as a constant). The float32 matmuls follow torch's own setting
-(``torch.backends.cuda.matmul.allow_tf32``, off by default): with TF32 allowed, the float32 error bounds do not hold.
+precision, Σπ² detached (OTB uses it as a constant). The float32 matmuls follow torch's own settings
+(``torch.set_float32_matmul_precision``, ``torch.backends.cuda.matmul.allow_tf32``; "highest" and off by default):
+with TF32 or bf16 passes allowed, the float32 error bounds do not hold.
 
 On CUDA (measured once, H200, H = 4096, V = 152 064, N = 4096; benchmarks/results/gpu-check-2026-11-26-nvidia-h200.md):
-float32 inputs run at 1.05–1.10× the time of the matmuls alone; **bf16 inputs run 7× slower than materialising the
-logits**, since each block is upcast to float32 before its matmuls (no tensor cores): with bf16 weights on a GPU,
-materialising the logits is faster where they fit, and what the fused kernel buys there is memory.
+float32 inputs run at 1.05–1.10× the time of the matmuls alone; **bf16 inputs run 4.7× (forward) to 7.3× (forward +
+backward) slower than materialising the logits**, since each block is upcast to float32 before its matmuls (no
+tensor cores): with bf16 weights on a GPU, materialising the logits is faster where they fit, and what the fused
+kernel buys there is memory.
 """
 
 from __future__ import annotations
