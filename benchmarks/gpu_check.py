@@ -7,12 +7,14 @@ Runs, on the machine's first GPU:
      CUDA graphs, the fused LM-head statistics on CUDA and JAX-GPU, …)
   2. OTB_ADAPTERS=torch-cuda,jax-gpu python -m pytest -q tests/test_adapters.py   — the shared equivalence suite
   3. python benchmarks/bench_torch.py --device cuda            — vs the loop pattern and a device-to-device copy
-  4. python benchmarks/bench_jax.py --device gpu               — jit'd OTB and Σπ² at [4096, 152064] bf16 vs a copy
+  4. python benchmarks/bench_jax.py --device gpu               — jit'd OTB and Σπ² at [4096, 152064] bf16 vs a copy,
+     and the fused LM-head statistics (bf16, N = H = 4096) against the logits materialised
   5., 6. python benchmarks/bench_fused.py --device cuda …      — the fused LM-head statistics, float32, then bf16
 and writes benchmarks/results/gpu-check-<date>-<gpu>.md with the device, the versions, every command and its output
 — rewritten after each step, so a run cut short (a lease that ends, a step past --step-timeout) keeps what it did.
-On an H200 (2026-11-26) steps 2–4 took 2.6, 1.6 and 0.3 minutes; the rest are estimates from that lease's partial
-runs — step 1 about 1 minute, steps 5 and 6 about 2 each — and ``--quick`` (never run whole yet) about 6 minutes in
+On an H200 (2026-11-26) steps 2–4 took 2.6, 1.6 and 0.3 minutes (step 4 before it measured the fused statistics:
+four more programs to compile, perhaps a minute more); the rest are estimates from that lease's partial runs — step 1
+about 1 minute, steps 5 and 6 about 2 each — and ``--quick`` (never run whole yet) about 6 minutes in
 all, plus the machine's start and the install. A second run the same day writes ``…-2.md`` (a resume with ``--skip``
 keeps the first record).
 Exit status: 0 when every step passed, 1 when a step failed or timed out, 2 when no GPU is visible (nothing was
