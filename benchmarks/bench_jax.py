@@ -9,10 +9,12 @@
    against the reference (CPU) or a device-to-device copy (GPU).
 3. the fused LM-head statistics (``otb_jax.fused_linear_token_statistics``: log π, entropy, Σπ² from hidden [N, H]
    and W [V, H], bf16 on a GPU and float32 on CPU; N = 4096, H = 4096 on a GPU, 512 and 256 on CPU) against the
-   logits materialised in the same program (``h·Wᵀ`` in float32, then log_softmax + gather, lse − Σ π·z and
+   logits materialised in the same program (``h·Wᵀ`` in float32, then z_y − lse, lse − Σ π·z and
    exp(lse(2z) − 2·lse(z))), forward and forward + backward (``jax.grad`` of Σ g_lp·log π + g_H·H with respect to h
-   and W), with each compiled program's temporary memory (XLA's ``memory_analysis().temp_size_in_bytes``: what the
-   program allocates beyond its arguments and outputs) against the fp32 logits.
+   and W, Σπ² returned beside it), with each compiled program's temporary memory (XLA's
+   ``memory_analysis().temp_size_in_bytes``: the planned peak of the buffers live at once beyond the arguments,
+   outputs and constants — a compile-time plan, not a measured peak; on a GPU it includes the matmul library's
+   workspace) against the fp32 logits, and the largest difference between the two programs' outputs.
 Compilation is excluded (one warm-up call); times are medians of --repeats runs.
 """
 
@@ -94,7 +96,6 @@ def bench_otb(args: argparse.Namespace, device, rng: np.random.Generator) -> Non
               "copy")
 
 
-
 def bench_sum_pi_squared(args: argparse.Namespace, device, rng: np.random.Generator, vocab: int) -> None:
     logits = jax.device_put(jnp.asarray(rng.normal(scale=3.0, size=(4096, vocab)), dtype=jnp.bfloat16), device)
     print(f"Σπ² of [4096, {vocab}] bfloat16 logits ({logits.size * 2 / 2**20:.0f} MiB)")
@@ -108,7 +109,6 @@ def bench_sum_pi_squared(args: argparse.Namespace, device, rng: np.random.Genera
     else:
         copy = timed(lambda: logits + jnp.bfloat16(0), args.repeats)
         print(f"  device-to-device copy of the logits {copy * 1e3:8.2f} ms → Σπ² takes {spp_time / copy:.1f}× the copy")
-
 
 
 def _materialised(hidden, weight, ids):
@@ -130,31 +130,39 @@ def bench_fused(args: argparse.Namespace, device, rng: np.random.Generator, voca
     gpu = args.device == "gpu"
     tokens, hidden_size = args.tokens or (4096 if gpu else 512), args.hidden or (4096 if gpu else 256)
     dtype = jnp.bfloat16 if gpu else jnp.float32
-    hidden = jax.device_put(jnp.asarray(rng.normal(size=(tokens, hidden_size)), dtype=dtype), device)
-    weight = jax.device_put(jnp.asarray(0.02 * rng.normal(size=(vocab, hidden_size)), dtype=dtype), device)
+
+    def normal(shape, scale=1.0):
+        return jax.device_put(jnp.asarray(scale * rng.standard_normal(shape, dtype=np.float32), dtype=dtype), device)
+
+    hidden, weight = normal((tokens, hidden_size)), normal((vocab, hidden_size), 0.02)
     ids = jax.device_put(jnp.asarray(rng.integers(0, vocab, tokens)), device)
-    g_lp = jax.device_put(jnp.asarray(rng.normal(size=tokens), dtype=jnp.float32), device)
-    g_h = jax.device_put(jnp.asarray(0.01 * rng.normal(size=tokens), dtype=jnp.float32), device)
+    g_lp = jax.device_put(jnp.asarray(rng.standard_normal(tokens, dtype=np.float32)), device)
+    g_h = jax.device_put(jnp.asarray(0.01 * rng.standard_normal(tokens, dtype=np.float32)), device)
     logits_bytes = tokens * vocab * 4
     print(f"fused LM-head statistics, N = {tokens}, H = {hidden_size}, V = {vocab}, {jnp.dtype(dtype).name} "
           f"(fp32 logits: {logits_bytes / 2**20:.0f} MiB)")
-    times = {}
+    times, outputs = {}, {}
     for name, statistics in (("materialised logits", _materialised), ("otb_jax fused", _fused)):
         def loss(h, w, statistics=statistics):
-            log_probs, entropy, _ = statistics(h, w, ids)
-            return (log_probs * g_lp + entropy * g_h).sum()
+            log_probs, entropy, spp = statistics(h, w, ids)
+            return (log_probs * g_lp + entropy * g_h).sum(), spp          # Σπ² computed in both programs
+
         for mode, program in (("forward", jax.jit(statistics)),
-                              ("forward + backward", jax.jit(jax.grad(loss, argnums=(0, 1))))):
+                              ("forward + backward", jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True)))):
             arguments = (hidden, weight, ids) if mode == "forward" else (hidden, weight)
-            temporary = program.lower(*arguments).compile().memory_analysis().temp_size_in_bytes
-            seconds = timed(lambda: program(*arguments), args.repeats)
+            compiled = program.lower(*arguments).compile()
+            temporary = compiled.memory_analysis().temp_size_in_bytes
+            seconds = timed(lambda: compiled(*arguments), args.repeats)
             times[(name, mode)] = seconds
+            outputs[(name, mode)] = jax.tree_util.tree_leaves(compiled(*arguments))
             print(f"  {name:20s} {mode:18s} {seconds * 1e3:9.2f} ms   temporary memory "
                   f"{temporary / 2**20:8.1f} MiB = {temporary / logits_bytes:.3f}× the logits")
     for mode in ("forward", "forward + backward"):
         ratio = times[("otb_jax fused", mode)] / times[("materialised logits", mode)]
-        print(f"  {mode}: fused takes {ratio:.2f}× the materialised program's time")
-
+        difference = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                         for a, b in zip(outputs[("otb_jax fused", mode)], outputs[("materialised logits", mode)]))
+        print(f"  {mode}: fused takes {ratio:.2f}× the materialised program's time; "
+              f"max |fused − materialised| over its outputs {difference:.1e}")
 
 if __name__ == "__main__":
     main()
