@@ -486,3 +486,73 @@ def test_global_group_ids_bad_id_on_one_rank_raises_on_every_rank(pool):
     outcomes = pool.run("global_group_ids", "world", [dict(ids=ids) for ids in local])
     for _, kind, message in _errors(outcomes, range(4)):
         assert kind == "ValueError" and ("NaN" in message or "rank 1" in message), message
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# One rank on the backend's own device: gloo on the CPU here; NCCL on a CUDA device where there is one (the path a
+# multi-GPU trainer takes: the handshake and the grid's all-reduce on the inputs' device). In a fresh process with a
+# world of one, so that no process group of this test process is touched and a collective cannot hang the suite.
+
+_ONE_RANK = r"""
+import datetime, os, sys
+import numpy as np, torch, torch.distributed as dist
+from otb_torch import distributed as otb_dist
+backend, device, folder, port = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                        timeout=datetime.timedelta(seconds=60))
+inputs = np.load(os.path.join(folder, "inputs.npz"))
+on = {name: torch.as_tensor(inputs[name], device=device) for name in inputs.files}
+for case in ("self-inclusive", "leave-one-out", "multi-turn", "context parallel"):
+    options = dict(leave_one_out=case == "leave-one-out", align="valid_token" if case == "multi-turn" else "position")
+    if case == "context parallel":
+        options["context_group"] = dist.group.WORLD
+    result = otb_dist.distributed_token_baseline(on["rewards"], on["mask"], on["ids"], on["log_probs"], on["spp"],
+                                                 num_groups=int(inputs["ids"].max()) + 1, is_weights=on["weights"],
+                                                 timeout=60.0, **options)
+    assert result.advantages.device.type == torch.device(device).type, (case, result.advantages.device)
+    np.savez(os.path.join(folder, case + ".npz"), advantages=result.advantages.cpu().numpy(),
+             returns=result.returns.cpu().numpy())
+dist.destroy_process_group()
+"""
+
+
+def _nccl_usable() -> bool:
+    return torch.cuda.is_available() and torch.distributed.is_nccl_available()
+
+
+@pytest.mark.parametrize("backend, device", [
+    pytest.param("gloo", "cpu", id="gloo-cpu"),
+    pytest.param("nccl", "cuda", id="nccl-cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not _nccl_usable(), reason="no CUDA device with NCCL visible to torch")]),
+])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_one_rank_on_the_backends_device_equals_the_reference(tmp_path, backend, device, dtype):
+    import socket
+    import subprocess
+    import sys
+
+    batch = _fixed_batch(rows=8, positions=6, seed=11)
+    ids = group_segments(batch.group_ids).index
+    cast = {name: np.asarray(value, dtype=dtype) for name, value in dict(
+        rewards=batch.rewards, mask=batch.response_mask, log_probs=batch.log_probs, spp=batch.sum_pi_squared,
+        weights=batch.is_weights).items()}
+    np.savez(tmp_path / "inputs.npz", ids=ids, **cast)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    completed = subprocess.run([sys.executable, "-c", _ONE_RANK, backend, device, str(tmp_path), str(port)],
+                               capture_output=True, text=True, timeout=180)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    exact = dataclasses.replace(batch, **{field: cast[name] for field, name in (
+        ("rewards", "rewards"), ("response_mask", "mask"), ("log_probs", "log_probs"), ("sum_pi_squared", "spp"),
+        ("is_weights", "weights"))})
+    for case in ("self-inclusive", "leave-one-out", "multi-turn", "context parallel"):
+        leave_one_out, align = case == "leave-one-out", "valid_token" if case == "multi-turn" else "position"
+        expected = _reference(exact, ids, align=align, leave_one_out=leave_one_out, epsilon=1e-8)
+        advantage_tol, returns_tol = otb_comparison_tolerance(
+            exact.rewards, exact.response_mask, ids, exact.log_probs, exact.sum_pi_squared,
+            is_weights=exact.is_weights, align=align, leave_one_out=leave_one_out, handle_zero_tail=not leave_one_out,
+            epsilon=1e-8, compute_dtype=np.dtype(dtype))
+        got = np.load(tmp_path / f"{case}.npz")
+        advantage_tol.assert_close(got["advantages"], expected.advantages, f"{backend} {case} advantages")
+        returns_tol.assert_close(got["returns"], expected.returns, f"{backend} {case} returns")
