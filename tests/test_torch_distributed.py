@@ -9,6 +9,9 @@ tokens, uneven shards, a context piece of one column. Bad input must raise on ev
 from __future__ import annotations
 
 import dataclasses
+import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -527,10 +530,6 @@ def _nccl_usable() -> bool:
 ])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_one_rank_on_the_backends_device_equals_the_reference(tmp_path, backend, device, dtype):
-    import socket
-    import subprocess
-    import sys
-
     batch = _fixed_batch(rows=8, positions=6, seed=11)
     ids = group_segments(batch.group_ids).index
     cast = {name: np.asarray(value, dtype=dtype) for name, value in dict(
