@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Segments", "group_segments", "segment_sums"]
+__all__ = ["Segments", "first_appearance_labels", "group_segments", "segment_sums"]
 
 
 @dataclass(frozen=True)
@@ -106,14 +106,22 @@ def _factorize(ids: np.ndarray, name: str) -> np.ndarray:
         return inverse.reshape(-1).astype(np.int64)
     except TypeError:
         pass  # unorderable mix (e.g. str and None, or objects without "<"): fall back to hashing, like verl's dict
+    return first_appearance_labels(ids.tolist(), name)
+
+
+def first_appearance_labels(keys: list, name: str = "group_ids") -> np.ndarray:
+    """[B] int64 labels of hashable ``keys``, numbered 0, 1, … in order of first appearance — one dict pass, the
+    partition verl's dict of ids builds. A TypeError names the position of the first unhashable key."""
     table: dict[Any, int] = {}
-    inverse = np.empty(ids.shape[0], dtype=np.int64)
-    for position, key in enumerate(ids.tolist()):
-        try:
-            inverse[position] = table.setdefault(key, len(table))
-        except TypeError as exc:
-            raise TypeError(f"{name}: id at position {position} is not hashable ({type(key).__name__})") from exc
-    return inverse
+    try:
+        return np.fromiter((table.setdefault(key, len(table)) for key in keys), dtype=np.int64, count=len(keys))
+    except TypeError:
+        for position, key in enumerate(keys):
+            try:
+                hash(key)
+            except TypeError as exc:
+                raise TypeError(f"{name}: id at position {position} is not hashable ({type(key).__name__})") from exc
+        raise
 
 
 def segment_sums(values: np.ndarray, segments: Segments) -> np.ndarray:

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from otb_spec.groups import group_segments
+from otb_spec.groups import first_appearance_labels, group_segments
 
 __all__: list[str] = []
 
@@ -97,8 +97,8 @@ def segments_from_index(index: Any, device: torch.device | str | None = None) ->
 
     Uses the reference's :func:`otb_spec.group_segments` on the host (the partition verl's dict of ids builds) — for
     strings (verl's uids) the same partition from one dict pass — numbers the groups in order of first appearance,
-    plans the blocks (:class:`Segments`), and copies the result to ``device`` once. An integer tensor is mapped with ``torch.unique`` on its own device and planned on the host (one
-    synchronisation).
+    plans the blocks (:class:`Segments`), and copies the result to ``device`` once. An integer tensor is mapped with
+    ``torch.unique`` on its own device and planned on the host (one synchronisation).
     """
     if isinstance(index, Segments):
         return index if device is None else index.to(device)
@@ -135,8 +135,7 @@ def _string_labels(ids: np.ndarray) -> np.ndarray | None:
     keys = ids.tolist()
     if ids.dtype.kind == "O" and not all(type(key) is str for key in keys):
         return None
-    table: dict[Any, int] = {}
-    return np.fromiter((table.setdefault(key, len(table)) for key in keys), dtype=np.int64, count=len(keys))
+    return first_appearance_labels(keys, "index")
 
 
 def segment_sum(values: torch.Tensor, segments: Segments) -> torch.Tensor:
