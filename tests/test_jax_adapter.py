@@ -13,13 +13,7 @@ jnp = jax.numpy
 import otb_spec as otb  # noqa: E402
 from otb_jax._core import otb_pipeline_jit  # noqa: E402
 from otb_spec.examples import example_batch  # noqa: E402
-
-
-def _gpu_available() -> bool:
-    try:
-        return len(jax.devices("gpu")) > 0
-    except RuntimeError:
-        return False
+from accelerators import requires_jax_gpu  # noqa: E402
 
 
 def _inputs(seed: int = 0):
@@ -174,7 +168,7 @@ def test_errors_name_the_argument():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _gpu_available(), reason="no GPU visible to JAX on this machine")
+@requires_jax_gpu
 def test_gpu_matches_cpu():
     batch, arrays, ids, count = _inputs()
     gpu = jax.devices("gpu")[0]

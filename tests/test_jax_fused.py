@@ -22,6 +22,7 @@ import otb_spec as otb  # noqa: E402
 from otb_spec import strategies as otb_st  # noqa: E402
 from otb_spec.lm_head import lm_head_logits, logit_cotangent  # noqa: E402
 from otb_spec.tolerances import hidden_comparison_tolerances, summation_tolerance  # noqa: E402
+from accelerators import requires_jax_gpu  # noqa: E402
 
 LEAD, HIDDEN, VOCAB = (2, 5), 8, 23
 CASES = otb_st.lm_head_inputs(lead_shapes=[LEAD], min_hidden_size=HIDDEN, max_hidden_size=HIDDEN,
@@ -272,15 +273,8 @@ def test_inside_a_trace_values_are_unknown_and_an_id_outside_the_vocabulary_give
 # float32 matmuls run in TF32 (10-bit mantissa), which float32's bounds do not cover; with "float32" precision they do.
 
 
-def _gpu_available() -> bool:
-    try:
-        return len(jax.devices("gpu")) > 0
-    except RuntimeError:
-        return False
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _gpu_available(), reason="no GPU visible to JAX on this machine")
+@requires_jax_gpu
 @settings(max_examples=15, deadline=None)
 @given(case=CASES, chunking=st.sampled_from(CHUNKINGS), dtype=st.sampled_from(["float32", "bfloat16"]))
 def test_gpu_values_and_gradients_equal_the_reference(case, chunking, dtype):

@@ -531,7 +531,7 @@ def test_populating_a_fresh_output_changes_no_value_and_saves_its_page_faults():
 def test_populating_in_shares_maps_every_whole_page_once_and_skips_mapped_memory(monkeypatch, offset):
     """The shares' ranges are page-aligned, inside the tensor, disjoint, and together every whole page of it; a tensor
     without a whole page gets no call; a share whose first page is mapped (reused memory) is not walked."""
-    madvise, mincore = _native._memory_calls()
+    _, mincore = _native._memory_calls()
     calls = []
     monkeypatch.setitem(_native._STATE, "memory calls",
                         (lambda start, length, advice: calls.append((start, length, advice)) or 0, mincore))
