@@ -104,10 +104,45 @@ static inline otb_vf otb_expv(otb_vf x) {
     return otb_select(above, value, otb_select(x != x, x, zero));
 }
 
+/* Software prefetching of the next member row while this row is computed. A row's first reads of its inputs come
+ * from memory (the batch is far larger than the caches); left to the hardware prefetcher they stall the passes that
+ * make them (the mask pass, the exponential, the value checks; likewise the first writes of the returns), while the
+ * arithmetic passes after them run from cache with the memory idle. So the loops of the arithmetic-heavy passes (the
+ * exponential and the two scans, over the row's valid span) issue the next row's cache-line prefetches, round-robin
+ * over its arrays, spread evenly over their 16-position steps (`step` per step), and what is left when the row is
+ * done (a rounding remainder, or a row without valid tokens) is issued at once. A prefetch is a hint: it changes no
+ * value and does not fault; the addresses lie inside the next row's arrays. Measured: docs/performance.md. */
+#define OTB_PREFETCH_ARRAYS 7
+#define OTB_LINE 64
+typedef struct {
+    const char *at[OTB_PREFETCH_ARRAYS];      /* the next row's arrays, `arrays` of them; at[0], at[1] written */
+    int64_t lines[OTB_PREFETCH_ARRAYS];       /* … and their lengths in cache lines */
+    int arrays, array;                        /* the next prefetch: line `line` of array `array` */
+    int64_t line, longest;                    /* done when line = longest (the most lines of any array) */
+    int64_t step;                             /* prefetches per 16 positions of the current row's loops */
+} otb_prefetch;
+
+/* The next `count` prefetches (fewer at the end; pf NULL or done: none). */
+static inline void otb_prefetch_lines(otb_prefetch *pf, int64_t count) {
+    if (!pf) return;
+    for (; count > 0 && pf->line < pf->longest; --count) {
+        if (pf->line < pf->lines[pf->array]) {
+            const char *address = pf->at[pf->array] + OTB_LINE * pf->line;
+            if (pf->array <= 1) __builtin_prefetch(address, 1, 3);                /* to be written */
+            else __builtin_prefetch(address, 0, 3);
+        }
+        if (++pf->array == pf->arrays) {
+            pf->array = 0;
+            ++pf->line;
+        }
+    }
+}
+
 /* out[t] = exp(min(x[t], 0)), t < count */
-static void otb_exp_row_float(const float *x, float *out, int64_t count) {
+static void otb_exp_row_float(const float *x, float *out, int64_t count, otb_prefetch *pf) {
     int64_t t = 0;
     for (; t + 2 * OTB_LANES <= count; t += 2 * OTB_LANES) {   /* two vectors per step: independent work overlaps */
+        if (pf && (t & 8) == 0) otb_prefetch_lines(pf, pf->step);
         otb_vf u, v;
         memcpy(&u, x + t, sizeof u);
         memcpy(&v, x + t + OTB_LANES, sizeof v);
@@ -130,12 +165,15 @@ static void otb_exp_row_float(const float *x, float *out, int64_t count) {
     }
 }
 
-static void otb_exp_row_double(const double *x, double *out, int64_t count) {
-    for (int64_t t = 0; t < count; ++t) out[t] = x[t] > 0 ? 1.0 : exp(x[t]);
+static void otb_exp_row_double(const double *x, double *out, int64_t count, otb_prefetch *pf) {
+    for (int64_t t = 0; t < count; ++t) {
+        if (pf && t % 16 == 0) otb_prefetch_lines(pf, pf->step);
+        out[t] = x[t] > 0 ? 1.0 : exp(x[t]);
+    }
 }
 
 /* The exponential the float32 kernel uses, exported for the accuracy test. */
-OTB_EXPORT void otb_expf_array(const float *x, float *out, int64_t count) { otb_exp_row_float(x, out, count); }
+OTB_EXPORT void otb_expf_array(const float *x, float *out, int64_t count) { otb_exp_row_float(x, out, count, 0); }
 
 /* The fused linear token statistics (otb_torch._fused), float32: the elementwise work on one block of logits
  * z [rows, width] (row stride `stride`), rows [begin, end) of it, each row in two reads — the second from cache
@@ -459,11 +497,12 @@ static int FN(otb_check_row)(const T *restrict r, const M *restrict m, const T *
 
 /* mₜWₜ = mₜ(*running + Σ_{lo≤j≤t} eⱼ) in place of the energies e in wm; *running becomes the total */
 static inline void FN(otb_scan_energy)(const T *restrict mv, T *restrict wm, int64_t lo, int64_t hi,
-                                       double *running) {
+                                       double *running, otb_prefetch *pf) {
     typedef FN(otb_tv4) tv4;
     otb_v4d carry = {*running, *running, *running, *running};
     int64_t t = lo;
     for (; t + 16 <= hi; t += 16) {
+        if (pf) otb_prefetch_lines(pf, pf->step);
         otb_v4d p[4];
         for (int k = 0; k < 4; ++k) {
             tv4 e;
@@ -494,11 +533,12 @@ static inline void FN(otb_scan_energy)(const T *restrict mv, T *restrict wm, int
 
 /* Gₜ = *total + Σ_{t≤k<hi} rₖmₖ into gr; *total becomes the row's (piece's) total */
 static inline void FN(otb_scan_returns)(const T *restrict rr, const T *restrict mv, T *restrict gr, int64_t lo,
-                                        int64_t hi, double *total) {
+                                        int64_t hi, double *total, otb_prefetch *pf) {
     typedef FN(otb_tv4) tv4;
     otb_v4d carry = {*total, *total, *total, *total};
     int64_t s = hi;                                             /* positions [lo, s) are left */
     for (; s - 16 >= lo; s -= 16) {
+        if (pf) otb_prefetch_lines(pf, pf->step);
         otb_v4d q[4];
         for (int k = 0; k < 4; ++k) {
             tv4 x, m4;
@@ -574,29 +614,62 @@ static void FN(otb_row_accumulate)(const T *restrict gr, const T *restrict wm, c
     }
 }
 
+/* Prefetching of the row at offset `at` (an element offset into the [B, width] arrays; at < 0: none) while the
+ * current row is computed: for writing, its rows of the returns and of wm when the first sweep writes mₜWₜ into an
+ * output (wm NULL: the energies go to scratch); for reading, its mask, log π, rewards, Σπ² and ρ (when given), in
+ * the order the first sweep reads them. Returns pf, or NULL when there is no next row. */
+static otb_prefetch *FN(otb_prefetch_row)(otb_prefetch *pf, int64_t at, int64_t width, const M *m, const T *lp,
+                                          const T *r, const T *spp, const T *rho, T *ret, T *wm) {
+    if (at < 0) return 0;
+    const int64_t values = width * (int64_t)sizeof(T);
+    pf->at[0] = (const char *)(ret + at);
+    pf->at[1] = (const char *)(wm ? wm + at : ret + at);
+    pf->at[2] = (const char *)(m + at);
+    pf->lines[2] = (width * (int64_t)sizeof(M) + OTB_LINE - 1) / OTB_LINE;
+    pf->at[3] = (const char *)(lp + at);
+    pf->at[4] = (const char *)(r + at);
+    pf->at[5] = (const char *)(spp + at);
+    pf->at[6] = rho ? (const char *)(rho + at) : 0;
+    pf->arrays = rho ? 7 : 6;
+    for (int k = 3; k < pf->arrays; ++k) pf->lines[k] = (values + OTB_LINE - 1) / OTB_LINE;
+    pf->lines[0] = pf->lines[3];
+    pf->lines[1] = wm ? pf->lines[3] : 0;
+    pf->longest = pf->lines[2] > pf->lines[3] ? pf->lines[2] : pf->lines[3];
+    pf->array = 0;
+    pf->line = 0;
+    return pf;
+}
+
 /* The first sweep over one member row (scratch mv, pi: width values each).
  *
  * Writes Gₜ (plus `ret_offset`, the rewards of later context pieces) to gr. With `need_energy`, writes mₜWₜ (Wₜ plus
  * `energy_offset`, the energy of earlier pieces) to wm on the valid span (elsewhere wm is left as it is) and, when
  * num is given, adds the row's terms into the group's columns (otb_row_accumulate). Returns the valid count; ORs the
- * value checks into *bad; with `sums`, stores the scans' last values there (Σmr and Σw, offsets included). */
+ * value checks into *bad; with `sums`, stores the scans' last values there (Σmr and Σw, offsets included). With pf,
+ * prefetches the next row while it runs (otb_prefetch). */
 static int64_t FN(otb_row_first)(const T *restrict rr, const M *restrict mr, const T *restrict lr,
                                  const T *restrict sr, const T *restrict wr, int64_t width, T *restrict gr,
                                  T *restrict wm, T *restrict mv, T *restrict pi, T *restrict num, T *restrict den,
                                  T *restrict cnt, int valid_token, int64_t col0, int64_t columns, double ret_offset,
                                  double energy_offset, int need_energy, int check, T slack_lp, T slack_spp,
-                                 int *bad, double *sums) {
+                                 int *bad, double *sums, otb_prefetch *pf) {
     int64_t lo, hi;
     const int64_t valid = FN(otb_row_mask)(mr, mv, width, &lo, &hi);
-    if (check || need_energy) EXP_ROW(lr + lo, pi + lo, hi - lo);
+    if (pf) {                               /* spread over the 16-position steps of the exponential and the scans */
+        const int64_t steps = (1 + (check || need_energy) + need_energy) * ((hi - lo) / 16) + 1;
+        const int64_t prefetches = pf->longest * pf->arrays;
+        pf->step = (prefetches + steps - 1) / steps;
+    }
+    if (check || need_energy) EXP_ROW(lr + lo, pi + lo, hi - lo, pf);
     if (check) *bad |= FN(otb_check_row)(rr, mr, mv, lr, sr, pi, wr, width, lo, hi, slack_lp, slack_spp);
     double total = ret_offset, running = energy_offset;
-    FN(otb_scan_returns)(rr, mv, gr, lo, hi, &total);
+    FN(otb_scan_returns)(rr, mv, gr, lo, hi, &total, pf);
     if (need_energy) {
         for (int64_t t = lo; t < hi; ++t) wm[t] = mv[t] + mv[t] * (sr[t] - 2 * pi[t]);      /* mₜ(1 − 2πₜ + Σπ²ₜ) */
         if (wr) for (int64_t t = lo; t < hi; ++t) wm[t] = wm[t] * wr[t] * wr[t];
-        FN(otb_scan_energy)(mv, wm, lo, hi, &running);
+        FN(otb_scan_energy)(mv, wm, lo, hi, &running, pf);
     }
+    otb_prefetch_lines(pf, INT64_MAX);                     /* the rest of the next row, at once */
     for (int64_t t = 0; t < lo; ++t) gr[t] = (T)total;
     for (int64_t t = hi; t < width; ++t) gr[t] = (T)ret_offset;
     if (check) *bad |= !((total <= FINITE_MAX) & (total >= -FINITE_MAX));
@@ -810,11 +883,14 @@ OTB_EXPORT int FN(otb_groups)(const T *r, const M *m, const T *lp, const T *spp,
         }
         for (int64_t p = begin; p < end; ++p) {
             const int64_t at = (order ? order[p] : p) * width;
+            const int64_t next = p + 1 < offsets[last_group] ? (order ? order[p + 1] : p + 1) * width : -1;
             T *wm = leave_one_out ? adv + at : energy;         /* leave-one-out reads mₜWₜ again: kept in adv */
+            otb_prefetch prefetch;
             lengths[p] = (T)FN(otb_row_first)(
                 r + at, m + at, lp + at, spp + at, rho ? rho + at : 0, width, ret + at, wm, mv, pi,
                 size > 1 ? num : 0, den, leave_one_out && !valid_token ? cnt : 0, valid_token, 0, width, 0.0, 0.0,
-                size > 1, check, (T)slack_lp, (T)slack_spp, &bad, 0);
+                size > 1, check, (T)slack_lp, (T)slack_spp, &bad, 0,
+                FN(otb_prefetch_row)(&prefetch, next, width, m, lp, r, spp, rho, ret, leave_one_out ? adv : 0));
             if (size == 1) {                                   /* a group of one: B = 0 */
                 const T *gr = ret + at;
                 const M *mr = m + at;
@@ -891,12 +967,15 @@ OTB_EXPORT int FN(otb_dist_first)(const T *r, const M *m, const T *lp, const T *
     int bad = 0;
     for (int64_t p = offsets[first_group]; p < offsets[last_group]; ++p) {
         const int64_t row = rows_in_order[p], at = row * width;
+        const int64_t next = p + 1 < offsets[last_group] ? rows_in_order[p + 1] * width : -1;
         T *num = grid ? OTB_GRID_ROW(group_ids[row_group[row]]) : 0, *den = num ? num + columns : 0;
         T *cnt = num && planes > 2 && !valid_token ? num + 2 * columns : 0;
         double sums[2];
+        otb_prefetch prefetch;
         lengths[row] = FN(otb_row_first)(
             r + at, m + at, lp + at, spp + at, rho ? rho + at : 0, width, ret + at, wm ? wm + at : energy, mv, pi,
-            num, den, cnt, valid_token, 0, columns, 0.0, 0.0, 1, check, (T)slack_lp, (T)slack_spp, &bad, sums);
+            num, den, cnt, valid_token, 0, columns, 0.0, 0.0, 1, check, (T)slack_lp, (T)slack_spp, &bad, sums,
+            FN(otb_prefetch_row)(&prefetch, next, width, m, lp, r, spp, rho, ret, wm));
         if (totals) {
             totals[row] = sums[0];
             totals[rows + row] = sums[1];
