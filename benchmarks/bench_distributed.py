@@ -26,6 +26,9 @@ over ``--repeat`` calls (after one warm-up) of:
   not met, whether this run's floor rules it out: for local compute, its rows in the one-process kernel with the
   ranks running at once (not measured for context parallel); for the whole call, the gloo floor plus the least a
   rank's compute costs (that figure; for context parallel, its share of the one-process time);
+* what a call costs whatever the batch: each case on 2 rows × 16 positions in a gloo world of one process (no peer),
+  against the one-process function — the per-call overhead of the distributed protocol (handshake, plan, grid,
+  statistics), which at small batches is the difference between a rank's local compute and its share;
 * with ``--section vocab``: vocab-parallel Σπ² and the fused (log π, entropy, Σπ²), each rank holding V/P of the
   vocabulary, against ``otb_torch.sum_pi_squared`` / ``token_statistics_from_logits`` in one process.
 
@@ -238,6 +241,49 @@ def _single(args: argparse.Namespace) -> dict:
     return results
 
 
+def _fixed_costs(args: argparse.Namespace) -> dict:
+    """What a call costs whatever the batch: each case on one group of 2 rows × 16 positions, in a gloo world of one
+    process (the collectives stay local; no peer to wait for) against the one-process function on the same rows —
+    median of max(--repeat, 200) calls, one thread."""
+    import datetime as _datetime
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    import otb_torch
+    from otb_torch import distributed as otb_dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                            timeout=_datetime.timedelta(seconds=60))
+    try:
+        def timed(call) -> float:
+            for _ in range(10):
+                call()
+            times = []
+            for _ in range(max(args.repeat, 200)):
+                start = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - start)
+            return statistics.median(times)
+
+        costs = {}
+        for case in _OTB_CASES:
+            holes = case.startswith("multi-turn")
+            rewards, mask, log_probs, spp, ids = (torch.from_numpy(np.asarray(a)) for a in _batch(1, 2, 16, holes))
+            options = dict(context_group=dist.group.WORLD) if case == "context parallel" else dict(
+                leave_one_out=case == "leave-one-out", align="valid_token" if holes else "position")
+            one = _one_process(case)
+            costs[case] = (
+                timed(lambda: otb_dist.distributed_token_baseline(rewards, mask, ids, log_probs, spp, num_groups=1,
+                                                                  **options)),
+                timed(lambda: one(rewards, mask, ids, log_probs, spp)))
+        return costs
+    finally:
+        dist.destroy_process_group()
+
+
 def _bytes_sent(key, size: int, args: argparse.Namespace) -> int:
     """Bytes one rank sends, ring algorithms: all-reduce 2(P−1)/P·S, all-gather (P−1)/P·S (S: the result's size).
     The native path sends the group statistics ([P, 4, G]) and the value verdicts (P) in the grid's float32
@@ -314,6 +360,7 @@ def main() -> None:
           + (f"native ({status.path})" if status.available else f"eager ({status.reason})")
           + f"; median of {args.repeat}; load average {os.getloadavg()[0]:.2f} at start")
     single = _single(args)
+    fixed = _fixed_costs(args) if args.section in ("all", "otb") else {}
     context = multiprocessing.get_context("spawn")
     results = {}
     for size in args.processes:
@@ -343,6 +390,11 @@ def main() -> None:
             else:
                 results[size] = found
     ms = lambda seconds: f"{seconds * 1e3:.2f} ms"  # noqa: E731
+    if fixed:
+        print("\n### What a call costs whatever the batch (1 group × 2 rows × 16 positions, a gloo world of one)\n")
+        print("| case | distributed_token_baseline | the one-process function | difference |\n|---|---|---|---|")
+        for case, (distributed, one) in fixed.items():
+            print(f"| {case} | {ms(distributed)} | {ms(one)} | {ms(distributed - one)} |")
     for size, slowest in results.items():
         print(f"\n### P = {size} ranks (the slowest rank's medians)\n")
         print("| batch | case | one process | rank's share | local compute | ≤ 1.3 × share × one process | "
