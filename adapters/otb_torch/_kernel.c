@@ -110,8 +110,10 @@ static inline otb_vf otb_expv(otb_vf x) {
  * arithmetic passes after them run from cache with the memory idle. So the loops of the arithmetic-heavy passes (the
  * exponential and the two scans, over the row's valid span) issue the next row's cache-line prefetches, round-robin
  * over its arrays, spread evenly over their 16-position steps (`step` per step), and what is left when the row is
- * done (a rounding remainder, or a row without valid tokens) is issued at once. A prefetch is a hint: it changes no
- * value and does not fault; the addresses lie inside the next row's arrays. Measured: docs/performance.md. */
+ * done (a rounding remainder, or a row without valid tokens) is issued at once. Rows the first sweep writes are
+ * hinted for writing (PREFETCHW where the target has it; an ordinary prefetch on baseline x86-64). A prefetch is a
+ * hint: it changes no value and does not fault; the addresses lie inside the next row's arrays. Measured:
+ * docs/performance.md. */
 #define OTB_PREFETCH_ARRAYS 7
 #define OTB_LINE 64
 typedef struct {
@@ -142,7 +144,7 @@ static inline void otb_prefetch_lines(otb_prefetch *pf, int64_t count) {
 static void otb_exp_row_float(const float *x, float *out, int64_t count, otb_prefetch *pf) {
     int64_t t = 0;
     for (; t + 2 * OTB_LANES <= count; t += 2 * OTB_LANES) {   /* two vectors per step: independent work overlaps */
-        if (pf && (t & 8) == 0) otb_prefetch_lines(pf, pf->step);
+        if (pf && t % 16 == 0) otb_prefetch_lines(pf, pf->step);          /* once per 16 positions */
         otb_vf u, v;
         memcpy(&u, x + t, sizeof u);
         memcpy(&v, x + t + OTB_LANES, sizeof v);
