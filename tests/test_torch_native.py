@@ -198,6 +198,82 @@ def test_one_rank_distributed_kernels_equal_the_one_process_kernel(variant, dtyp
             assert torch.equal(value, expected), (variant, options, name)
 
 
+def _build_variant(directory, replacements=(), *defines: str):
+    """The kernel source with textual ``replacements`` (each must match once), built with the loader's first flag set
+    at -O1 (quicker to build; the same code paths) plus ``defines``, and loaded: a test-only library."""
+    import ctypes
+
+    source = _native._SOURCE.read_text()
+    for old, new in replacements:
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    directory.mkdir()
+    (directory / "_kernel.c").write_text(source)      # the file includes itself by this name
+    flags = ["-O1" if flag == "-O3" else flag for flag in _native._variants()[0]] + list(defines)
+    subprocess.run(_native._compiler() + flags + [str(directory / "_kernel.c"), "-o", str(directory / "kernel.so"),
+                                                   "-lm"], check=True, capture_output=True, timeout=300)
+    return ctypes.CDLL(str(directory / "kernel.so"))
+
+
+def _every_sweep(monkeypatch, library) -> list[torch.Tensor]:
+    """Every entry point that prefetches (the one-process sweep of each variant, the distributed first sweep), each
+    compute dtype, a mask read in place of a narrower type and of the compute type, with and without IS weights, with
+    one and with several thread shares (whose first and last rows are the edges of the prefetching), on ``library``:
+    all outputs, in order."""
+    monkeypatch.setitem(_native._STATE, "library", library)
+    monkeypatch.setattr(_native, "ELEMENTS_PER_SHARE", 64)
+    threads, outputs = torch.get_num_threads(), []
+    try:
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            for variant, (function, align, _) in sorted(_VARIANTS.items()):
+                batch = _batch(11, "scattered-unequal", align == "valid_token")
+                for dtype, mask_dtype in ((torch.float32, torch.bool), (torch.float64, torch.float64)):
+                    tensors = [torch.as_tensor(np.asarray(getattr(batch, name))).to(dtype)
+                               for name in ("rewards", "log_probs", "sum_pi_squared", "is_weights")]
+                    mask = torch.as_tensor(np.asarray(batch.response_mask)).to(mask_dtype)
+                    for weights in (tensors[3], None):
+                        outputs += getattr(otb_torch, function)(tensors[0], mask, batch.group_ids, tensors[1],
+                                                                tensors[2], is_weights=weights, epsilon=1e-8)
+                outputs += _one_rank(batch, variant, torch.float32, epsilon=1e-8)
+    finally:
+        torch.set_num_threads(threads)
+    return outputs
+
+
+@needs_native
+def test_the_next_row_prefetched_is_the_row_computed_next(monkeypatch, tmp_path):
+    """The kernel prefetches the next member row while it computes one (issue 25). A wrong address cannot fault nor
+    change a value, so a build with OTB_PREFETCH_CHECK verifies it instead: after each row, the row the sweep computes
+    next must be the one the cursor described — each array's base, its length in cache lines (the mask's in its own
+    type), the output rows the sweep writes — with every line issued. It does, for every sweep that prefetches, and
+    the checked build computes bitwise what the shipped one does. Shown to fail (planted into the source): the current
+    row prefetched instead of the next one, in the one-process and in the distributed sweep; the mask's lines counted
+    in the compute type's size."""
+    checked = _build_variant(tmp_path / "checked", (), "-DOTB_PREFETCH_CHECK")
+    shipped = _native._load()[0]
+    got = _every_sweep(monkeypatch, checked)
+    assert checked.otb_prefetch_check_errors() == 0
+    expected = _every_sweep(monkeypatch, shipped)
+    assert len(got) == len(expected)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    plants = {
+        "one process, this row again": (
+            "const int64_t next = p + 1 < offsets[last_group] ? (order ? order[p + 1] : p + 1) * width : -1;",
+            "const int64_t next = p + 1 < offsets[last_group] ? (order ? order[p] : p) * width : -1;"),
+        "distributed, this row again": (
+            "const int64_t next = p + 1 < offsets[last_group] ? rows_in_order[p + 1] * width : -1;",
+            "const int64_t next = p + 1 < offsets[last_group] ? rows_in_order[p] * width : -1;"),
+        "the mask's lines in T's size": (
+            "pf->lines[2] = (width * (int64_t)sizeof(M) + OTB_LINE - 1) / OTB_LINE;",
+            "pf->lines[2] = (width * (int64_t)sizeof(T) + OTB_LINE - 1) / OTB_LINE;"),
+    }
+    for number, (name, replacement) in enumerate(plants.items()):
+        planted = _build_variant(tmp_path / f"planted{number}", [replacement], "-DOTB_PREFETCH_CHECK")
+        _every_sweep(monkeypatch, planted)
+        assert planted.otb_prefetch_check_errors() > 0, name
+
+
 @needs_native
 @pytest.mark.bitexact
 @pytest.mark.parametrize("variant", sorted(_VARIANTS))

@@ -124,6 +124,15 @@ typedef struct {
     int64_t step;                             /* prefetches per 16 positions of the current row's loops */
 } otb_prefetch;
 
+#ifdef OTB_PREFETCH_CHECK
+/* Test builds only (tests/test_torch_native.py): each row's cursor, once the row is done, is kept per thread, and the
+ * next row the sweep computes must be the one it described — every array's base and length in lines, the arrays the
+ * row writes included — with every line issued; a mismatch counts one error. */
+static int64_t otb_prefetch_errors;
+static __thread otb_prefetch otb_prefetch_done;           /* arrays = 0: no row described */
+OTB_EXPORT int64_t otb_prefetch_check_errors(void) { return __atomic_load_n(&otb_prefetch_errors, __ATOMIC_SEQ_CST); }
+#endif
+
 /* The next `count` prefetches (fewer at the end; pf NULL or done: none). */
 static inline void otb_prefetch_lines(otb_prefetch *pf, int64_t count) {
     if (!pf) return;
@@ -642,6 +651,26 @@ static otb_prefetch *FN(otb_prefetch_row)(otb_prefetch *pf, int64_t at, int64_t 
     return pf;
 }
 
+#ifdef OTB_PREFETCH_CHECK
+/* Test builds: does the previous row's cursor describe this row (rr, mr, lr, sr, wr its inputs, gr its returns, wm its
+ * energies when they go to an output row)? */
+static void FN(otb_prefetch_verify)(const T *rr, const M *mr, const T *lr, const T *sr, const T *wr, const T *gr,
+                                    const T *wm, int64_t width) {
+    const otb_prefetch *e = &otb_prefetch_done;
+    if (e->arrays == 0) return;
+    const int64_t values = (width * (int64_t)sizeof(T) + OTB_LINE - 1) / OTB_LINE;
+    const int64_t mask = (width * (int64_t)sizeof(M) + OTB_LINE - 1) / OTB_LINE;
+    int ok = e->at[0] == (const char *)gr && e->lines[0] == values;
+    ok &= e->lines[1] == 0 || (e->at[1] == (const char *)wm && e->lines[1] == values);
+    ok &= e->at[2] == (const char *)mr && e->lines[2] == mask;
+    ok &= e->at[3] == (const char *)lr && e->at[4] == (const char *)rr && e->at[5] == (const char *)sr;
+    ok &= e->lines[3] == values && e->lines[4] == values && e->lines[5] == values;
+    ok &= wr ? e->arrays == 7 && e->at[6] == (const char *)wr && e->lines[6] == values : e->arrays == 6;
+    ok &= e->line == e->longest;
+    if (!ok) __atomic_fetch_add(&otb_prefetch_errors, 1, __ATOMIC_SEQ_CST);
+}
+#endif
+
 /* The first sweep over one member row (scratch mv, pi: width values each).
  *
  * Writes Gₜ (plus `ret_offset`, the rewards of later context pieces) to gr. With `need_energy`, writes mₜWₜ (Wₜ plus
@@ -655,6 +684,9 @@ static int64_t FN(otb_row_first)(const T *restrict rr, const M *restrict mr, con
                                  T *restrict cnt, int valid_token, int64_t col0, int64_t columns, double ret_offset,
                                  double energy_offset, int need_energy, int check, T slack_lp, T slack_spp,
                                  int *bad, double *sums, otb_prefetch *pf) {
+#ifdef OTB_PREFETCH_CHECK
+    FN(otb_prefetch_verify)(rr, mr, lr, sr, wr, gr, wm, width);
+#endif
     int64_t lo, hi;
     const int64_t valid = FN(otb_row_mask)(mr, mv, width, &lo, &hi);
     if (pf) {                               /* spread over the 16-position steps of the exponential and the scans */
@@ -672,6 +704,10 @@ static int64_t FN(otb_row_first)(const T *restrict rr, const M *restrict mr, con
         FN(otb_scan_energy)(mv, wm, lo, hi, &running, pf);
     }
     otb_prefetch_lines(pf, INT64_MAX);                     /* the rest of the next row, at once */
+#ifdef OTB_PREFETCH_CHECK
+    if (pf) otb_prefetch_done = *pf;
+    else otb_prefetch_done.arrays = 0;
+#endif
     for (int64_t t = 0; t < lo; ++t) gr[t] = (T)total;
     for (int64_t t = hi; t < width; ++t) gr[t] = (T)ret_offset;
     if (check) *bad |= !((total <= FINITE_MAX) & (total >= -FINITE_MAX));
