@@ -486,11 +486,10 @@ static int FN(otb_check_row)(const T *restrict r, const M *restrict m, const T *
     const T own_slack = (slack_spp + 2 * slack_lp) * (T)0.999;  /* margin: π² is computed, the rest compared */
     for (int64_t t = 0; t < width; ++t) {
         const FLAG valid = mv[t] != 0;
-        bad |= !((r[t] <= FINITE_MAX) & (r[t] >= -FINITE_MAX));
-        bad |= !((lp[t] <= FINITE_MAX) & (lp[t] >= -FINITE_MAX));
-        bad |= !((spp[t] <= FINITE_MAX) & (spp[t] >= -FINITE_MAX));
-        bad |= valid & (lp[t] > slack_lp);
-        bad |= valid & ((spp[t] < -slack_spp) | (spp[t] > 1 + slack_spp));
+        /* x − x is 0 for every finite x and NaN for ±∞ and NaN (no -ffinite-math-only: the compiler keeps it) */
+        const T finite = (r[t] - r[t]) + (lp[t] - lp[t]) + (spp[t] - spp[t]);
+        bad |= !(finite == 0);
+        bad |= valid & ((lp[t] > slack_lp) | (spp[t] < -slack_spp) | (spp[t] > 1 + slack_spp));
     }
     int binary = 0;
     for (int64_t t = 0; t < width; ++t) binary |= (m[t] != 0) & (m[t] != 1);   /* in the mask's own type */
