@@ -370,12 +370,14 @@ _CHECKED = {"self-inclusive": ("compute_optimal_token_baseline_advantage", {}),
 @pytest.mark.parametrize("where", ["valid", "masked"])
 @pytest.mark.parametrize("kernel", ["native", "eager"])
 @pytest.mark.parametrize("variant", sorted(_CHECKED))
+@pytest.mark.parametrize("group", ["shared", "alone"])
 def test_fused_value_checks_raise_exactly_what_the_reference_rejects(monkeypatch, name, index, value, where, kernel,
-                                                                     variant):
+                                                                     variant, group):
     """The value checks evaluated inside the kernels (the native kernel's flags; grouped_otb's reductions; for
     leave-one-out the eager kernel's device pre-check) reject a corrupted value exactly when the reference does — at
     a valid or a masked position of a scattered batch whose other values there are benign (r = 0, log π = 0, Σπ² = 1,
-    ρ = 1), so no other rule can fire in its place — naming the argument."""
+    ρ = 1), so no other rule can fire in its place — naming the argument; in a row of a group of several, and in a
+    row alone in its group (the native kernel tests π² ≤ Σπ² in the energy loop, which a group of one skips)."""
     from otb_spec import _validation as reference_checks
     import otb_torch.verl
     if kernel == "eager":
@@ -391,6 +393,10 @@ def test_fused_value_checks_raise_exactly_what_the_reference_rejects(monkeypatch
     mask = named["response_mask"].numpy()
     rows, cols = np.nonzero(mask > 0) if where == "valid" else np.nonzero(mask == 0)
     row, col = rows[index], cols[index]
+    if group == "alone":                                            # a fresh id: the row is a group of its own
+        ids = np.asarray(named["index"]).copy()
+        ids[row] = "alone" if ids.dtype.kind in "OUS" else ids.max() + 1
+        named["index"] = ids
     for key, benign in (("token_level_rewards", 0.0), ("old_log_probs", 0.0), ("sum_pi_squared", 1.0),
                         ("rollout_is_weights", 1.0)):                     # only the corrupted rule can fire
         named[key] = named[key].clone()

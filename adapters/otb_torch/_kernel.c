@@ -478,12 +478,17 @@ static inline int64_t FN(otb_row_mask)(const M *restrict mr, T *restrict mv, int
     return valid;
 }
 
-/* Nonzero if the row may break a value rule (see the file's comment); π is known on [lo, hi) only. */
+/* The slack of the rule π² ≤ Σπ² as the kernel tests it, π² − Σπ² > slack: a 0.1 % margin below the reference's, as
+ * π² is computed here and the rest only compared. */
+static inline T FN(otb_pi_slack)(T slack_lp, T slack_spp) { return (slack_spp + 2 * slack_lp) * (T)0.999; }
+
+/* Nonzero if the row may break a value rule (see the file's comment); π is known on [lo, hi) only. With pi_checked,
+ * the rule π² ≤ Σπ² is left to the caller (the energy loop tests it, reading the same values). */
 static int FN(otb_check_row)(const T *restrict r, const M *restrict m, const T *restrict mv, const T *restrict lp,
                              const T *restrict spp, const T *restrict pi, const T *restrict rho, int64_t width,
-                             int64_t lo, int64_t hi, T slack_lp, T slack_spp) {
+                             int64_t lo, int64_t hi, T slack_lp, T slack_spp, int pi_checked) {
     FLAG bad = 0;
-    const T own_slack = (slack_spp + 2 * slack_lp) * (T)0.999;  /* margin: π² is computed, the rest compared */
+    const T own_slack = FN(otb_pi_slack)(slack_lp, slack_spp);
     for (int64_t t = 0; t < width; ++t) {
         const FLAG valid = mv[t] != 0;
         /* x − x is 0 for every finite x and NaN for ±∞ and NaN (no -ffinite-math-only: the compiler keeps it) */
@@ -493,7 +498,8 @@ static int FN(otb_check_row)(const T *restrict r, const M *restrict m, const T *
     }
     int binary = 0;
     for (int64_t t = 0; t < width; ++t) binary |= (m[t] != 0) & (m[t] != 1);   /* in the mask's own type */
-    for (int64_t t = lo; t < hi; ++t) bad |= (mv[t] != 0) & (pi[t] * pi[t] - spp[t] > own_slack);
+    if (!pi_checked)
+        for (int64_t t = lo; t < hi; ++t) bad |= (mv[t] != 0) & (pi[t] * pi[t] - spp[t] > own_slack);
     if (rho) {
         for (int64_t t = 0; t < width; ++t) bad |= !((rho[t] <= FINITE_MAX) & (rho[t] >= 0));
     }
@@ -651,8 +657,8 @@ static otb_prefetch *FN(otb_prefetch_row)(otb_prefetch *pf, int64_t at, int64_t 
 }
 
 #ifdef OTB_PREFETCH_CHECK
-/* Test builds: does the previous row's cursor describe this row (rr, mr, lr, sr, wr its inputs, gr its returns, wm its
- * energies when they go to an output row)? */
+/* Test builds: does the previous row's cursor describe this row (rr, mr, lr, sr, wr its inputs, gr its returns, wm
+ * its energies when they go to an output row)? */
 static void FN(otb_prefetch_verify)(const T *rr, const M *mr, const T *lr, const T *sr, const T *wr, const T *gr,
                                     const T *wm, int64_t width) {
     const otb_prefetch *e = &otb_prefetch_done;
@@ -694,11 +700,21 @@ static int64_t FN(otb_row_first)(const T *restrict rr, const M *restrict mr, con
         pf->step = (prefetches + steps - 1) / steps;
     }
     if (check || need_energy) EXP_ROW(lr + lo, pi + lo, hi - lo, pf);
-    if (check) *bad |= FN(otb_check_row)(rr, mr, mv, lr, sr, pi, wr, width, lo, hi, slack_lp, slack_spp);
+    if (check) *bad |= FN(otb_check_row)(rr, mr, mv, lr, sr, pi, wr, width, lo, hi, slack_lp, slack_spp, need_energy);
     double total = ret_offset, running = energy_offset;
     FN(otb_scan_returns)(rr, mv, gr, lo, hi, &total, pf);
     if (need_energy) {
-        for (int64_t t = lo; t < hi; ++t) wm[t] = mv[t] + mv[t] * (sr[t] - 2 * pi[t]);      /* mₜ(1 − 2πₜ + Σπ²ₜ) */
+        if (check) {                                       /* with the rule π² ≤ Σπ² on the values just read */
+            const T own_slack = FN(otb_pi_slack)(slack_lp, slack_spp);
+            FLAG flagged = 0;
+            for (int64_t t = lo; t < hi; ++t) {
+                wm[t] = mv[t] + mv[t] * (sr[t] - 2 * pi[t]);                             /* mₜ(1 − 2πₜ + Σπ²ₜ) */
+                flagged |= (mv[t] != 0) & (pi[t] * pi[t] - sr[t] > own_slack);
+            }
+            *bad |= flagged != 0;
+        } else {
+            for (int64_t t = lo; t < hi; ++t) wm[t] = mv[t] + mv[t] * (sr[t] - 2 * pi[t]);
+        }
         if (wr) for (int64_t t = lo; t < hi; ++t) wm[t] = wm[t] * wr[t] * wr[t];
         FN(otb_scan_energy)(mv, wm, lo, hi, &running, pf);
     }
