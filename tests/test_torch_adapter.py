@@ -394,8 +394,11 @@ def test_fused_value_checks_raise_exactly_what_the_reference_rejects(monkeypatch
     rows, cols = np.nonzero(mask > 0) if where == "valid" else np.nonzero(mask == 0)
     row, col = rows[index], cols[index]
     if group == "alone":                                            # a fresh id: the row is a group of its own
-        ids = np.asarray(named["index"]).copy()
-        ids[row] = "alone" if ids.dtype.kind in "OUS" else ids.max() + 1
+        ids = np.asarray(named["index"]).astype(object)
+        fresh = "alone"
+        while fresh in set(ids.tolist()):
+            fresh += "+"
+        ids[row] = fresh
         named["index"] = ids
     for key, benign in (("token_level_rewards", 0.0), ("old_log_probs", 0.0), ("sum_pi_squared", 1.0),
                         ("rollout_is_weights", 1.0)):                     # only the corrupted rule can fire

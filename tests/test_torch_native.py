@@ -216,10 +216,10 @@ def _build_variant(directory, replacements=(), *defines: str):
 
 
 def _every_sweep(monkeypatch, library) -> list[torch.Tensor]:
-    """Every entry point that prefetches (the one-process sweep of each variant, the distributed first sweep), each
-    compute dtype, a mask read in place of a narrower type and of the compute type, with and without IS weights, with
-    one and with several thread shares (whose first and last rows are the edges of the prefetching), on ``library``:
-    all outputs, in order."""
+    """Every entry point that prefetches — the one-process sweep of each variant and the distributed first sweep
+    (with the final one after it in float32) — in each compute dtype, with a mask read in place of a narrower type
+    and of the compute type, with and without IS weights, value checks on, with one and with several thread shares
+    (whose first and last rows are the edges of the prefetching), on ``library``: all outputs, in order."""
     monkeypatch.setitem(_native._STATE, "library", library)
     monkeypatch.setattr(_native, "ELEMENTS_PER_SHARE", 64)
     threads, outputs = torch.get_num_threads(), []
@@ -232,9 +232,18 @@ def _every_sweep(monkeypatch, library) -> list[torch.Tensor]:
                     tensors = [torch.as_tensor(np.asarray(getattr(batch, name))).to(dtype)
                                for name in ("rewards", "log_probs", "sum_pi_squared", "is_weights")]
                     mask = torch.as_tensor(np.asarray(batch.response_mask)).to(mask_dtype)
+                    ids = torch.as_tensor(otb_torch.segments_from_index(batch.group_ids).index)
+                    plan = _native.local_groups(ids, mask.shape[1])
                     for weights in (tensors[3], None):
                         outputs += getattr(otb_torch, function)(tensors[0], mask, batch.group_ids, tensors[1],
                                                                 tensors[2], is_weights=weights, epsilon=1e-8)
+                        first = _native.distributed_first(
+                            tensors[0], mask, tensors[1], tensors[2], weights, plan, num_groups=int(ids.max()) + 1,
+                            align=align, leave_one_out=_VARIANTS[variant][2], dtype=dtype, check=True,
+                            slacks=(1e-6, 1e-6))
+                        outputs += [first.grid, first.returns]
+                        if first.energy is not None:           # written on the valid spans only
+                            outputs.append(torch.where(mask != 0, first.energy, 0))
                 outputs += _one_rank(batch, variant, torch.float32, epsilon=1e-8)
     finally:
         torch.set_num_threads(threads)
@@ -246,10 +255,11 @@ def test_the_next_row_prefetched_is_the_row_computed_next(monkeypatch, tmp_path)
     """The kernel prefetches the next member row while it computes one (issue 25). A wrong address cannot fault nor
     change a value, so a build with OTB_PREFETCH_CHECK verifies it instead: after each row, the row the sweep computes
     next must be the one the cursor described — each array's base, its length in cache lines (the mask's in its own
-    type), the output rows the sweep writes — with every line issued. It does, for every sweep that prefetches, and
-    the checked build computes bitwise what the shipped one does. Shown to fail (planted into the source): the current
-    row prefetched instead of the next one, in the one-process and in the distributed sweep; the mask's lines counted
-    in the compute type's size."""
+    type), the output rows the sweep writes — with each line prefetched once. It does, for every sweep that
+    prefetches, and the checked build computes bitwise what the shipped one does. Shown to fail (planted into the
+    source): the current row prefetched instead of the next one, in the one-process and in the distributed sweep; the
+    mask's lines counted in the compute type's size; leave-one-out's advantages row (where mₜWₜ waits) not prefetched;
+    a line skipped in the round robin."""
     checked = _build_variant(tmp_path / "checked", (), "-DOTB_PREFETCH_CHECK")
     shipped = _native._load()[0]
     got = _every_sweep(monkeypatch, checked)
@@ -267,6 +277,12 @@ def test_the_next_row_prefetched_is_the_row_computed_next(monkeypatch, tmp_path)
         "the mask's lines in T's size": (
             "pf->lines[2] = (width * (int64_t)sizeof(M) + OTB_LINE - 1) / OTB_LINE;",
             "pf->lines[2] = (width * (int64_t)sizeof(T) + OTB_LINE - 1) / OTB_LINE;"),
+        "leave-one-out's energies row not prefetched": (
+            "FN(otb_prefetch_row)(&prefetch, next, width, m, lp, r, spp, rho, ret, leave_one_out ? adv : 0));",
+            "FN(otb_prefetch_row)(&prefetch, next, width, m, lp, r, spp, rho, ret, 0));"),
+        "a line skipped": (
+            "            pf->array = 0;\n            ++pf->line;",
+            "            pf->array = 0;\n            pf->line += 1 + (pf->line == 3);"),
     }
     for number, (name, replacement) in enumerate(plants.items()):
         planted = _build_variant(tmp_path / f"planted{number}", [replacement], "-DOTB_PREFETCH_CHECK")

@@ -62,6 +62,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__FINITE_MATH_ONLY__) && __FINITE_MATH_ONLY__
+#error "the value checks test for NaN and infinity: build without -ffinite-math-only (or -ffast-math)"
+#endif
+
 #define OTB_EXPORT __attribute__((visibility("default")))
 
 /* exp(x) for x ≤ 0 in float, a vector at a time with the compiler's vector extensions (auto-vectorisation of the
@@ -122,15 +126,23 @@ typedef struct {
     int arrays, array;                        /* the next prefetch: line `line` of array `array` */
     int64_t line, longest;                    /* done when line = longest (the most lines of any array) */
     int64_t step;                             /* prefetches per 16 positions of the current row's loops */
+    int64_t issued;                           /* prefetches issued (counted in OTB_PREFETCH_CHECK builds only) */
 } otb_prefetch;
 
 #ifdef OTB_PREFETCH_CHECK
 /* Test builds only (tests/test_torch_native.py): each row's cursor, once the row is done, is kept per thread, and the
- * next row the sweep computes must be the one it described — every array's base and length in lines, the arrays the
- * row writes included — with every line issued; a mismatch counts one error. */
+ * next row the sweep computes must be the one it described — every array's base and length in lines, the output
+ * rows the sweep writes included (the caller says whether mₜWₜ goes to an output row) — with each line of each array
+ * prefetched once; a mismatch counts one error. */
 static int64_t otb_prefetch_errors;
 static __thread otb_prefetch otb_prefetch_done;           /* arrays = 0: no row described */
+static __thread int otb_prefetch_wm_output;               /* set by the caller before each row */
 OTB_EXPORT int64_t otb_prefetch_check_errors(void) { return __atomic_load_n(&otb_prefetch_errors, __ATOMIC_SEQ_CST); }
+#define OTB_PREFETCH_COUNT(pf) (++(pf)->issued)
+#define OTB_PREFETCH_WM_OUTPUT(flag) (otb_prefetch_wm_output = (flag))
+#else
+#define OTB_PREFETCH_COUNT(pf) ((void)0)
+#define OTB_PREFETCH_WM_OUTPUT(flag) ((void)0)
 #endif
 
 /* The next `count` prefetches (fewer at the end; pf NULL or done: none). */
@@ -141,6 +153,7 @@ static inline void otb_prefetch_lines(otb_prefetch *pf, int64_t count) {
             const char *address = pf->at[pf->array] + OTB_LINE * pf->line;
             if (pf->array <= 1) __builtin_prefetch(address, 1, 3);                /* to be written */
             else __builtin_prefetch(address, 0, 3);
+            OTB_PREFETCH_COUNT(pf);
         }
         if (++pf->array == pf->arrays) {
             pf->array = 0;
@@ -653,12 +666,13 @@ static otb_prefetch *FN(otb_prefetch_row)(otb_prefetch *pf, int64_t at, int64_t 
     pf->longest = pf->lines[2] > pf->lines[3] ? pf->lines[2] : pf->lines[3];
     pf->array = 0;
     pf->line = 0;
+    pf->issued = 0;
     return pf;
 }
 
 #ifdef OTB_PREFETCH_CHECK
 /* Test builds: does the previous row's cursor describe this row (rr, mr, lr, sr, wr its inputs, gr its returns, wm
- * its energies when they go to an output row)? */
+ * its energies, an output row when the caller said so)? */
 static void FN(otb_prefetch_verify)(const T *rr, const M *mr, const T *lr, const T *sr, const T *wr, const T *gr,
                                     const T *wm, int64_t width) {
     const otb_prefetch *e = &otb_prefetch_done;
@@ -666,12 +680,14 @@ static void FN(otb_prefetch_verify)(const T *rr, const M *mr, const T *lr, const
     const int64_t values = (width * (int64_t)sizeof(T) + OTB_LINE - 1) / OTB_LINE;
     const int64_t mask = (width * (int64_t)sizeof(M) + OTB_LINE - 1) / OTB_LINE;
     int ok = e->at[0] == (const char *)gr && e->lines[0] == values;
-    ok &= e->lines[1] == 0 || (e->at[1] == (const char *)wm && e->lines[1] == values);
+    ok &= otb_prefetch_wm_output ? e->at[1] == (const char *)wm && e->lines[1] == values : e->lines[1] == 0;
     ok &= e->at[2] == (const char *)mr && e->lines[2] == mask;
     ok &= e->at[3] == (const char *)lr && e->at[4] == (const char *)rr && e->at[5] == (const char *)sr;
     ok &= e->lines[3] == values && e->lines[4] == values && e->lines[5] == values;
     ok &= wr ? e->arrays == 7 && e->at[6] == (const char *)wr && e->lines[6] == values : e->arrays == 6;
-    ok &= e->line == e->longest;
+    int64_t lines = 0;
+    for (int k = 0; k < e->arrays; ++k) lines += e->lines[k];
+    ok &= e->issued == lines;
     if (!ok) __atomic_fetch_add(&otb_prefetch_errors, 1, __ATOMIC_SEQ_CST);
 }
 #endif
@@ -939,6 +955,7 @@ OTB_EXPORT int FN(otb_groups)(const T *r, const M *m, const T *lp, const T *spp,
             const int64_t next = p + 1 < offsets[last_group] ? (order ? order[p + 1] : p + 1) * width : -1;
             T *wm = leave_one_out ? adv + at : energy;         /* leave-one-out reads mₜWₜ again: kept in adv */
             otb_prefetch prefetch;
+            OTB_PREFETCH_WM_OUTPUT(leave_one_out);
             lengths[p] = (T)FN(otb_row_first)(
                 r + at, m + at, lp + at, spp + at, rho ? rho + at : 0, width, ret + at, wm, mv, pi,
                 size > 1 ? num : 0, den, leave_one_out && !valid_token ? cnt : 0, valid_token, 0, width, 0.0, 0.0,
@@ -1025,6 +1042,7 @@ OTB_EXPORT int FN(otb_dist_first)(const T *r, const M *m, const T *lp, const T *
         T *cnt = num && planes > 2 && !valid_token ? num + 2 * columns : 0;
         double sums[2];
         otb_prefetch prefetch;
+        OTB_PREFETCH_WM_OUTPUT(wm != 0);
         lengths[row] = FN(otb_row_first)(
             r + at, m + at, lp + at, spp + at, rho ? rho + at : 0, width, ret + at, wm ? wm + at : energy, mv, pi,
             num, den, cnt, valid_token, 0, columns, 0.0, 0.0, 1, check, (T)slack_lp, (T)slack_spp, &bad, sums,

@@ -576,7 +576,8 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
     except (TypeError, ValueError) as exc:
         failure, native = exc, False
     shape = (0, 0) if local is None else tuple(local.rewards.shape)
-    # the ids' fingerprint is compared within context groups only (_layout): without one, 0 on every rank
+    # the ids' fingerprint is compared only among the ranks of a context group of several (_layout): without a
+    # context group, 0 on every rank
     fingerprint = 0 if local is None or local.ids is None or context_group is None else _fingerprint(local.ids)
     groups = int(num_groups) if isinstance(num_groups, (int, np.integer)) and not isinstance(num_groups, bool) else -1
     verdicts = _Verdicts("distributed_token_baseline",
