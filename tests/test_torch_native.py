@@ -210,8 +210,8 @@ def _build_variant(directory, replacements=(), *defines: str):
     directory.mkdir()
     (directory / "_kernel.c").write_text(source)      # the file includes itself by this name
     flags = ["-O1" if flag == "-O3" else flag for flag in _native._variants()[0]] + list(defines)
-    subprocess.run(_native._compiler() + flags + [str(directory / "_kernel.c"), "-o", str(directory / "kernel.so"),
-                                                   "-lm"], check=True, capture_output=True, timeout=300)
+    error = _native._compile(_native._compiler(), flags, directory / "kernel.so", source=directory / "_kernel.c")
+    assert error is None, error
     return ctypes.CDLL(str(directory / "kernel.so"))
 
 
@@ -228,12 +228,12 @@ def _every_sweep(monkeypatch, library) -> list[torch.Tensor]:
             torch.set_num_threads(count)
             for variant, (function, align, _) in sorted(_VARIANTS.items()):
                 batch = _batch(11, "scattered-unequal", align == "valid_token")
+                ids = torch.as_tensor(otb_torch.segments_from_index(batch.group_ids).index)
+                plan = _native.local_groups(ids, np.asarray(batch.response_mask).shape[1])
                 for dtype, mask_dtype in ((torch.float32, torch.bool), (torch.float64, torch.float64)):
                     tensors = [torch.as_tensor(np.asarray(getattr(batch, name))).to(dtype)
                                for name in ("rewards", "log_probs", "sum_pi_squared", "is_weights")]
                     mask = torch.as_tensor(np.asarray(batch.response_mask)).to(mask_dtype)
-                    ids = torch.as_tensor(otb_torch.segments_from_index(batch.group_ids).index)
-                    plan = _native.local_groups(ids, mask.shape[1])
                     for weights in (tensors[3], None):
                         outputs += getattr(otb_torch, function)(tensors[0], mask, batch.group_ids, tensors[1],
                                                                 tensors[2], is_weights=weights, epsilon=1e-8)
@@ -275,8 +275,8 @@ def test_the_next_row_prefetched_is_the_row_computed_next(monkeypatch, tmp_path)
             "const int64_t next = p + 1 < offsets[last_group] ? rows_in_order[p + 1] * width : -1;",
             "const int64_t next = p + 1 < offsets[last_group] ? rows_in_order[p] * width : -1;"),
         "the mask's lines in T's size": (
-            "pf->lines[2] = (width * (int64_t)sizeof(M) + OTB_LINE - 1) / OTB_LINE;",
-            "pf->lines[2] = (width * (int64_t)sizeof(T) + OTB_LINE - 1) / OTB_LINE;"),
+            "pf->lines[2] = otb_lines(width * (int64_t)sizeof(M));",
+            "pf->lines[2] = otb_lines(width * (int64_t)sizeof(T));"),
         "leave-one-out's energies row not prefetched": (
             "FN(otb_prefetch_row)(&prefetch, next, width, m, lp, r, spp, rho, ret, leave_one_out ? adv : 0));",
             "FN(otb_prefetch_row)(&prefetch, next, width, m, lp, r, spp, rho, ret, 0));"),

@@ -120,6 +120,10 @@ static inline otb_vf otb_expv(otb_vf x) {
  * docs/performance.md. */
 #define OTB_PREFETCH_ARRAYS 7
 #define OTB_LINE 64
+
+/* cache lines covering `bytes` bytes from a line's start */
+static inline int64_t otb_lines(int64_t bytes) { return (bytes + OTB_LINE - 1) / OTB_LINE; }
+
 typedef struct {
     const char *at[OTB_PREFETCH_ARRAYS];      /* the next row's arrays, `arrays` of them; at[0], at[1] written */
     int64_t lines[OTB_PREFETCH_ARRAYS];       /* … and their lengths in cache lines */
@@ -650,19 +654,19 @@ static void FN(otb_row_accumulate)(const T *restrict gr, const T *restrict wm, c
 static otb_prefetch *FN(otb_prefetch_row)(otb_prefetch *pf, int64_t at, int64_t width, const M *m, const T *lp,
                                           const T *r, const T *spp, const T *rho, T *ret, T *wm) {
     if (at < 0) return 0;
-    const int64_t values = width * (int64_t)sizeof(T);
+    const int64_t values = otb_lines(width * (int64_t)sizeof(T));
     pf->at[0] = (const char *)(ret + at);
     pf->at[1] = (const char *)(wm ? wm + at : ret + at);
     pf->at[2] = (const char *)(m + at);
-    pf->lines[2] = (width * (int64_t)sizeof(M) + OTB_LINE - 1) / OTB_LINE;
+    pf->lines[2] = otb_lines(width * (int64_t)sizeof(M));
     pf->at[3] = (const char *)(lp + at);
     pf->at[4] = (const char *)(r + at);
     pf->at[5] = (const char *)(spp + at);
     pf->at[6] = rho ? (const char *)(rho + at) : 0;
     pf->arrays = rho ? 7 : 6;
-    for (int k = 3; k < pf->arrays; ++k) pf->lines[k] = (values + OTB_LINE - 1) / OTB_LINE;
-    pf->lines[0] = pf->lines[3];
-    pf->lines[1] = wm ? pf->lines[3] : 0;
+    for (int k = 3; k < pf->arrays; ++k) pf->lines[k] = values;
+    pf->lines[0] = values;
+    pf->lines[1] = wm ? values : 0;
     pf->longest = pf->lines[2] > pf->lines[3] ? pf->lines[2] : pf->lines[3];
     pf->array = 0;
     pf->line = 0;
@@ -677,8 +681,7 @@ static void FN(otb_prefetch_verify)(const T *rr, const M *mr, const T *lr, const
                                     const T *wm, int64_t width) {
     const otb_prefetch *e = &otb_prefetch_done;
     if (e->arrays == 0) return;
-    const int64_t values = (width * (int64_t)sizeof(T) + OTB_LINE - 1) / OTB_LINE;
-    const int64_t mask = (width * (int64_t)sizeof(M) + OTB_LINE - 1) / OTB_LINE;
+    const int64_t values = otb_lines(width * (int64_t)sizeof(T)), mask = otb_lines(width * (int64_t)sizeof(M));
     int ok = e->at[0] == (const char *)gr && e->lines[0] == values;
     ok &= otb_prefetch_wm_output ? e->at[1] == (const char *)wm && e->lines[1] == values : e->lines[1] == 0;
     ok &= e->at[2] == (const char *)mr && e->lines[2] == mask;

@@ -95,13 +95,14 @@ def _private(directory: Path) -> bool:
     return info.st_uid == os.getuid() and not info.st_mode & 0o022
 
 
-def _compile(compiler: list[str], flags: tuple[str, ...], target: Path) -> str | None:
-    """Compile into ``target`` through a temporary file and an atomic rename (concurrent builds agree on the
-    result); None on success, else the compiler's error."""
+def _compile(compiler: list[str], flags: tuple[str, ...] | list[str], target: Path, source: Path = _SOURCE
+             ) -> str | None:
+    """Compile ``source`` (the kernel; tests pass variants of it) into ``target`` through a temporary file and an
+    atomic rename (concurrent builds agree on the result); None on success, else the compiler's error."""
     handle, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(handle)
     try:
-        result = subprocess.run(compiler + list(flags) + [str(_SOURCE), "-o", partial, "-lm"],
+        result = subprocess.run(compiler + list(flags) + [str(source), "-o", partial, "-lm"],
                                 capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             return f"{' '.join(compiler + list(flags))}: {result.stderr.strip()[-2000:]}"
