@@ -204,6 +204,18 @@ def _one_process(case: str):
         case, otb_torch.optimal_token_baseline)
 
 
+def _median_seconds(call, repeat: int, warm_up: int = 1) -> float:
+    """Median wall time of ``repeat`` calls of ``call`` after ``warm_up`` untimed ones."""
+    for _ in range(warm_up):
+        call()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def _single(args: argparse.Namespace) -> dict:
     """The whole batch in one process, one thread (after one warm-up call; median of ``--repeat``)."""
     import numpy as np
@@ -212,16 +224,7 @@ def _single(args: argparse.Namespace) -> dict:
     import otb_torch
 
     torch.set_num_threads(1)
-
-    def timed(call) -> float:
-        call()
-        times = []
-        for _ in range(args.repeat):
-            start = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
+    timed = lambda call: _median_seconds(call, args.repeat)  # noqa: E731
     results = {}
     for prompts, samples, positions in args.sizes:
         for case in _OTB_CASES:
@@ -258,16 +261,7 @@ def _fixed_costs(args: argparse.Namespace) -> dict:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
                             timeout=_datetime.timedelta(seconds=60))
     try:
-        def timed(call) -> float:
-            for _ in range(10):
-                call()
-            times = []
-            for _ in range(max(args.repeat, 200)):
-                start = time.perf_counter()
-                call()
-                times.append(time.perf_counter() - start)
-            return statistics.median(times)
-
+        timed = lambda call: _median_seconds(call, max(args.repeat, 200), warm_up=10)  # noqa: E731
         costs = {}
         for case in _OTB_CASES:
             holes = case.startswith("multi-turn")
