@@ -17,8 +17,7 @@ otb_torch = pytest.importorskip("otb_torch")
 import otb_spec as otb  # noqa: E402
 from otb_spec.examples import example_batch  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-requires_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine")
+from accelerators import requires_cuda  # noqa: E402
 
 
 def _verl_batch(dtype=torch.float32, device="cpu"):

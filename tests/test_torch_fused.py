@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 otb_torch = pytest.importorskip("otb_torch")
 
 from otb_torch import _native  # noqa: E402
+from accelerators import requires_cuda  # noqa: E402
 
 KERNELS = ["native", "eager"]     # the float32 elementwise work in the native kernel (where built), or in torch ops
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -206,8 +207,6 @@ def test_bad_types_raise_naming_the_argument():
 # ----------------------------------------------------------------------------------------------------------------------
 # CUDA (skipped cleanly without a GPU): the same bounds as on the CPU under torch's default float32 matmul precision
 # (no TF32; the port follows the caller's setting and adds none of its own)
-
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible to torch")
 
 
 @contextlib.contextmanager
