@@ -172,7 +172,7 @@ def _one_rank(batch, variant: str, dtype=torch.float32, **options):
     first = _native.distributed_first(*tensors, weights, plan, num_groups=groups, align=align,
                                       leave_one_out=leave_one_out, dtype=dtype, check=False, slacks=None)
     advantages, baselines = _native.distributed_final(
-        tensors[1], plan, first, None if leave_one_out else first.stats.numpy(), num_groups=groups, align=align,
+        tensors[1], plan, first, None if leave_one_out else first.stats.numpy()[None], num_groups=groups, align=align,
         leave_one_out=leave_one_out, handle_zero_tail=options.get("handle_zero_tail", False),
         epsilon=options["epsilon"], dtype=dtype)
     return advantages, first.returns, baselines

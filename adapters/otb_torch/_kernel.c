@@ -30,7 +30,8 @@
  *                      rank's terms of N, D (, V) added into a [G, planes, K] grid of global groups; per local group
  *                      the member count and top-two lengths (context parallel: the row pieces' totals instead);
  *   otb_dist_offsets — context parallel: the other pieces' offsets added, then the terms into the grid;
- *   otb_dist_final   — after the grid's SUM all-reduce: B and A for the rank's rows.
+ *   otb_dist_final   — after the grid's SUM all-reduce: B and A for the rank's rows (the self-inclusive rules
+ *                      from every rank's group statistics, merged per row).
  *
  * Scans accumulate in double and round each output once (what torch's CPU cumsum does); everything else is in the
  * compute type T, in the order of the eager kernel (otb_torch._core). With `check`, the return value is nonzero if
@@ -374,6 +375,33 @@ static inline unsigned otb_nonzero8_double(const double *v) {
     return bits;
 }
 #endif
+
+/* Where a self-inclusive row's baseline is 0 from (otb_dist_final): the ranks' statistics merged for group `id` by
+ * the rule of otb_spec.distributed.combine_group_lengths. stats: [ranks, 4, G] int64, each rank's (members, longest,
+ * count at the longest, second longest; −1: none) of its rows. Fewer than two members in all: column 0. With the zero
+ * tail, a row of the group's unique longest length L₁ (the count at L₁ summed over the ranks that reach it is 1):
+ * the second longest, the largest of the ranks' values below L₁ (their longest, or their second where they reach
+ * L₁) and at least −1. Else `columns`: no column. O(ranks). */
+static int64_t otb_zero_from(const int64_t *stats, int64_t ranks, int64_t num_groups, int64_t id, int zero_tail,
+                             int64_t row_length, int64_t columns) {
+    int64_t members = 0, longest = -1;
+    for (int64_t p = 0; p < ranks; ++p) {
+        const int64_t *rank = stats + p * 4 * num_groups + id;
+        members += rank[0];
+        if (rank[num_groups] > longest) longest = rank[num_groups];
+    }
+    if (members < 2) return 0;
+    if (!zero_tail || row_length != longest) return columns;
+    int64_t count = 0, second = -1;
+    for (int64_t p = 0; p < ranks; ++p) {
+        const int64_t *rank = stats + p * 4 * num_groups + id;
+        const int reaches = rank[num_groups] == longest;
+        if (reaches) count += rank[2 * num_groups];
+        const int64_t below = reaches ? rank[3 * num_groups] : rank[num_groups];
+        if (below > second) second = below;
+    }
+    return count == 1 ? second : columns;
+}
 
 #define OTB_BLOCK 8                 /* positions per block in the valid-token loops (otb_nonzero8) */
 #define OTB_ALL 0xFFu
@@ -1103,16 +1131,16 @@ OTB_EXPORT void FN(otb_dist_offsets)(const M *m, int64_t width, const int64_t *o
 
 /* One rank, after the grid's SUM all-reduce: B and A of the rows of local groups first_group … last_group − 1.
  * First each of these groups' grid row: self-inclusive, N becomes N/(D + ε) in place; leave-one-out by valid token,
- * the length histogram becomes V. Then each row: self-inclusive, B = 0 from column `start` on — 0 if the group
- * (merged[0·G + id] members) has fewer than two members, the second-longest length merged[3·G + id] for the unique
- * longest member (merged[2·G + id] = 1, its total length = merged[1·G + id]) with the zero tail, else none;
+ * the length histogram becomes V. Then each row: self-inclusive, B = 0 from the column otb_zero_from finds in the
+ * ranks' [ranks, 4, G] group statistics `stats` (all ranks' rows; the row's total length from total_lengths);
  * leave-one-out, mₜWₜ of the first sweep is read from adv and overwritten. scratch: width values of T. */
 OTB_EXPORT void FN(otb_dist_final)(const M *m, int64_t width, const int64_t *offsets, const int64_t *rows_in_order,
                                    const int64_t *row_group, int64_t first_group, int64_t last_group,
                                    const int64_t *group_ids, T *grid, int64_t columns, int planes, int valid_token,
-                                   int leave_one_out, int zero_tail, double epsilon, const int64_t *merged,
-                                   int64_t num_groups, const int64_t *total_lengths, const int64_t *col_offsets,
-                                   int64_t col0, const T *ret, T *adv, T *base, T *scratch) {
+                                   int leave_one_out, int zero_tail, double epsilon, const int64_t *stats,
+                                   int64_t ranks, int64_t num_groups, const int64_t *total_lengths,
+                                   const int64_t *col_offsets, int64_t col0, const T *ret, T *adv, T *base,
+                                   T *scratch) {
     const T eps = (T)epsilon;
     for (int64_t g = first_group; g < last_group; ++g) {
         T *num = OTB_GRID_ROW(group_ids[g]);
@@ -1128,10 +1156,7 @@ OTB_EXPORT void FN(otb_dist_final)(const M *m, int64_t width, const int64_t *off
                                   valid_token, start_column, columns, eps, base ? base + at : 0, scratch);
             continue;
         }
-        int64_t start = columns;
-        if (merged[id] < 2) start = 0;
-        else if (zero_tail && merged[2 * num_groups + id] == 1 && total_lengths[row] == merged[num_groups + id])
-            start = merged[3 * num_groups + id];
+        const int64_t start = otb_zero_from(stats, ranks, num_groups, id, zero_tail, total_lengths[row], columns);
         FN(otb_row_final_self)(m + at, ret + at, width, num, valid_token, start_column, columns, start, adv + at,
                                base ? base + at : 0, scratch);
     }

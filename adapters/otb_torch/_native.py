@@ -277,8 +277,10 @@ def _inputs(dtype: torch.dtype, mask: torch.Tensor, *floats: torch.Tensor | None
 def _in_parallel(work: Callable[[int], int], count: int) -> list[int]:
     """work(0), …, work(count − 1): share 0 on the calling thread, the others on the pool. Returns their results
     after every share has returned, also on an error or interrupt (never free what a thread still writes to)."""
-    pool = _pool(count - 1) if count > 1 else None
-    others = [pool.submit(work, share) for share in range(1, count)] if pool else []
+    if count == 1:
+        return [work(0)]
+    pool = _pool(count - 1)
+    others = [pool.submit(work, share) for share in range(1, count)]
     try:
         return [work(0)] + [future.result() for future in others]
     finally:
@@ -532,17 +534,19 @@ def _run_in_shares(function: Any, head: list, tail: list, bounds: Any, scratch: 
     _in_parallel(work, len(bounds) - 1)
 
 
-def distributed_final(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, merged: np.ndarray | None, *,
+def distributed_final(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, statistics: np.ndarray | None, *,
                       num_groups: int, align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float,
                       dtype: torch.dtype, columns_before: int = 0, valid_before: np.ndarray | None = None,
                       total_lengths: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, baselines) of a rank's rows from the all-reduced grid (``_kernel.c``: otb_dist_final); ``merged``
-    [4, G] int64 (NumPy): the merged group statistics (self-inclusive only). The grid's N becomes the ratio in place."""
+    """(advantages, baselines) of a rank's rows from the all-reduced grid (``_kernel.c``: otb_dist_final);
+    ``statistics`` [P, 4, G] int64 (NumPy): every rank's group statistics, merged in the kernel (self-inclusive only).
+    The grid's N becomes the ratio in place."""
     rows, width = first.returns.shape
     mask, _ = _inputs(dtype, mask)
     advantages = first.energy if first.energy is not None else torch.empty((rows, width), dtype=dtype)
     baselines = torch.empty((rows, width), dtype=dtype)
-    merged_c = None if merged is None else np.ascontiguousarray(merged, dtype=np.int64)
+    statistics_c = None if statistics is None else np.ascontiguousarray(statistics, dtype=np.int64)
+    ranks = 0 if statistics_c is None else statistics_c.shape[0]
     lengths = first.lengths if total_lengths is None else total_lengths
     columns = first.grid.shape[2]
     bounds, rows_in_order = plan.bounds, plan.rows_in_order
@@ -552,10 +556,11 @@ def distributed_final(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, 
             _array(plan.row_group)]
     tail = [_array(plan.ids), _pointer(first.grid), ctypes.c_int64(columns), ctypes.c_int(first.grid.shape[1]),
             ctypes.c_int(int(align != "position")), ctypes.c_int(int(leave_one_out)),
-            ctypes.c_int(int(handle_zero_tail)), ctypes.c_double(epsilon), _array(merged_c),
-            ctypes.c_int64(num_groups), _array(lengths), _array(valid_before), ctypes.c_int64(columns_before),
+            ctypes.c_int(int(handle_zero_tail)), ctypes.c_double(epsilon), _array(statistics_c),
+            ctypes.c_int64(ranks), ctypes.c_int64(num_groups), _array(lengths), _array(valid_before),
+            ctypes.c_int64(columns_before),
             _pointer(first.returns), _pointer(advantages), _pointer(baselines)]
-    owners = (mask, plan, rows_in_order, first, merged_c, lengths, valid_before, advantages, baselines, scratch)
+    owners = (mask, plan, rows_in_order, first, statistics_c, lengths, valid_before, advantages, baselines, scratch)
 
     _run_in_shares(function, head, tail, bounds, scratch, owners,
                    fresh=(baselines, None if first.energy is not None else advantages))

@@ -700,12 +700,11 @@ def _native_baseline(local: _Local, start: _NativeStart, num_groups: int, width:
         members = list(range(ranks)) if group is None else dist.get_process_group_ranks(group)
         raise ValueError(f"distributed_token_baseline: rank {members[rejected[0]]} rejected its inputs (its own "
                          "error names the argument); no result on any rank")
-    merged = None
+    gathered = None                                    # [P, 4, G], merged in the kernel
     if not leave_one_out:
-        merged = _merge_lengths(statistics.numpy().round().astype(np.int64) if exact else
-                                _all_gather(first.stats, group, timeout).numpy())
+        gathered = statistics.numpy().astype(np.int64) if exact else _all_gather(first.stats, group, timeout).numpy()
     advantages, baselines = _native.distributed_final(
-        local.mask, start.plan, first, merged, num_groups=num_groups, align=align, leave_one_out=leave_one_out,
+        local.mask, start.plan, first, gathered, num_groups=num_groups, align=align, leave_one_out=leave_one_out,
         handle_zero_tail=handle_zero_tail, epsilon=epsilon, dtype=dtype, **pieces)
     return advantages, first.returns, baselines
 
