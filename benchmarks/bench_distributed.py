@@ -10,10 +10,11 @@ over ``--repeat`` calls (after one warm-up) of:
   self-inclusive and leave-one-out by position, self-inclusive by valid token on masks with tool-output holes, and
   self-inclusive with the rows cut in P column blocks instead (context parallel). Per rank: the whole call; the time
   spent in gloo (issuing the collectives and waiting for them, waits for a slower rank included); and the rank's
-  local compute = call − gloo. The slowest rank's figures are printed;
+  local compute = call − gloo; and the CPU time of the rank's threads other than the caller's (one torch thread:
+  the backend's, gloo's socket I/O loop and work queues). The slowest rank's figures are printed;
 * the gloo floor: the native path's collectives (handshake, for context parallel the row totals, the one SUM
   all-reduce of the grid and its group statistics and flags) timed alone, with nothing computed — what the call's communication
-  costs at least on this machine;
+  costs at least on this machine, in wall time and in the CPU time of every rank's threads;
 * the one-process kernel on each rank's own rows, every rank computing at once with no collective inside the call:
   what a rank's local compute costs at least while the ranks share the machine's cores, caches and memory bandwidth
   (it separates the distributed path's own overhead from the slowdown of co-running processes);
@@ -25,10 +26,14 @@ over ``--repeat`` calls (after one warm-up) of:
   ≤ 1.3 × (one process × the rank's share of the tokens), and a rank's whole call ≤ one process — where either is
   not met, whether this run's floor rules it out: for local compute, its rows in the one-process kernel with the
   ranks running at once (not measured for context parallel); for the whole call, the gloo floor plus the least a
-  rank's compute costs (that figure; for context parallel, its share of the one-process time);
+  rank's compute costs (that figure; for context parallel, its share of the one-process time), or the CPU work the
+  call needs at least — the one-process call's CPU time plus the collectives' CPU time on every rank — over the
+  machine's cores;
 * what a call costs whatever the batch: each case on 2 rows × 16 positions in a gloo world of one process (no peer),
   against the one-process function — the per-call overhead of the distributed protocol (handshake, plan, grid,
-  statistics), which at small batches is the difference between a rank's local compute and its share;
+  statistics), which at small batches is the difference between a rank's local compute and its share; and the
+  same on rank 0's rows of each batch (the whole call, its collectives local): the protocol's own cost at that size,
+  apart from what sharing the machine with the other ranks and their communication adds;
 * with ``--section vocab``: vocab-parallel Σπ² and the fused (log π, entropy, Σπ²), each rank holding V/P of the
   vocabulary, against ``otb_torch.sum_pi_squared`` / ``token_statistics_from_logits`` in one process.
 
@@ -124,17 +129,22 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
             base = _reset_peak()
             result = call()
             return {"extra": _peak() - base - sum(value.numel() * value.element_size() for value in result)}
-        totals, gloo = [], []
+        totals, gloo, cpu, threads = [], [], [], []
         for _ in range(args.repeat):
             dist.barrier()
             spent[0] = 0.0
+            cpu_start, main_start = time.process_time(), time.thread_time()
             start = time.perf_counter()
             call()
             totals.append(time.perf_counter() - start)
+            process, main = time.process_time() - cpu_start, time.thread_time() - main_start
             gloo.append(spent[0])
+            cpu.append(process)
+            threads.append(process - main)      # the backend's threads (gloo's I/O loop and work queues), 1 thread
         locals_ = [total - comm for total, comm in zip(totals, gloo)]
         return {"total": statistics.median(totals), "gloo": statistics.median(gloo),
-                "local": statistics.median(locals_)}
+                "local": statistics.median(locals_), "cpu": statistics.median(cpu),
+                "threads": statistics.median(threads)}
 
     records = {}
     for prompts, samples, positions in args.sizes:
@@ -169,7 +179,8 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
                     dist.all_reduce(buffer)
                     return ()
 
-                record["floor"] = measure(collectives)["total"]
+                alone = measure(collectives)
+                record["floor"], record["floor cpu"] = alone["total"], alone["cpu"]
                 if case != "context parallel":  # the one-process kernel on this rank's rows, every rank at once
                     one = _one_process(case)
                     record["concurrent"] = measure(lambda: one(local[0], local[1], local_ids, local[2],
@@ -191,6 +202,8 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
             per_rank = [table[key] for table in gathered]
             slowest[key] = {name: max(record[name] for record in per_rank) for name in per_rank[0]}
             slowest[key]["share"] = max(record.get("share", 1.0 / size) for record in per_rank)
+            if "floor cpu" in per_rank[0]:           # the CPU the collectives alone cost, all ranks together
+                slowest[key]["floor cpu, all ranks"] = sum(record["floor cpu"] for record in per_rank)
         out.put(slowest)
     dist.destroy_process_group()
 
@@ -204,15 +217,16 @@ def _one_process(case: str):
         case, otb_torch.optimal_token_baseline)
 
 
-def _median_seconds(call, repeat: int, warm_up: int = 1) -> float:
-    """Median wall time of ``repeat`` calls of ``call`` after ``warm_up`` untimed ones."""
+def _median_seconds(call, repeat: int, warm_up: int = 1, clock=time.perf_counter) -> float:
+    """Median time of ``repeat`` calls of ``call`` after ``warm_up`` untimed ones: wall time, or with
+    ``clock=time.process_time`` the CPU time of the process's threads."""
     for _ in range(warm_up):
         call()
     times = []
     for _ in range(repeat):
-        start = time.perf_counter()
+        start = clock()
         call()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times)
 
 
@@ -235,6 +249,8 @@ def _single(args: argparse.Namespace) -> dict:
             function = _one_process(case)
             results[(prompts, samples, positions, case)] = timed(
                 lambda: function(rewards, mask, ids, log_probs, spp))
+            results[(prompts, samples, positions, case, "cpu")] = _median_seconds(
+                lambda: function(rewards, mask, ids, log_probs, spp), args.repeat, clock=time.process_time)
     if args.section in ("all", "vocab"):
         logits = torch.from_numpy(np.random.default_rng(1).normal(0, 3, (args.rows, args.vocab)).astype(np.float32))
         token_ids = torch.from_numpy(np.random.default_rng(2).integers(0, args.vocab, args.rows))
@@ -273,6 +289,19 @@ def _fixed_costs(args: argparse.Namespace) -> dict:
                 timed(lambda: otb_dist.distributed_token_baseline(rewards, mask, ids, log_probs, spp, num_groups=1,
                                                                   **options)),
                 timed(lambda: one(rewards, mask, ids, log_probs, spp)))
+        ranks = args.processes[0]
+        for prompts, samples, positions in args.sizes:      # a rank's rows, no peer: the protocol's own cost
+            for case in _OTB_CASES[:3]:
+                holes = case.startswith("multi-turn")
+                rows = np.array_split(np.arange(prompts * samples), ranks)[0]
+                rewards, mask, log_probs, spp, ids = (torch.from_numpy(np.ascontiguousarray(a[rows])) for a in
+                                                      _batch(prompts, samples, positions, holes=holes))
+                options = dict(leave_one_out=case == "leave-one-out", align="valid_token" if holes else "position")
+                one = _one_process(case)
+                costs[(prompts, samples, positions, case)] = (
+                    _median_seconds(lambda: otb_dist.distributed_token_baseline(
+                        rewards, mask, ids, log_probs, spp, num_groups=prompts, **options), args.repeat),
+                    _median_seconds(lambda: one(rewards, mask, ids, log_probs, spp), args.repeat))
         return costs
     finally:
         dist.destroy_process_group()
@@ -300,19 +329,34 @@ def _bytes_sent(key, size: int, args: argparse.Namespace) -> int:
     return int(handshake + reduce * (args.rows + 2) * 4 + reduce * parts * args.rows * 4)
 
 
-def _whole_call_verdict(record: dict, one: float) -> str:
-    """"Never slower than one process": met or not, and where not, whether this run's measured floor rules it out —
-    the collectives alone (gloo floor) plus the least a rank's compute costs (its rows in the one-process kernel with
-    the ranks running at once; without that figure, for context parallel, its share of the one-process time)."""
+def _cores() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _whole_call_verdict(record: dict, one: float, one_cpu: float) -> str:
+    """"Never slower than one process": met or not, and where not, whether this run's measured floors rule it out:
+
+    * in time: the collectives alone (gloo floor) plus the least a rank's compute costs (its rows in the one-process
+      kernel with the ranks running at once; without that figure, for context parallel, its share of the one-process
+      time);
+    * in work: the batch's compute (at least the one-process call's CPU time) plus the CPU the collectives alone cost
+      on every rank (the backend's I/O threads copy every byte through the loopback sockets), spread over the
+      machine's cores at best."""
     ratio = f"({record['total'] / one:.2f}×)"
     if record["total"] <= one:
         return f"met {ratio}"
-    compute = record.get("concurrent", record["share"] * one)
-    floor = record["floor"] + compute
-    if floor >= one:
-        return (f"NOT met {ratio}; bounded: gloo floor + the rank's compute at least = {floor * 1e3:.2f} ms ≥ one "
-                "process")
-    return f"NOT met {ratio}; floor {floor * 1e3:.2f} ms < one process"
+    in_time = record["floor"] + record.get("concurrent", record["share"] * one)
+    floors = [(in_time, f"gloo floor + the rank's compute at least = {in_time * 1e3:.2f} ms")]
+    if "floor cpu, all ranks" in record:
+        work = one_cpu + record["floor cpu, all ranks"]
+        floors.append((work / _cores(), f"CPU work at least = one process's {one_cpu * 1e3:.2f} ms + the "
+                                        f"collectives' {record['floor cpu, all ranks'] * 1e3:.2f} ms on the ranks, "
+                                        f"over {_cores()} cores = {work / _cores() * 1e3:.2f} ms"))
+    bounding = [text for value, text in floors if value >= one]
+    if bounding:
+        return f"NOT met {ratio}; bounded: " + "; ".join(bounding) + " ≥ one process"
+    return f"NOT met {ratio}; floors " + "; ".join(text for _, text in floors) + " < one process"
 
 
 def _local_verdict(record: dict, one: float) -> str:
@@ -388,13 +432,22 @@ def main() -> None:
         print("\n### What a call costs whatever the batch (1 group × 2 rows × 16 positions, a gloo world of one)\n")
         print("| case | distributed_token_baseline | the one-process function | difference |\n|---|---|---|---|")
         for case, (distributed, one) in fixed.items():
-            print(f"| {case} | {ms(distributed)} | {ms(one)} | {ms(distributed - one)} |")
+            if not isinstance(case, tuple):
+                print(f"| {case} | {ms(distributed)} | {ms(one)} | {ms(distributed - one)} |")
+        print(f"\n### A rank's rows without a peer (rank 0's rows of {args.processes[0]}, a gloo world of one)\n")
+        print("| batch | case | distributed_token_baseline | the one-process function, same rows | ratio |\n"
+              "|---|---|---|---|---|")
+        for key, (distributed, one) in fixed.items():
+            if isinstance(key, tuple):
+                prompts, samples, positions, case = key
+                print(f"| {prompts}×{samples}×{positions} | {case} | {ms(distributed)} | {ms(one)} | "
+                      f"{distributed / one:.2f} |")
     for size, slowest in results.items():
         print(f"\n### P = {size} ranks (the slowest rank's medians)\n")
         print("| batch | case | one process | rank's share | local compute | ≤ 1.3 × share × one process | "
-              "its rows, one-process kernel, ranks at once | local ÷ that | gloo | gloo floor | whole call | "
-              "≤ one process | sent/rank | extra peak memory/rank |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "its rows, one-process kernel, ranks at once | local ÷ that | gloo | gloo floor | backend threads' CPU | "
+              "whole call | ≤ one process | sent/rank | extra peak memory/rank |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for key, record in slowest.items():
             if not isinstance(key, tuple):
                 continue
@@ -405,7 +458,8 @@ def main() -> None:
                   + (f"{ms(record['concurrent'])} | {record['local'] / record['concurrent']:.2f} | "
                      if "concurrent" in record else "— | — | ")
                   + f"{ms(record['gloo'])} | "
-                  f"{ms(record['floor'])} | {ms(record['total'])} | {_whole_call_verdict(record, one)} | "
+                  f"{ms(record['floor'])} | {ms(record['threads'])} | {ms(record['total'])} | "
+                  f"{_whole_call_verdict(record, one, single[key + ('cpu',)])} | "
                   f"{_bytes_sent(key, size, args) / 2**20:.2f} MiB | {record['extra'] / 2**20:.2f} MiB |")
         vocab = [key for key in slowest if not isinstance(key, tuple)]
         if vocab:
