@@ -780,16 +780,15 @@ def _group_lengths(lengths: torch.Tensor, ids: torch.Tensor, num_groups: int, al
     return stats
 
 
-def _merge_lengths(gathered: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
-    """[P, 4, G] → [4, G]: the rule of :func:`otb_spec.distributed.combine_group_lengths` (torch tensors, or NumPy
-    arrays: the native path's statistics are on the host)."""
-    xp = np if isinstance(gathered, np.ndarray) else torch
+def _merge_lengths(gathered: torch.Tensor) -> torch.Tensor:
+    """[P, 4, G] → [4, G]: the rule of :func:`otb_spec.distributed.combine_group_lengths` (the eager path; the native
+    final sweep merges per row: ``_kernel.c``, otb_zero_from)."""
     members, longest, count, second = (gathered[:, k] for k in range(4))
-    overall = xp.amax(longest, 0)
+    overall = torch.amax(longest, 0)
     reaches = longest == overall
-    merged_count = xp.where(reaches, count, xp.zeros_like(count)).sum(0)
-    merged_second = xp.amax(xp.where(reaches, second, longest).clip(min=-1), 0)
-    return xp.stack([members.sum(0), overall, merged_count, merged_second])
+    merged_count = torch.where(reaches, count, torch.zeros_like(count)).sum(0)
+    merged_second = torch.amax(torch.where(reaches, second, longest).clip(min=-1), 0)
+    return torch.stack([members.sum(0), overall, merged_count, merged_second])
 
 
 def global_group_ids(ids: Any, *, group: Any = None, device: Any = None) -> tuple[torch.Tensor, int]:
