@@ -14,13 +14,13 @@ over ``--repeat`` calls (after one warm-up) of:
   the backend's, gloo's socket I/O loop and work queues). Each figure printed is the largest over the ranks (field by
   field: two columns may come from different ranks);
 * the gloo floor: the native path's collectives (handshake, for context parallel the row totals, the one SUM
-  all-reduce of the grid and its group statistics and flags) timed alone, with nothing computed — what the call's communication
-  costs at least on this machine, in wall time and in the CPU time of every rank's threads;
+  all-reduce of the grid and its group statistics and flags) timed alone, with nothing computed — what the call's
+  communication costs at least on this machine, in wall time and in the CPU time of every rank's threads;
 * the one-process kernel on each rank's own rows, every rank computing at once with no collective inside the call:
   what a rank's local compute costs at least while the ranks share the machine's cores, caches and memory bandwidth
   (it separates the distributed path's own overhead from the slowdown of co-running processes). Measured, not
-  proved: at 256×8×4096 this figure varies twofold between runs here (11–27 ms) and is at times above a call's local
-  compute; at 64×8×2048 it stayed below it in every run;
+  proved: at 256×8×4096 this figure varies twofold between runs here (11–28 ms) and is at times above a call's local
+  compute, at 64×8×2048 it was once in 39 case-runs; the verdicts below check it on each run;
 * the bytes each rank sends (from the shapes: the formulas of docs/distributed.md) and each rank's extra peak memory
   (the high-water mark of its resident set during a call less the outputs, in a second run of the workers whose C
   allocator maps every block of 64 KiB or more afresh, so that no temporary hides in reused pages);
@@ -29,11 +29,12 @@ over ``--repeat`` calls (after one warm-up) of:
   ≤ 1.3 × (one process × the rank's share of the tokens), and a rank's whole call ≤ one process — where either is
   not met, whether this run's floor rules it out, against the one-process call's upper quartile (not only its
   median): for local compute, its rows in the one-process kernel with the ranks running at once, where it stays
-  below the call's local compute in the same run (not measured for context parallel); for the whole call, the CPU work the call needs at
-  least — the CPU time of the one-process kernel on every rank's rows, the ranks at once (for context parallel, of
-  the one-process call), plus the collectives' CPU time on every rank — over the machine's cores, "bounded" where it
-  reaches the one-process call's upper quartile (the gloo floor plus the rank's compute, one after the other, is
-  printed beside it for scale: no floor, as a call overlaps its handshake with its first sweep);
+  below the call's local compute in the same run (not measured for context parallel); for the whole call, the CPU
+  work the call needs at least — the CPU time of the one-process kernel on every rank's rows, the ranks at once (for
+  context parallel, of the one-process call), plus the collectives' CPU time on every rank — over the machine's
+  cores, where the calls' own threads used no less CPU than that compute term (the gloo floor plus the rank's
+  compute, one after the other, is printed beside it for scale: no floor, as a call overlaps its handshake with its
+  first sweep);
 * what a call costs whatever the batch: each case on 2 rows × 16 positions in a gloo world of one process (no peer),
   against the one-process function — the per-call overhead of the distributed protocol (handshake, plan, grid,
   statistics), which at small batches is the difference between a rank's local compute and its share; and the
