@@ -180,6 +180,48 @@ def _one_rank(batch, variant: str, dtype=torch.float32, **options):
 
 @needs_native
 @pytest.mark.bitexact
+@pytest.mark.parametrize("variant", ["single_turn", "multi_turn"])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_final_sweep_merges_group_statistics_from_any_split_of_the_rows(variant, seed):
+    """otb_dist_final merges the ranks' [P, 4, G] group statistics itself (members, longest, count at the longest,
+    second longest): given the statistics of the rows split over 2–4 ranks in any way — each rank's computed by its
+    own first sweep, as on a real rank — it gives, bit for bit, what the one-process kernel does with the zero tail on
+    and off (a member count or longest length taken from one rank instead of all, the count at the longest summed
+    over ranks that do not reach it, or the second length chosen without regard to the longest: each fails it)."""
+    function, align, _ = _VARIANTS[variant]
+    batch = _batch(seed, "scattered-unequal", align == "valid_token")
+    tensors = [torch.as_tensor(np.asarray(getattr(batch, name), dtype=np.float32)) for name in (
+        "rewards", "response_mask", "log_probs", "sum_pi_squared", "is_weights")]
+    ids = torch.as_tensor(otb_torch.segments_from_index(batch.group_ids).index)
+    groups, rows = int(ids.max()) + 1, ids.shape[0]
+    rng = np.random.default_rng(seed)
+    for ranks in (2, 3, 4):
+        owner = np.concatenate([np.arange(ranks), rng.integers(0, ranks, rows - ranks)])
+        rng.shuffle(owner)                                          # every rank holds at least one row
+        shards = []
+        for rank in range(ranks):
+            mine = torch.as_tensor(np.flatnonzero(owner == rank))
+            plan = _native.local_groups(ids[mine], tensors[0].shape[1])
+            shards.append(_native.distributed_first(*(value[mine] for value in tensors), plan, num_groups=groups,
+                                                    align=align, leave_one_out=False, dtype=torch.float32,
+                                                    check=False, slacks=None).stats.numpy())
+        statistics = np.stack(shards)                               # [P, 4, G]
+        plan = _native.local_groups(ids, tensors[0].shape[1])
+        for options in _options(variant):
+            first = _native.distributed_first(*tensors, plan, num_groups=groups, align=align, leave_one_out=False,
+                                              dtype=torch.float32, check=False, slacks=None)
+            advantages, baselines = _native.distributed_final(
+                tensors[1], plan, first, statistics, num_groups=groups, align=align, leave_one_out=False,
+                handle_zero_tail=options["handle_zero_tail"], epsilon=options["epsilon"], dtype=torch.float32)
+            one = getattr(otb_torch, function)(tensors[0], tensors[1], batch.group_ids, tensors[2], tensors[3],
+                                               is_weights=tensors[4], **options)
+            for name, value, expected in zip(("advantages", "returns", "baselines"),
+                                             (advantages, first.returns, baselines), one):
+                assert torch.equal(value, expected), (variant, seed, ranks, options, name)
+
+
+@needs_native
+@pytest.mark.bitexact
 @pytest.mark.parametrize("variant", sorted(_VARIANTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_one_rank_distributed_kernels_equal_the_one_process_kernel(variant, dtype):
