@@ -168,8 +168,7 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
                 mine = np.array_split(np.arange(rewards.shape[0]), size)[rank]
                 local = [torch.from_numpy(np.ascontiguousarray(a[mine])) for a in (rewards, mask, log_probs, spp)]
                 local_ids = torch.from_numpy(ids[mine])
-                options = dict(leave_one_out=case == "leave-one-out",
-                               align="valid_token" if holes else "position")
+                options = _data_parallel_options(case)
             record = measure(lambda: otb_dist.distributed_token_baseline(
                 local[0], local[1], local_ids, local[2], local[3], num_groups=prompts, **options))
             if not memory:                  # the same collectives with nothing computed: what gloo costs at least
@@ -214,6 +213,12 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
                     slowest[key][name + ", all ranks"] = sum(record[name] for record in per_rank)
         out.put(slowest)
     dist.destroy_process_group()
+
+
+def _data_parallel_options(case: str) -> dict:
+    """``distributed_token_baseline``'s options for a data-parallel ``case``."""
+    return dict(leave_one_out=case == "leave-one-out",
+                align="valid_token" if case.startswith("multi-turn") else "position")
 
 
 def _one_process(case: str):
@@ -300,8 +305,8 @@ def _fixed_costs(args: argparse.Namespace) -> dict:
         for case in _OTB_CASES:
             holes = case.startswith("multi-turn")
             rewards, mask, log_probs, spp, ids = (torch.from_numpy(np.asarray(a)) for a in _batch(1, 2, 16, holes))
-            options = dict(context_group=dist.group.WORLD) if case == "context parallel" else dict(
-                leave_one_out=case == "leave-one-out", align="valid_token" if holes else "position")
+            options = (dict(context_group=dist.group.WORLD) if case == "context parallel" else
+                       _data_parallel_options(case))
             one = _one_process(case)
             costs[case] = (
                 timed(lambda: otb_dist.distributed_token_baseline(rewards, mask, ids, log_probs, spp, num_groups=1,
@@ -314,7 +319,7 @@ def _fixed_costs(args: argparse.Namespace) -> dict:
                 rows = np.array_split(np.arange(prompts * samples), ranks)[0]
                 rewards, mask, log_probs, spp, ids = (torch.from_numpy(np.ascontiguousarray(a[rows])) for a in
                                                       _batch(prompts, samples, positions, holes=holes))
-                options = dict(leave_one_out=case == "leave-one-out", align="valid_token" if holes else "position")
+                options = _data_parallel_options(case)
                 one = _one_process(case)
                 costs[(prompts, samples, positions, case)] = (
                     _median_seconds(lambda: otb_dist.distributed_token_baseline(
