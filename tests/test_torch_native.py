@@ -159,22 +159,39 @@ def test_results_do_not_depend_on_the_number_of_threads(monkeypatch, function):
             assert torch.equal(got, expected)
 
 
-def _one_rank(batch, variant: str, dtype=torch.float32, **options):
+def _one_rank(batch, variant: str, dtype=torch.float32, shards: int = 1, seed: int = 0, **options):
     """The distributed kernels (``otb_dist_first``, ``otb_dist_final``) run as a rank holding the whole batch — no
-    collective: its grid and group statistics are the merged ones. Returns (advantages, returns, baselines)."""
+    collective: its grid is the merged one. Its group statistics ([P, 4, G]) are its own (``shards`` = 1) or, for
+    the self-inclusive final sweep to merge, those of the rows split at random (``seed``) over ``shards`` ranks, each
+    rank's from its own first sweep. Returns (advantages, returns, baselines)."""
     _, align, leave_one_out = _VARIANTS[variant]
     tensors = [torch.as_tensor(np.asarray(a)).to(dtype) for a in (batch.rewards, batch.response_mask,
                                                                    batch.log_probs, batch.sum_pi_squared)]
     weights = None if batch.is_weights is None else torch.as_tensor(np.asarray(batch.is_weights)).to(dtype)
     ids = torch.as_tensor(otb_torch.segments_from_index(batch.group_ids).index)
     groups = int(ids.max()) + 1
-    plan = _native.local_groups(ids, tensors[0].shape[1])
-    first = _native.distributed_first(*tensors, weights, plan, num_groups=groups, align=align,
-                                      leave_one_out=leave_one_out, dtype=dtype, check=False, slacks=None)
+
+    def plan(rows):
+        return _native.local_groups(ids[rows], tensors[0].shape[1])
+
+    def first_sweep(rows, rows_plan):
+        return _native.distributed_first(
+            *(value[rows] for value in tensors), None if weights is None else weights[rows], rows_plan,
+            num_groups=groups, align=align, leave_one_out=leave_one_out, dtype=dtype, check=False, slacks=None)
+
+    whole = plan(slice(None))
+    first = first_sweep(slice(None), whole)
+    statistics = first.stats.numpy()[None]
+    if shards > 1:
+        rng = np.random.default_rng(seed)
+        owner = np.concatenate([np.arange(shards), rng.integers(0, shards, ids.shape[0] - shards)])
+        rng.shuffle(owner)                                          # every rank holds at least one row
+        members = [torch.as_tensor(np.flatnonzero(owner == rank)) for rank in range(shards)]
+        statistics = np.stack([first_sweep(rows, plan(rows)).stats.numpy() for rows in members])
     advantages, baselines = _native.distributed_final(
-        tensors[1], plan, first, None if leave_one_out else first.stats.numpy()[None], num_groups=groups, align=align,
-        leave_one_out=leave_one_out, handle_zero_tail=options.get("handle_zero_tail", False),
-        epsilon=options["epsilon"], dtype=dtype)
+        tensors[1], whole, first, None if leave_one_out else statistics,
+        num_groups=groups, align=align, leave_one_out=leave_one_out,
+        handle_zero_tail=options.get("handle_zero_tail", False), epsilon=options["epsilon"], dtype=dtype)
     return advantages, first.returns, baselines
 
 
@@ -192,32 +209,13 @@ def test_the_final_sweep_merges_group_statistics_from_any_split_of_the_rows(vari
     batch = _batch(seed, "scattered-unequal", align == "valid_token")
     tensors = [torch.as_tensor(np.asarray(getattr(batch, name), dtype=np.float32)) for name in (
         "rewards", "response_mask", "log_probs", "sum_pi_squared", "is_weights")]
-    ids = torch.as_tensor(otb_torch.segments_from_index(batch.group_ids).index)
-    groups, rows = int(ids.max()) + 1, ids.shape[0]
-    rng = np.random.default_rng(seed)
-    for ranks in (2, 3, 4):
-        owner = np.concatenate([np.arange(ranks), rng.integers(0, ranks, rows - ranks)])
-        rng.shuffle(owner)                                          # every rank holds at least one row
-        shards = []
-        for rank in range(ranks):
-            mine = torch.as_tensor(np.flatnonzero(owner == rank))
-            plan = _native.local_groups(ids[mine], tensors[0].shape[1])
-            shards.append(_native.distributed_first(*(value[mine] for value in tensors), plan, num_groups=groups,
-                                                    align=align, leave_one_out=False, dtype=torch.float32,
-                                                    check=False, slacks=None).stats.numpy())
-        statistics = np.stack(shards)                               # [P, 4, G]
-        plan = _native.local_groups(ids, tensors[0].shape[1])
+    for shards in (2, 3, 4):
         for options in _options(variant):
-            first = _native.distributed_first(*tensors, plan, num_groups=groups, align=align, leave_one_out=False,
-                                              dtype=torch.float32, check=False, slacks=None)
-            advantages, baselines = _native.distributed_final(
-                tensors[1], plan, first, statistics, num_groups=groups, align=align, leave_one_out=False,
-                handle_zero_tail=options["handle_zero_tail"], epsilon=options["epsilon"], dtype=torch.float32)
+            got = _one_rank(batch, variant, torch.float32, shards=shards, seed=seed, **options)
             one = getattr(otb_torch, function)(tensors[0], tensors[1], batch.group_ids, tensors[2], tensors[3],
                                                is_weights=tensors[4], **options)
-            for name, value, expected in zip(("advantages", "returns", "baselines"),
-                                             (advantages, first.returns, baselines), one):
-                assert torch.equal(value, expected), (variant, seed, ranks, options, name)
+            for name, value, expected in zip(("advantages", "returns", "baselines"), got, one):
+                assert torch.equal(value, expected), (variant, seed, shards, options, name)
 
 
 @needs_native
