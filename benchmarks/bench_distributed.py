@@ -125,7 +125,9 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
                 spent[0] += time.perf_counter() - start
         return call
 
-    dist.all_reduce, dist.all_gather_single = timed(dist.all_reduce), timed(dist.all_gather_single)
+    gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"  # torch 2.11
+    dist.all_reduce = timed(dist.all_reduce)
+    setattr(dist, gather_name, timed(getattr(dist, gather_name)))
     otb_dist._wait = timed(otb_dist._wait)
 
     def measure(call) -> dict:
@@ -179,9 +181,9 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
                 gathered = torch.empty(3 * rewards.shape[0] * size, dtype=torch.float64)
 
                 def collectives():
-                    dist.all_gather_single(table, handshake)
+                    getattr(dist, gather_name)(table, handshake)
                     if case == "context parallel":
-                        dist.all_gather_single(gathered, totals)
+                        getattr(dist, gather_name)(gathered, totals)
                     dist.all_reduce(buffer)
                     return ()
 

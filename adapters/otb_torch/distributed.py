@@ -79,12 +79,21 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, timeout: float | None
     return tensor
 
 
+def _all_gather_single(output: torch.Tensor, local: torch.Tensor, group: Any) -> Any:
+    """Starts the all-gather of ``local`` into the concatenated ``output`` and returns its work handle: through
+    ``all_gather_single`` where torch has it (2.13 does, and deprecates the older name), else through
+    ``all_gather_into_tensor``, the same collective (2.11, on the lent GPU machine, has only that). Looked up at each
+    call, so that a wrapper set on ``torch.distributed`` is seen."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, local, group=group, async_op=True)
+
+
 def _all_gather(tensor: torch.Tensor, group: Any, timeout: float | None) -> torch.Tensor:
     """[...] on every rank → [P, ...] in the group's rank order."""
     size = dist.get_world_size(group)
     flat = tensor.contiguous().reshape(-1)
     out = torch.empty(size * flat.numel(), dtype=tensor.dtype, device=tensor.device)     # concatenated, as gloo wants
-    _wait(dist.all_gather_single(out, flat, group=group, async_op=True), timeout)
+    _wait(_all_gather_single(out, flat, group), timeout)
     return out.reshape((size,) + tuple(tensor.shape))
 
 
@@ -152,7 +161,7 @@ class _Verdicts:
                              + _context_key(context_group) + fields + [0] * (_FIELDS - len(fields)),
                              dtype=torch.int64, device=device)
         self._gathered = torch.empty(dist.get_world_size(group) * local.numel(), dtype=torch.int64, device=device)
-        self._work = dist.all_gather_single(self._gathered, local, group=group, async_op=True)
+        self._work = _all_gather_single(self._gathered, local, group)
         self._failure, self._timeout, self.what = failure, timeout, what
         self.table: list[list[int]] = []
         if wait:
