@@ -40,6 +40,10 @@ over ``--repeat`` calls (after one warm-up) of:
   statistics), which at small batches is the difference between a rank's local compute and its share; and the
   same on rank 0's rows of each batch (the whole call, its collectives local): the protocol's own cost at that size,
   apart from what sharing the machine with the other ranks and their communication adds;
+* what running at once costs P processes on this machine, with no collective and no otb_torch.distributed: a loop
+  on 16 KiB in L1 cache, a 32 MiB copy, and the one-process kernel on each rank's rows (rank 0 alone, then all P at
+  once, barrier before each call) — where the loop scales and the other two do not, the ranks lose time to the caches
+  and memory they share, not to the cores;
 * with ``--section vocab``: vocab-parallel Σπ² and the fused (log π, entropy, Σπ²), each rank holding V/P of the
   vocabulary, against ``otb_torch.sum_pi_squared`` / ``token_statistics_from_logits`` in one process.
 
@@ -215,6 +219,85 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
                     slowest[key][name + ", all ranks"] = sum(record[name] for record in per_rank)
         out.put(slowest)
     dist.destroy_process_group()
+
+
+_SHARING_KINDS = ("a loop in L1 cache (16 KiB)", "a 32 MiB copy", "the one-process kernel on the rank's rows")
+
+
+def _sharing_worker(rank: int, size: int, barrier: object, kind: str, batch: tuple, repeat: int, out: object) -> None:
+    """One process's part of :func:`_sharing`: ``kind`` timed ``repeat`` times, each call after a barrier of the
+    ``size`` processes; puts (median wall, median CPU, median minor page faults) per call."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import resource
+
+    import numpy as np
+    import torch
+
+    import otb_torch
+
+    torch.set_num_threads(1)
+    if kind == _SHARING_KINDS[0]:
+        values = np.random.default_rng(rank).random(2048)
+
+        def call():
+            for _ in range(400):
+                np.sqrt(values, out=values)
+                np.multiply(values, 1.0000001, out=values)
+    elif kind == _SHARING_KINDS[1]:
+        source = np.ones(8 << 20, np.float32)
+        target = np.empty_like(source)
+
+        def call():
+            np.copyto(target, source)
+            np.copyto(target, source)
+    else:
+        rewards, mask, log_probs, spp, ids = _batch(*batch)
+        mine = np.array_split(np.arange(rewards.shape[0]), size)[rank]
+        local = [torch.from_numpy(np.ascontiguousarray(a[mine])) for a in (rewards, mask, log_probs, spp)]
+
+        def call():
+            otb_torch.optimal_token_baseline(local[0], local[1], ids[mine], local[2], local[3])
+    for _ in range(5):
+        call()
+    walls, cpus, faults = [], [], []
+    for _ in range(repeat):
+        barrier.wait()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        cpu, wall = time.process_time(), time.perf_counter()
+        call()
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    out.put((statistics.median(walls), statistics.median(cpus), statistics.median(faults)))
+
+
+def _sharing(args: argparse.Namespace, context: object) -> dict:
+    """What running at once costs P processes on this machine, with no collective: for each kind of work — a loop on
+    16 KiB in L1 cache (the cores alone), a 32 MiB copy (caches and memory), and the self-inclusive one-process kernel
+    on rank 0's rows of the first ``--sizes`` batch, the others' rows in the others (the ranks' rows, as in the table
+    of the ranks) — the median over ``max(--repeat, 40)`` calls of rank 0 with no other process, and the largest
+    median over the P processes each doing its own part at once; barrier before each call, one thread each. Keys are
+    (kind, P); values ((alone wall, cpu, faults), (at once wall, cpu, faults))."""
+    repeat = max(args.repeat, 40)
+    found = {}
+    for size in args.processes:
+        for kind in _SHARING_KINDS:
+            if kind == _SHARING_KINDS[2] and not args.sizes:
+                continue
+            figures = []
+            for processes in (1, size):
+                barrier, queue = context.Barrier(processes), context.Queue()
+                workers = [context.Process(target=_sharing_worker, args=(
+                    rank, size, barrier, kind, args.sizes[0] if args.sizes else None, repeat, queue))
+                    for rank in range(processes)]
+                for worker in workers:
+                    worker.start()
+                parts = [queue.get(timeout=600) for _ in workers]
+                for worker in workers:
+                    worker.join(timeout=60)
+                figures.append(tuple(max(part[field] for part in parts) for field in range(3)))
+            found[(kind, size)] = tuple(figures)
+    return found
 
 
 def _data_parallel_options(case: str) -> dict:
@@ -441,6 +524,7 @@ def main() -> None:
     single = _single(args)
     fixed = _fixed_costs(args) if args.section in ("all", "otb") else {}
     context = multiprocessing.get_context("spawn")
+    sharing = _sharing(args, context) if args.section in ("all", "otb") else {}
     results = {}
     for size in args.processes:
         for memory in (False, True):
@@ -483,6 +567,15 @@ def main() -> None:
                 prompts, samples, positions, case = key
                 print(f"| {prompts}×{samples}×{positions} | {case} | {ms(distributed)} | {ms(one)} | "
                       f"{distributed / one:.2f} |")
+    if sharing:
+        first = "×".join(str(n) for n in args.sizes[0])
+        print(f"\n### What running at once costs P processes here, with no collective (each its own part; the kernel "
+              f"on rank k's rows of {first}; median of {max(args.repeat, 40)} calls, the largest over the processes)\n")
+        print("| P | work | alone | P at once | ratio | minor page faults per call, alone / at once |\n"
+              "|---|---|---|---|---|---|")
+        for (kind, size), (alone, together) in sharing.items():
+            print(f"| {size} | {kind} | {ms(alone[0])} | {ms(together[0])} | {together[0] / alone[0]:.2f} | "
+                  f"{alone[2]:.0f} / {together[2]:.0f} |")
     for size, slowest in results.items():
         print(f"\n### P = {size} ranks (medians; each column the largest over the ranks)\n")
         print("| batch | case | one process | rank's share | local compute | ≤ 1.3 × share × one process | "
