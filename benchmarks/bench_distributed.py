@@ -41,9 +41,9 @@ over ``--repeat`` calls (after one warm-up) of:
   same on rank 0's rows of each batch (the whole call, its collectives local): the protocol's own cost at that size,
   apart from what sharing the machine with the other ranks and their communication adds;
 * what running at once costs P processes on this machine, with no collective and no otb_torch.distributed: a loop
-  on 16 KiB in L1 cache, a 32 MiB copy, and the one-process kernel on each rank's rows (rank 0 alone, then all P at
-  once, barrier before each call) — where the loop scales and the other two do not, the ranks lose time to the caches
-  and memory they share, not to the cores;
+  on 16 KiB in L1 cache, a 32 MiB copy, and the one-process kernel on each rank's rows (rank 0 alone, then rank 0
+  while all P run at once, barrier before each call) — where the loop scales and the other two do not, the ranks lose
+  time to the caches and memory they share, not to the cores;
 * with ``--section vocab``: vocab-parallel Σπ² and the fused (log π, entropy, Σπ²), each rank holding V/P of the
   vocabulary, against ``otb_torch.sum_pi_squared`` / ``token_statistics_from_logits`` in one process.
 
@@ -221,12 +221,41 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
     dist.destroy_process_group()
 
 
+def _collect(workers: list, queue: object, count: int, timeout: float) -> list:
+    """``count`` results from ``queue``, which the started ``workers`` fill; raises RuntimeError as soon as a worker
+    exits with an error before the results are in, or after ``timeout`` seconds — and stops every worker still running
+    either way, so that a failed worker never leaves the others (or this process) waiting for ever."""
+    import queue as queues
+
+    results, deadline = [], time.monotonic() + timeout
+    try:
+        while len(results) < count:
+            try:
+                results.append(queue.get(timeout=1.0))
+            except queues.Empty:
+                failed = [(index, worker.exitcode) for index, worker in enumerate(workers)
+                          if worker.exitcode not in (None, 0)]
+                if failed:
+                    raise RuntimeError(f"bench_distributed: worker (index, exit code) {failed} failed; its error "
+                                       "is printed above") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"bench_distributed: no result from the workers after {timeout:.0f} s") from None
+        for worker in workers:
+            worker.join(timeout=60)
+        return results
+    finally:
+        for worker in workers:
+            if worker.is_alive():
+                worker.terminate()
+                worker.join(timeout=10)
+
+
 _SHARING_KINDS = ("a loop in L1 cache (16 KiB)", "a 32 MiB copy", "the one-process kernel on the rank's rows")
 
 
 def _sharing_worker(rank: int, size: int, barrier: object, kind: str, batch: tuple, repeat: int, out: object) -> None:
     """One process's part of :func:`_sharing`: ``kind`` timed ``repeat`` times, each call after a barrier of the
-    ``size`` processes; puts (median wall, median CPU, median minor page faults) per call."""
+    processes running; puts (rank, median wall, median CPU, median minor page faults) per call."""
     os.environ["OMP_NUM_THREADS"] = "1"
     import resource
 
@@ -268,16 +297,17 @@ def _sharing_worker(rank: int, size: int, barrier: object, kind: str, batch: tup
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    out.put((statistics.median(walls), statistics.median(cpus), statistics.median(faults)))
+    out.put((rank, statistics.median(walls), statistics.median(cpus), statistics.median(faults)))
 
 
 def _sharing(args: argparse.Namespace, context: object) -> dict:
     """What running at once costs P processes on this machine, with no collective: for each kind of work — a loop on
     16 KiB in L1 cache (the cores alone), a 32 MiB copy (caches and memory), and the self-inclusive one-process kernel
     on rank 0's rows of the first ``--sizes`` batch, the others' rows in the others (the ranks' rows, as in the table
-    of the ranks) — the median over ``max(--repeat, 40)`` calls of rank 0 with no other process, and the largest
-    median over the P processes each doing its own part at once; barrier before each call, one thread each. Keys are
-    (kind, P); values ((alone wall, cpu, faults), (at once wall, cpu, faults))."""
+    of the ranks) — the median over ``max(--repeat, 40)`` calls of rank 0 with no other process, then of rank 0 while
+    the P processes each do their own part at once (the same rows: the ratio is sharing, not the ranks' imbalance);
+    barrier before each call, one thread each. Keys are (kind, P); values ((alone wall, cpu, faults), (at once wall,
+    cpu, faults))."""
     repeat = max(args.repeat, 40)
     found = {}
     for size in args.processes:
@@ -286,16 +316,14 @@ def _sharing(args: argparse.Namespace, context: object) -> dict:
                 continue
             figures = []
             for processes in (1, size):
-                barrier, queue = context.Barrier(processes), context.Queue()
-                workers = [context.Process(target=_sharing_worker, args=(
+                barrier, queue = context.Barrier(processes, timeout=300), context.Queue()
+                workers = [context.Process(target=_sharing_worker, daemon=True, args=(
                     rank, size, barrier, kind, args.sizes[0] if args.sizes else None, repeat, queue))
                     for rank in range(processes)]
                 for worker in workers:
                     worker.start()
-                parts = [queue.get(timeout=600) for _ in workers]
-                for worker in workers:
-                    worker.join(timeout=60)
-                figures.append(tuple(max(part[field] for part in parts) for field in range(3)))
+                parts = _collect(workers, queue, len(workers), timeout=600)
+                figures.append(next(part[1:] for part in parts if part[0] == 0))
             found[(kind, size)] = tuple(figures)
     return found
 
@@ -518,7 +546,7 @@ def main() -> None:
     import otb_torch
 
     status = otb_torch.native_kernel_status()
-    print(f"# gloo on loopback, {os.cpu_count()} CPUs, torch {torch.__version__}, one thread per process; kernel: "
+    print(f"# gloo on loopback, {_cores()} CPUs for this process (of {os.cpu_count()}), torch {torch.__version__}, one thread per process; kernel: "
           + (f"native ({status.path})" if status.available else f"eager ({status.reason})")
           + f"; median of {args.repeat}; load average {os.getloadavg()[0]:.2f} at start")
     single = _single(args)
@@ -534,13 +562,11 @@ def main() -> None:
             try:
                 queue = context.Queue()
                 port = _free_port()
-                workers = [context.Process(target=_worker, args=(rank, size, port, args, queue, memory))
+                workers = [context.Process(target=_worker, daemon=True, args=(rank, size, port, args, queue, memory))
                            for rank in range(size)]
                 for worker in workers:
                     worker.start()
-                found = queue.get(timeout=1200)
-                for worker in workers:
-                    worker.join(timeout=60)
+                found = _collect(workers, queue, 1, timeout=1200)[0]
             finally:
                 for name, value in saved.items():
                     if value is None:
@@ -570,8 +596,8 @@ def main() -> None:
     if sharing:
         first = "×".join(str(n) for n in args.sizes[0])
         print(f"\n### What running at once costs P processes here, with no collective (each its own part; the kernel "
-              f"on rank k's rows of {first}; median of {max(args.repeat, 40)} calls, the largest over the processes)\n")
-        print("| P | work | alone | P at once | ratio | minor page faults per call, alone / at once |\n"
+              f"on rank k's rows of {first}; median of {max(args.repeat, 40)} calls of rank 0, alone and with the others)\n")
+        print("| P | work | rank 0 alone | rank 0, P at once | ratio | minor page faults per call, alone / at once |\n"
               "|---|---|---|---|---|---|")
         for (kind, size), (alone, together) in sharing.items():
             print(f"| {size} | {kind} | {ms(alone[0])} | {ms(together[0])} | {together[0] / alone[0]:.2f} | "

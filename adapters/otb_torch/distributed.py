@@ -22,7 +22,7 @@ the argument (the offending rank raises the reference's own message). On CPU, ``
 otb_torch's native kernel (:mod:`otb_torch._native`): its first sweep runs while the handshake travels, with the value
 checks inside it, and the values' verdict, the group statistics and the grid travel in one SUM all-reduce (two
 collectives per call; three with a context group). Collectives wait at most ``timeout`` seconds when given (else the
-process group's timeout). Tested on gloo; NCCL is not exercised (docs/distributed.md).
+process group's timeout). Tested on gloo; on NCCL one rank only, on a GPU (docs/distributed.md).
 """
 
 from __future__ import annotations
