@@ -7,6 +7,7 @@ The verifier's power against realistic bugs is tested separately, over the mutan
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import re
@@ -96,7 +97,12 @@ def test_grouped_convention_checks_a_port_with_a_group_layout(kind):
     report = verify(_grouped_reference(kind), kind, convention="grouped", **FAST)
     assert report.conformant, report.to_text()
     skipped = [r for r in report.results if r.status == "skip"]
-    assert skipped and all("unequal sizes" in r.message for r in skipped)   # golden cases with no [G, N, T] layout
+    # golden cases with no [G, N, T] layout; and, without ml_dtypes (it comes with JAX), the bfloat16 cases: NumPy
+    # has no bfloat16 of its own to hand over
+    bfloat16_deliverable = importlib.util.find_spec("ml_dtypes") is not None
+    assert any("unequal sizes" in r.message for r in skipped)
+    assert all("unequal sizes" in r.message or (not bfloat16_deliverable and r.id.endswith("/bfloat16")
+                                                and "cannot deliver bfloat16" in r.message) for r in skipped)
 
 
 def test_jax_convention_checks_otb_jax_functions():
