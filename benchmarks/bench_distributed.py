@@ -239,7 +239,8 @@ def _collect(workers: list, queue: object, count: int, timeout: float) -> list:
                     raise RuntimeError(f"bench_distributed: worker (index, exit code) {failed} failed; its error "
                                        "is printed above") from None
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"bench_distributed: no result from the workers after {timeout:.0f} s") from None
+                    raise RuntimeError(f"bench_distributed: no result from the workers after {timeout:.0f} s") \
+                        from None
         for worker in workers:
             worker.join(timeout=60)
         return results
@@ -546,7 +547,8 @@ def main() -> None:
     import otb_torch
 
     status = otb_torch.native_kernel_status()
-    print(f"# gloo on loopback, {_cores()} CPUs for this process (of {os.cpu_count()}), torch {torch.__version__}, one thread per process; kernel: "
+    print(f"# gloo on loopback, {_cores()} CPUs for this process (of {os.cpu_count()}), torch {torch.__version__}, "
+          "one thread per process; kernel: "
           + (f"native ({status.path})" if status.available else f"eager ({status.reason})")
           + f"; median of {args.repeat}; load average {os.getloadavg()[0]:.2f} at start")
     single = _single(args)
@@ -562,8 +564,8 @@ def main() -> None:
             try:
                 queue = context.Queue()
                 port = _free_port()
-                workers = [context.Process(target=_worker, daemon=True, args=(rank, size, port, args, queue, memory))
-                           for rank in range(size)]
+                workers = [context.Process(target=_worker, daemon=True,
+                                           args=(rank, size, port, args, queue, memory)) for rank in range(size)]
                 for worker in workers:
                     worker.start()
                 found = _collect(workers, queue, 1, timeout=1200)[0]
@@ -596,7 +598,8 @@ def main() -> None:
     if sharing:
         first = "×".join(str(n) for n in args.sizes[0])
         print(f"\n### What running at once costs P processes here, with no collective (each its own part; the kernel "
-              f"on rank k's rows of {first}; median of {max(args.repeat, 40)} calls of rank 0, alone and with the others)\n")
+              f"on rank k's rows of {first}; median of {max(args.repeat, 40)} calls of rank 0, alone and with the "
+              "others)\n")
         print("| P | work | rank 0 alone | rank 0, P at once | ratio | minor page faults per call, alone / at once |\n"
               "|---|---|---|---|---|---|")
         for (kind, size), (alone, together) in sharing.items():
