@@ -95,6 +95,16 @@ def _batch(prompts: int, samples: int, positions: int, holes: bool = False, seed
     return [np.ascontiguousarray(a[order]) for a in (rewards, mask, log_probs, spp)] + [ids[order]]
 
 
+def _rank_rows(batch: list, size: int, rank: int) -> list:
+    """Rank ``rank`` of ``size``'s rows of a :func:`_batch` (rewards, mask, log π, Σπ², ids) as torch tensors: its
+    contiguous share of the shuffled rows, as the benchmark splits them everywhere."""
+    import numpy as np
+    import torch
+
+    mine = np.array_split(np.arange(batch[0].shape[0]), size)[rank]
+    return [torch.from_numpy(np.ascontiguousarray(a[mine])) for a in batch]
+
+
 def _peak() -> int:
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM"))
@@ -129,7 +139,7 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
                 spent[0] += time.perf_counter() - start
         return call
 
-    gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"  # torch 2.11
+    gather_name = otb_dist._all_gather_name()                 # the all-gather the library calls, on this torch
     dist.all_reduce = timed(dist.all_reduce)
     setattr(dist, gather_name, timed(getattr(dist, gather_name)))
     otb_dist._wait = timed(otb_dist._wait)
@@ -171,9 +181,7 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
                 local_ids = torch.from_numpy(ids)
                 options = dict(context_group=dist.group.WORLD)
             else:
-                mine = np.array_split(np.arange(rewards.shape[0]), size)[rank]
-                local = [torch.from_numpy(np.ascontiguousarray(a[mine])) for a in (rewards, mask, log_probs, spp)]
-                local_ids = torch.from_numpy(ids[mine])
+                *local, local_ids = _rank_rows([rewards, mask, log_probs, spp, ids], size, rank)
                 options = _data_parallel_options(case)
             record = measure(lambda: otb_dist.distributed_token_baseline(
                 local[0], local[1], local_ids, local[2], local[3], num_groups=prompts, **options))
@@ -281,24 +289,19 @@ def _sharing_worker(rank: int, size: int, barrier: object, kind: str, batch: tup
             np.copyto(target, source)
             np.copyto(target, source)
     else:
-        rewards, mask, log_probs, spp, ids = _batch(*batch)
-        mine = np.array_split(np.arange(rewards.shape[0]), size)[rank]
-        local = [torch.from_numpy(np.ascontiguousarray(a[mine])) for a in (rewards, mask, log_probs, spp)]
+        rewards, mask, log_probs, spp, ids = _rank_rows(_batch(*batch), size, rank)
 
         def call():
-            otb_torch.optimal_token_baseline(local[0], local[1], ids[mine], local[2], local[3])
-    for _ in range(5):
-        call()
-    walls, cpus, faults = [], [], []
-    for _ in range(repeat):
-        barrier.wait()
+            otb_torch.optimal_token_baseline(rewards, mask, ids, log_probs, spp)
+    faults = []
+
+    def counted():              # the minor page faults of each call (two getrusage calls timed with it: ~1 µs)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        cpu, wall = time.process_time(), time.perf_counter()
         call()
-        walls.append(time.perf_counter() - wall)
-        cpus.append(time.process_time() - cpu)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    out.put((rank, statistics.median(walls), statistics.median(cpus), statistics.median(faults)))
+
+    walls, cpus = _samples(counted, repeat, warm_up=5, before=barrier.wait)
+    out.put((rank, statistics.median(walls), statistics.median(cpus), statistics.median(faults[5:])))
 
 
 def _sharing(args: argparse.Namespace, context: object) -> dict:
@@ -344,13 +347,15 @@ def _one_process(case: str):
         case, otb_torch.optimal_token_baseline)
 
 
-def _samples(call, repeat: int, warm_up: int = 1) -> tuple[list[float], list[float]]:
+def _samples(call, repeat: int, warm_up: int = 1, before=None) -> tuple[list[float], list[float]]:
     """(wall times, CPU times of all the process's threads) of the same ``repeat`` calls of ``call``, after ``warm_up``
-    untimed ones."""
+    untimed ones; ``before`` (a barrier's wait, say), when given, runs untimed before each timed call."""
     for _ in range(warm_up):
         call()
     walls, cpus = [], []
     for _ in range(repeat):
+        if before is not None:
+            before()
         cpu, start = time.process_time(), time.perf_counter()
         call()
         walls.append(time.perf_counter() - start)
@@ -430,9 +435,8 @@ def _fixed_costs(args: argparse.Namespace) -> dict:
         for prompts, samples, positions in args.sizes:      # a rank's rows, no peer: the protocol's own cost
             for case in _OTB_CASES[:3]:
                 holes = case.startswith("multi-turn")
-                rows = np.array_split(np.arange(prompts * samples), ranks)[0]
-                rewards, mask, log_probs, spp, ids = (torch.from_numpy(np.ascontiguousarray(a[rows])) for a in
-                                                      _batch(prompts, samples, positions, holes=holes))
+                rewards, mask, log_probs, spp, ids = _rank_rows(_batch(prompts, samples, positions, holes=holes),
+                                                                ranks, 0)
                 options = _data_parallel_options(case)
                 one = _one_process(case)
                 costs[(prompts, samples, positions, case)] = (

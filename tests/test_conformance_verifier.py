@@ -7,7 +7,6 @@ The verifier's power against realistic bugs is tested separately, over the mutan
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import re
@@ -23,6 +22,7 @@ from otb_spec.conformance import (CONVENTIONS, KINDS, LAYERS, Case, Outcome, Sub
                                   assert_matches_reference, compare, find_case, golden_cases, load_target,
                                   read_skip_file, special_cases, verify, verify_adapter)
 from otb_spec.conformance._checks import run_checks
+from otb_spec.conformance._subjects import _numpy_dtype
 
 FAST = dict(max_examples=20)
 
@@ -99,7 +99,7 @@ def test_grouped_convention_checks_a_port_with_a_group_layout(kind):
     skipped = [r for r in report.results if r.status == "skip"]
     # golden cases with no [G, N, T] layout; and, without ml_dtypes (it comes with JAX), the bfloat16 cases: NumPy
     # has no bfloat16 of its own to hand over
-    bfloat16_deliverable = importlib.util.find_spec("ml_dtypes") is not None
+    bfloat16_deliverable = _numpy_dtype("bfloat16") is not None
     assert any("unequal sizes" in r.message for r in skipped)
     assert all("unequal sizes" in r.message or (not bfloat16_deliverable and r.id.endswith("/bfloat16")
                                                 and "cannot deliver bfloat16" in r.message) for r in skipped)

@@ -79,13 +79,17 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, timeout: float | None
     return tensor
 
 
+def _all_gather_name() -> str:
+    """The name of torch.distributed's all-gather into one tensor: ``all_gather_single`` where torch has it (2.13 does,
+    and deprecates the older name), else ``all_gather_into_tensor``, the same collective (2.11, on the lent GPU
+    machine, has only that)."""
+    return "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+
 def _all_gather_single(output: torch.Tensor, local: torch.Tensor, group: Any) -> Any:
-    """Starts the all-gather of ``local`` into the concatenated ``output`` and returns its work handle: through
-    ``all_gather_single`` where torch has it (2.13 does, and deprecates the older name), else through
-    ``all_gather_into_tensor``, the same collective (2.11, on the lent GPU machine, has only that). Looked up at each
-    call, so that a wrapper set on ``torch.distributed`` is seen."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(output, local, group=group, async_op=True)
+    """Starts the all-gather of ``local`` into the concatenated ``output`` and returns its work handle. The collective
+    (:func:`_all_gather_name`) is looked up at each call, so that a wrapper set on ``torch.distributed`` is seen."""
+    return getattr(dist, _all_gather_name())(output, local, group=group, async_op=True)
 
 
 def _all_gather(tensor: torch.Tensor, group: Any, timeout: float | None) -> torch.Tensor:
