@@ -9,13 +9,14 @@ over ``--repeat`` calls (after one warm-up) of:
 * OTB with the batch's rows shuffled over the ranks (verl's balance_batch layout): ``distributed_token_baseline``
   self-inclusive and leave-one-out by position, self-inclusive by valid token on masks with tool-output holes, and
   self-inclusive with the rows cut in P column blocks instead (context parallel). Per rank: the whole call; the time
-  spent in gloo (issuing the collectives and waiting for them, waits for a slower rank included); and the rank's
-  local compute = call − gloo; and the CPU time of the rank's threads other than the caller's (one torch thread:
-  the backend's, gloo's socket I/O loop and work queues). Each figure printed is the largest over the ranks (field by
+  spent in gloo (issuing the collectives and the two-rank exchange's sends and receives, and waiting for them, waits
+  for a slower rank included); and the rank's local compute = call − gloo; and the CPU time of the rank's threads
+  other than the caller's (one torch thread: the backend's, gloo's socket I/O loop and work queues). Each figure printed is the largest over the ranks (field by
   field: two columns may come from different ranks);
 * the gloo floor: the native path's collectives (handshake, for context parallel the row totals, the one SUM
-  all-reduce of the grid and its group statistics and flags) timed alone, with nothing computed — what the call's
-  communication costs at least on this machine, in wall time and in the CPU time of every rank's threads;
+  all-reduce of the grid and its group statistics and flags — over two ranks the library's exchange of the buffer,
+  ``otb_torch.distributed._all_reduce``) timed alone, with nothing computed — what the call's communication costs at
+  least on this machine, in wall time and in the CPU time of every rank's threads;
 * the one-process kernel on each rank's own rows, every rank computing at once with no collective inside the call:
   what a rank's local compute costs at least while the ranks share the machine's cores, caches and memory bandwidth
   (it separates the distributed path's own overhead from the slowdown of co-running processes). Measured, not
@@ -140,7 +141,8 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
         return call
 
     gather_name = otb_dist._all_gather_name()                 # the all-gather the library calls, on this torch
-    dist.all_reduce = timed(dist.all_reduce)
+    for name in ("all_reduce", "isend", "irecv"):        # all-reduces: gloo's, or one exchange over two ranks
+        setattr(dist, name, timed(getattr(dist, name)))
     setattr(dist, gather_name, timed(getattr(dist, gather_name)))
     otb_dist._wait = timed(otb_dist._wait)
 
@@ -196,7 +198,7 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
                     getattr(dist, gather_name)(table, handshake)
                     if case == "context parallel":
                         getattr(dist, gather_name)(gathered, totals)
-                    dist.all_reduce(buffer)
+                    otb_dist._all_reduce(buffer, dist.ReduceOp.SUM, None, None)
                     return ()
 
                 alone = measure(collectives)

@@ -7,6 +7,7 @@ Process groups, created once at start-up in every process (``new_group`` is coll
 * ``"world"``   — all four ranks; ``group=None``, no context split (data parallel over 4 ranks);
 * ``"three"``   — ranks 0–2 as ``group`` (data parallel over 3 ranks; rank 3 sits out);
 * ``"two"``     — ranks 0–1 as ``group`` (ranks 2–3 sit out);
+* ``"last two"`` — ranks 2–3 as ``group`` (ranks 0–1 sit out: a group's ranks 0–1 are not the global ones);
 * ``"context"`` — all four ranks as one context group (rows cut along T in four pieces);
 * ``"mesh"``    — a 2 × 2 mesh: context pairs {0, 1} and {2, 3}, the batch split over the pairs (rank = 2·d + c);
 * ``"mesh-broken"`` — the mesh, but rank 1 forgets its context group (every rank must raise).
@@ -37,7 +38,7 @@ import numpy as np
 
 WORLD_SIZE = 4
 COLLECTIVE_TIMEOUT = 30.0
-LAYOUTS = ("world", "three", "two", "context", "mesh", "mesh-broken")
+LAYOUTS = ("world", "three", "two", "last two", "context", "mesh", "mesh-broken")
 
 
 def _free_port() -> int:
@@ -64,6 +65,7 @@ def _worker(rank: int, port: int, inbox: Any, outbox: Any) -> None:  # pragma: n
         "world": (rank < 4, dict(group=None)),
         "three": (rank < 3, dict(group=three)),
         "two": (rank < 2, dict(group=two)),
+        "last two": (rank >= 2, dict(group=pairs[1])),
         "context": (True, dict(group=None, context_group=dist.group.WORLD)),
         "mesh": (True, dict(group=None, context_group=pairs[rank // 2])),
         "mesh-broken": (True, dict(group=None, context_group=None if rank == 1 else pairs[rank // 2])),

@@ -36,7 +36,8 @@ from otb_spec.tolerances import (  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
-DATA_LAYOUTS = {"world": 4, "three": 3, "two": 2}
+DATA_LAYOUTS = {"world": 4, "three": 3, "two": 2, "last two": 2}
+_FIRST_RANK = {"last two": 2}
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +88,14 @@ def _split_arguments(batch, ids, num_groups, row_shards, column_cuts, context_si
 KERNELS = ["native", "eager"]       # otb_torch's native CPU kernel (where it builds), and the eager fallback
 
 
+def _run_on_layout(pool, name, layout, arguments):
+    """``arguments[k]`` to the k-th rank of the layout's group (the ranks outside it sit out); the outcomes in that
+    order."""
+    first = _FIRST_RANK.get(layout, 0)                      # the layout's group starts at this global rank
+    placed = [None] * first + list(arguments) + [None] * (WORLD_SIZE - first - len(arguments))
+    return pool.run(name, layout, placed)[first:first + len(arguments)]
+
+
 def _check_split(pool, batch, row_shards, *, layout, column_cuts=(), align="position", leave_one_out=False,
                  epsilon=1e-8, kernel="native", float32_exact_below=None):
     ids = group_segments(batch.group_ids).index
@@ -98,8 +107,7 @@ def _check_split(pool, batch, row_shards, *, layout, column_cuts=(), align="posi
         arguments = [dict(argument, _eager=True) for argument in arguments]
     if float32_exact_below is not None:
         arguments = [dict(argument, _float32_exact_below=float32_exact_below) for argument in arguments]
-    arguments += [None] * (WORLD_SIZE - len(arguments))
-    outcomes = pool.run("distributed_token_baseline", layout, arguments)
+    outcomes = _run_on_layout(pool, "distributed_token_baseline", layout, arguments)
     expected = _reference(batch, ids, align=align, leave_one_out=leave_one_out, epsilon=epsilon)
     dtype = np.asarray(batch.rewards).dtype
     advantage_tol, returns_tol = otb_comparison_tolerance(
@@ -214,15 +222,18 @@ def test_group_statistics_by_all_gather_when_float32_cannot_hold_them(pool, alig
                  align=align, float32_exact_below=1)
 
 
-def test_zero_tail_needs_the_global_top_two(pool):
+@pytest.mark.parametrize("layout", ["two", "last two"])
+def test_zero_tail_needs_the_global_top_two(pool, layout):
     """The unique longest member is on one rank, the second longest on another: only the global lengths give the
-    right zero tail (a rank deciding from its own rows would zero from its local second length)."""
+    right zero tail (a rank deciding from its own rows would zero from its local second length). On two ranks the
+    grid's sum is one exchange between them: ``"last two"`` (global ranks 2–3) checks that it finds the peer's
+    global rank."""
     mask = np.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0]], float)
     half = np.full(mask.shape, 0.5)
     batch = otb.RolloutBatch(rewards=np.arange(24.0).reshape(4, 6) % 3, response_mask=mask,
                              group_ids=np.zeros(4, np.int64), log_probs=np.log(half), sum_pi_squared=half,
                              is_weights=None)
-    _check_split(pool, batch, [np.array([0, 1]), np.array([2, 3])], layout="two")
+    _check_split(pool, batch, [np.array([0, 1]), np.array([2, 3])], layout=layout)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -246,13 +257,13 @@ def test_vocab_parallel_statistics_equal_one_process(pool, data, layout, dtype, 
     ids = data.draw(st.lists(st.integers(0, vocab - 1), min_size=6, max_size=6))
     ids = np.asarray(ids, dtype=np.int64).reshape(3, 2) if with_ids else None
     pieces = _vocab_split(logits, shards, cuts)
-    arguments = [dict(logits_shard=piece, token_ids=ids) for piece in pieces] + [None] * (WORLD_SIZE - shards)
-    outcomes = pool.run("vocab_parallel_token_statistics", layout, arguments)
+    outcomes = _run_on_layout(pool, "vocab_parallel_token_statistics", layout,
+                              [dict(logits_shard=piece, token_ids=ids) for piece in pieces])
     expected = otb.token_statistics_from_logits(logits, ids)
     spp_tol = sum_pi_squared_tolerance(logits, dtype=dtype) + sum_pi_squared_tolerance(logits, dtype=np.float64)
     proxy = proxy_tolerance(vocab, float(np.abs(logits[np.isfinite(logits)]).max(initial=0.0)),
                                            dtype=dtype)
-    for rank, (status, result) in enumerate(outcomes[:shards]):
+    for rank, (status, result) in enumerate(outcomes):
         assert status == "ok", f"rank {rank}: {result}"
         spp_tol.assert_close(result.sum_pi_squared, expected.sum_pi_squared, f"rank {rank} Σπ²")
         proxy.assert_close(result.entropy, expected.entropy, f"rank {rank} entropy")

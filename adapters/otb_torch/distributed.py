@@ -21,8 +21,10 @@ shapes, options, context groups or ids that disagree with the others', makes eve
 the argument (the offending rank raises the reference's own message). On CPU, ``distributed_token_baseline`` runs
 otb_torch's native kernel (:mod:`otb_torch._native`): its first sweep runs while the handshake travels, with the value
 checks inside it, and the values' verdict, the group statistics and the grid travel in one SUM all-reduce (two
-collectives per call; three with a context group). Collectives wait at most ``timeout`` seconds when given (else the
-process group's timeout). Tested on gloo; on NCCL one rank only, on a GPU (docs/distributed.md).
+collectives per call; three with a context group). A SUM over two ranks of CPU tensors is one exchange between them
+(``isend`` + ``irecv`` of the whole tensor, then an add: :func:`_all_reduce`) instead of gloo's ring of two rounds.
+Collectives wait at most ``timeout`` seconds when given (else the process group's timeout). Tested on gloo; on NCCL
+one rank only, on a GPU (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -75,8 +77,24 @@ def _wait(work: Any, timeout: float | None) -> None:
 
 
 def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, timeout: float | None) -> torch.Tensor:
-    _wait(dist.all_reduce(tensor, op=op, group=group, async_op=True), timeout)
-    return tensor
+    """``tensor`` ← ``op`` (SUM, MAX) of it over the ranks of ``group``, in place, the same bits on every rank.
+
+    A SUM over two ranks with CPU tensors: each rank sends its tensor to the other and adds what it receives — one
+    exchange of the whole tensor, where gloo's ring all-reduce makes two rounds of half of it each (the same bytes,
+    twice the latency). The same bits on both ranks: a + b = b + a in IEEE arithmetic. (Not for MAX: max(−0, +0) is
+    the first operand in torch, so the ranks could differ in the sign of a zero.) Extra memory: a copy of ``tensor``
+    for what arrives. Otherwise ``torch.distributed.all_reduce``."""
+    if (tensor.device.type != "cpu" or op != dist.ReduceOp.SUM or not tensor.is_contiguous()
+            or dist.get_world_size(group) != 2):
+        _wait(dist.all_reduce(tensor, op=op, group=group, async_op=True), timeout)
+        return tensor
+    peer = dist.get_global_rank(group if group is not None else dist.group.WORLD, 1 - dist.get_rank(group))
+    received = torch.empty_like(tensor)
+    outgoing = dist.isend(tensor, peer, group=group, tag=_MAGIC)
+    incoming = dist.irecv(received, peer, group=group, tag=_MAGIC)
+    _wait(incoming, timeout)
+    _wait(outgoing, timeout)
+    return tensor.add_(received)
 
 
 def _all_gather_name() -> str:
@@ -550,8 +568,9 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
     then its terms of N_gk = Σᵢ GᵢWᵢmᵢ, D_gk = Σᵢ Wᵢmᵢ (and V_gk = Σᵢ mᵢ for leave-one-out) on the [G, K] aligned grid,
     SUM all-reduced over ``group``; the self-inclusive rules need each group's members and top-two lengths, gathered
     as [4, G] integers (on CPU in the same all-reduce, each rank's in its own slot). K = the longest padded row over
-    the ranks (Σ of the context shards' widths). Extra memory per rank: the grid, G·(2 or 3)·K values, and a few rows
-    of T per thread (on CPU; the eager path also materialises [B, T] temporaries).
+    the ranks (Σ of the context shards' widths). Extra memory per rank: the grid, G·(2 or 3)·K values (over two ranks
+    on CPU a second one receives the peer's while they are exchanged; it is freed before the final sweep's outputs
+    are allocated), and a few rows of T per thread (on CPU; the eager path also materialises [B, T] temporaries).
 
     Args:
       rewards, response_mask, log_probs, sum_pi_squared, is_weights: this rank's [B, T_c] pieces, as
