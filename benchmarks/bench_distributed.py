@@ -11,12 +11,13 @@ over ``--repeat`` calls (after one warm-up) of:
   self-inclusive with the rows cut in P column blocks instead (context parallel). Per rank: the whole call; the time
   spent in gloo (issuing the collectives and the two-rank exchange's sends and receives, and waiting for them, waits
   for a slower rank included); and the rank's local compute = call − gloo; and the CPU time of the rank's threads
-  other than the caller's (one torch thread: the backend's, gloo's socket I/O loop and work queues). Each figure printed is the largest over the ranks (field by
-  field: two columns may come from different ranks);
+  other than the caller's (one torch thread: the backend's, gloo's socket I/O loop and work queues). Each figure
+  printed is the largest over the ranks (field by field: two columns may come from different ranks);
 * the gloo floor: the native path's collectives (handshake, for context parallel the row totals, the one SUM
   all-reduce of the grid and its group statistics and flags — over two ranks the library's exchange of the buffer,
-  ``otb_torch.distributed._all_reduce``) timed alone, with nothing computed — what the call's communication costs at
-  least on this machine, in wall time and in the CPU time of every rank's threads;
+  ``otb_torch.distributed._all_reduce``, whose receive buffer and add this figure includes while a call counts them
+  as local compute) timed alone, with nothing computed — what the call's communication costs at least on this
+  machine, in wall time and in the CPU time of every rank's threads;
 * the one-process kernel on each rank's own rows, every rank computing at once with no collective inside the call:
   what a rank's local compute costs at least while the ranks share the machine's cores, caches and memory bandwidth
   (it separates the distributed path's own overhead from the slowdown of co-running processes). Measured, not

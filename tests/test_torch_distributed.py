@@ -265,6 +265,11 @@ def test_vocab_parallel_statistics_equal_one_process(pool, data, layout, dtype, 
                                            dtype=dtype)
     for rank, (status, result) in enumerate(outcomes):
         assert status == "ok", f"rank {rank}: {result}"
+        # every rank holds the same rows' statistics: the reductions (gloo's, or one exchange over two ranks) must
+        # give every rank the same bits
+        for field in ("sum_pi_squared", "entropy", "log_probs"):
+            mine, first = getattr(result, field), getattr(outcomes[0][1], field)
+            assert (mine is None and first is None) or np.array_equal(mine, first, equal_nan=True), (rank, field)
         spp_tol.assert_close(result.sum_pi_squared, expected.sum_pi_squared, f"rank {rank} Σπ²")
         proxy.assert_close(result.entropy, expected.entropy, f"rank {rank} entropy")
         if with_ids:
@@ -371,6 +376,25 @@ def test_bad_values_on_one_rank_raise_on_every_rank(pool, kernel, layout, leave_
     assert errors[2][0] == "ValueError" and errors[2][1].startswith(name), errors[2]
     for rank in (0, 1, 3):
         assert errors[rank][0] == "ValueError" and "rank 2 rejected its inputs" in errors[rank][1], errors[rank]
+
+
+@pytest.mark.parametrize("leave_one_out", [False, True])
+@pytest.mark.parametrize("name, where, value", [("rewards", "masked", np.nan), ("log_probs", "valid", 0.5)])
+def test_bad_values_on_one_of_two_ranks_raise_on_both(pool, leave_one_out, name, where, value):
+    """Over a group of two ranks (global ranks 2 and 3) the native kernel's verdict on the values travels in the
+    grid's exchange instead of gloo's all-reduce: the group's second rank raises the reference's error, the first
+    says that global rank 3 rejected its inputs."""
+    batch = _fixed_batch()
+    arguments, _ = _split_arguments(batch, group_segments(batch.group_ids).index, 3, [np.arange(4), np.arange(4, 8)],
+                                    [], 1, align="position", leave_one_out=leave_one_out, epsilon=1e-8)
+    mask = arguments[1]["response_mask"]
+    rows, columns = np.nonzero(mask > 0) if where == "valid" else np.nonzero(mask == 0)
+    arguments[1][name] = arguments[1][name].copy()
+    arguments[1][name][rows[0], columns[0]] = value
+    errors = dict((rank, (kind, message)) for rank, kind, message in
+                  _errors(_run_on_layout(pool, "distributed_token_baseline", "last two", arguments), range(2)))
+    assert errors[1][0] == "ValueError" and errors[1][1].startswith(name), errors[1]
+    assert errors[0][0] == "ValueError" and "rank 3 rejected its inputs" in errors[0][1], errors[0]
 
 
 @pytest.mark.parametrize("problem", ["id outside num_groups", "num_groups differs", "ids differ in context group",

@@ -81,16 +81,19 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, timeout: float | None
 
     A SUM over two ranks with CPU tensors: each rank sends its tensor to the other and adds what it receives — one
     exchange of the whole tensor, where gloo's ring all-reduce makes two rounds of half of it each (the same bytes,
-    twice the latency). The same bits on both ranks: a + b = b + a in IEEE arithmetic. (Not for MAX: max(−0, +0) is
-    the first operand in torch, so the ranks could differ in the sign of a zero.) Extra memory: a copy of ``tensor``
-    for what arrives. Otherwise ``torch.distributed.all_reduce``."""
-    if (tensor.device.type != "cpu" or op != dist.ReduceOp.SUM or not tensor.is_contiguous()
-            or dist.get_world_size(group) != 2):
+    twice the latency). The same bits on both ranks: a + b = b + a in IEEE arithmetic. (Not for MAX: which of −0 and
+    +0 ``torch.maximum`` returns depends on the operands' order, so the ranks could differ in the sign of a zero.)
+    The choice depends only on the group's size, ``op`` and the device, which every rank of a working group shares.
+    Extra memory: a copy of ``tensor`` for what arrives (and one to send, were ``tensor`` not contiguous). As with
+    any collective, a timeout leaves the group unusable (the other half of the exchange stays posted). Otherwise
+    ``torch.distributed.all_reduce``."""
+    if tensor.device.type != "cpu" or op != dist.ReduceOp.SUM or dist.get_world_size(group) != 2:
         _wait(dist.all_reduce(tensor, op=op, group=group, async_op=True), timeout)
         return tensor
     peer = dist.get_global_rank(group if group is not None else dist.group.WORLD, 1 - dist.get_rank(group))
-    received = torch.empty_like(tensor)
-    outgoing = dist.isend(tensor, peer, group=group, tag=_MAGIC)
+    mine = tensor.contiguous()
+    received = torch.empty_like(mine)
+    outgoing = dist.isend(mine, peer, group=group, tag=_MAGIC)
     incoming = dist.irecv(received, peer, group=group, tag=_MAGIC)
     _wait(incoming, timeout)
     _wait(outgoing, timeout)
@@ -569,8 +572,9 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
     SUM all-reduced over ``group``; the self-inclusive rules need each group's members and top-two lengths, gathered
     as [4, G] integers (on CPU in the same all-reduce, each rank's in its own slot). K = the longest padded row over
     the ranks (Σ of the context shards' widths). Extra memory per rank: the grid, G·(2 or 3)·K values (over two ranks
-    on CPU a second one receives the peer's while they are exchanged; it is freed before the final sweep's outputs
-    are allocated), and a few rows of T per thread (on CPU; the eager path also materialises [B, T] temporaries).
+    on CPU a second one receives the peer's while they are exchanged, freed before the final sweep allocates the
+    advantages and baselines: the peak grows only where the grid outweighs those two outputs), and a few rows of T
+    per thread (on CPU; the eager path also materialises [B, T] temporaries).
 
     Args:
       rewards, response_mask, log_probs, sum_pi_squared, is_weights: this rank's [B, T_c] pieces, as
