@@ -154,19 +154,18 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
             base = _reset_peak()
             result = call()
             return {"extra": _peak() - base - sum(value.numel() * value.element_size() for value in result)}
-        totals, gloo, cpu, threads = [], [], [], []
-        for _ in range(args.repeat):
-            dist.barrier()
+        gloo, mains = [], []
+
+        def counted():              # each call's time in gloo and its calling thread's CPU time, timed with it
             spent[0] = 0.0
-            cpu_start, main_start = time.process_time(), time.thread_time()
-            start = time.perf_counter()
+            main_start = time.thread_time()
             call()
-            totals.append(time.perf_counter() - start)
-            process, main = time.process_time() - cpu_start, time.thread_time() - main_start
+            mains.append(time.thread_time() - main_start)
             gloo.append(spent[0])
-            cpu.append(process)
-            threads.append(process - main)      # the backend's threads (gloo's I/O loop and work queues), 1 thread
-        locals_ = [total - comm for total, comm in zip(totals, gloo)]
+
+        totals, cpu = _samples(counted, args.repeat, warm_up=0, before=dist.barrier)
+        threads = [process - main for process, main in zip(cpu, mains)]   # the backend's threads (gloo's I/O loop
+        locals_ = [total - comm for total, comm in zip(totals, gloo)]      # and work queues), 1 torch thread
         return {"total": statistics.median(totals), "gloo": statistics.median(gloo),
                 "local": statistics.median(locals_), "cpu": statistics.median(cpu),
                 "threads": statistics.median(threads),

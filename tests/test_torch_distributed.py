@@ -282,9 +282,9 @@ def test_vocab_parallel_sum_pi_squared_rows_excluded_on_some_shards(pool):
     """A row whose logits are −inf on one shard (excluded tokens) but not on all: that shard contributes nothing."""
     logits = np.array([[0.0, 1.0, -np.inf, -np.inf, 2.0, 0.5], [-np.inf, -np.inf, 3.0, -1.0, -np.inf, -np.inf]])
     pieces = _vocab_split(logits, 3, [2, 4])
-    outcomes = pool.run("vocab_parallel_sum_pi_squared", "three", [dict(logits_shard=p) for p in pieces] + [None])
+    outcomes = _run_on_layout(pool, "vocab_parallel_sum_pi_squared", "three", [dict(logits_shard=p) for p in pieces])
     expected = otb.sum_pi_squared(logits)
-    for status, result in outcomes[:3]:
+    for status, result in outcomes:
         assert status == "ok", result
         np.testing.assert_allclose(result, expected, rtol=1e-14)
 
@@ -335,7 +335,7 @@ def test_a_row_excluded_on_every_shard_raises_on_every_rank(pool):
     """Every logit of a row is −inf on every rank: the softmax is undefined there — an error, not a NaN."""
     logits = np.array([[0.0, 1.0, 2.0, -1.0], [-np.inf, -np.inf, -np.inf, -np.inf]])
     pieces = _vocab_split(logits, 2, [2])
-    outcomes = pool.run("vocab_parallel_sum_pi_squared", "two", [dict(logits_shard=p) for p in pieces] + [None] * 2)
+    outcomes = _run_on_layout(pool, "vocab_parallel_sum_pi_squared", "two", [dict(logits_shard=p) for p in pieces])
     for _, kind, message in _errors(outcomes, range(2)):
         assert kind == "ValueError" and "every logit is -inf on every rank" in message, message
 
