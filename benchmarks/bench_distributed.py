@@ -14,15 +14,17 @@ over ``--repeat`` calls (after one warm-up) of:
   other than the caller's (one torch thread: the backend's, gloo's socket I/O loop and work queues). Each figure
   printed is the largest over the ranks (field by field: two columns may come from different ranks);
 * the gloo floor: the native path's collectives (handshake, for context parallel the row totals, the one SUM
-  all-reduce of the grid and its group statistics and flags — over two ranks the library's exchange of the buffer,
+  all-reduce of the grid — not for context parallel, where every rank holds every row — and its group statistics
+  and flags — over two ranks the library's exchange of the buffer,
   ``otb_torch.distributed._all_reduce``, whose receive buffer and add this figure includes while a call counts them
   as local compute) timed alone, with nothing computed — what the call's communication costs at least on this
   machine, in wall time and in the CPU time of every rank's threads;
-* the one-process kernel on each rank's own rows, every rank computing at once with no collective inside the call:
-  what a rank's local compute costs at least while the ranks share the machine's cores, caches and memory bandwidth
-  (it separates the distributed path's own overhead from the slowdown of co-running processes). Measured, not
-  proved: at 256×8×4096 this figure varies twofold between runs here (11–28 ms) and is at times above a call's local
-  compute, at 64×8×2048 it was once in 39 case-runs; the verdicts below check it on each run;
+* the one-process kernel on each rank's own rows (context parallel: on its column piece, as a batch of its own),
+  every rank computing at once with no collective inside the call: what a rank's local compute costs at least
+  while the ranks share the machine's cores, caches and memory bandwidth (it separates the distributed path's own
+  overhead from the slowdown of co-running processes). Measured, not proved: at 256×8×4096 this figure varies
+  twofold between runs here (11–28 ms) and is at times above a call's local compute, at 64×8×2048 it was once in 39
+  case-runs; the verdicts below check it on each run;
 * the bytes each rank sends (from the shapes: the formulas of docs/distributed.md) and each rank's extra peak memory
   (the high-water mark of its resident set during a call less the outputs, in a second run of the workers whose C
   allocator maps every block of 64 KiB or more afresh, so that no temporary hides in reused pages);
@@ -31,16 +33,16 @@ over ``--repeat`` calls (after one warm-up) of:
   ≤ 1.3 × (one process × the rank's share of the tokens), and a rank's whole call ≤ one process — where either is
   not met, whether this run's floor rules it out, against the one-process call's upper quartile (not only its
   median): for local compute, its rows in the one-process kernel with the ranks running at once, where it stays
-  below the call's local compute in the same run (not measured for context parallel); for the whole call, the CPU
-  work the call needs at least — the CPU time of the one-process kernel on every rank's rows, the ranks at once (for
-  context parallel, of the one-process call), plus the collectives' CPU time on every rank — over the machine's
-  cores, where the calls' own threads used no less CPU than that compute term (the gloo floor plus the rank's
-  compute, one after the other, is printed beside it for scale: no floor, as a call overlaps its handshake with its
-  first sweep);
+  below the call's local compute in the same run; for the whole call, the CPU work the call needs at least — the
+  CPU time of the one-process kernel on every rank's rows (or piece), the ranks at once, plus the collectives' CPU
+  time on every rank — over the machine's cores, where the calls' own threads used no less CPU than that compute
+  term (the gloo floor plus the rank's compute, one after the other, is printed beside it for scale: no floor, as a
+  call overlaps its handshake with its first sweep);
 * what a call costs whatever the batch: each case on 2 rows × 16 positions in a gloo world of one process (no peer),
   against the one-process function — the per-call overhead of the distributed protocol (handshake, plan, grid,
   statistics), which at small batches is the difference between a rank's local compute and its share; and the
-  same on rank 0's rows of each batch (the whole call, its collectives local): the protocol's own cost at that size,
+  same on rank 0's rows of each batch (context parallel: its column piece, in a context group of one; the whole
+  call, its collectives local): the protocol's own cost at that size,
   apart from what sharing the machine with the other ranks and their communication adds;
 * what running at once costs P processes on this machine, with no collective and no otb_torch.distributed: a loop
   on 16 KiB in L1 cache, a 32 MiB copy, and the one-process kernel on each rank's rows (rank 0 alone, then rank 0
@@ -188,25 +190,24 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
             record = measure(lambda: otb_dist.distributed_token_baseline(
                 local[0], local[1], local_ids, local[2], local[3], num_groups=prompts, **options))
             if not memory:                  # the same collectives with nothing computed: what gloo costs at least
-                planes = 3 if case == "leave-one-out" else 2
                 handshake, table = torch.zeros(19, dtype=torch.int64), torch.empty(19 * size, dtype=torch.int64)
-                buffer = torch.zeros(planes * prompts * positions + size * 4 * prompts + size)
-                totals = torch.zeros(3 * rewards.shape[0], dtype=torch.float64)
-                gathered = torch.empty(3 * rewards.shape[0] * size, dtype=torch.float64)
+                buffer = torch.zeros(_grid_planes(case) * prompts * positions + size * 4 * prompts + size)
+                totals = torch.zeros(3 * rewards.shape[0] + 1, dtype=torch.float64)     # + the value verdict
+                gathered = torch.empty(totals.numel() * size, dtype=torch.float64)
 
                 def collectives():
                     getattr(dist, gather_name)(table, handshake)
                     if case == "context parallel":
                         getattr(dist, gather_name)(gathered, totals)
-                    otb_dist._all_reduce(buffer, dist.ReduceOp.SUM, None, None)
+                    else:
+                        otb_dist._all_reduce(buffer, dist.ReduceOp.SUM, None, None)
                     return ()
 
                 alone = measure(collectives)
                 record["floor"], record["floor cpu"] = alone["total"], alone["cpu"]
-                if case != "context parallel":  # the one-process kernel on this rank's rows, every rank at once
-                    one = _one_process(case)
-                    alone = measure(lambda: one(local[0], local[1], local_ids, local[2], local[3]))
-                    record["concurrent"], record["concurrent cpu"] = alone["total"], alone["cpu"]
+                one = _one_process(case)         # the one-process kernel on this rank's rows, every rank at once
+                alone = measure(lambda: one(local[0], local[1], local_ids, local[2], local[3]))
+                record["concurrent"], record["concurrent cpu"] = alone["total"], alone["cpu"]
             record["share"] = local[0].numel() / rewards.size
             records[(prompts, samples, positions, case)] = record
     if args.section in ("all", "vocab"):
@@ -435,11 +436,17 @@ def _fixed_costs(args: argparse.Namespace) -> dict:
                 timed(lambda: one(rewards, mask, ids, log_probs, spp)))
         ranks = args.processes[0]
         for prompts, samples, positions in args.sizes:      # a rank's rows, no peer: the protocol's own cost
-            for case in _OTB_CASES[:3]:
+            for case in _OTB_CASES:
                 holes = case.startswith("multi-turn")
-                rewards, mask, log_probs, spp, ids = _rank_rows(_batch(prompts, samples, positions, holes=holes),
-                                                                ranks, 0)
-                options = _data_parallel_options(case)
+                batch = _batch(prompts, samples, positions, holes=holes)
+                if case == "context parallel":                 # rank 0's column piece, a context group of one
+                    columns = np.array_split(np.arange(positions), ranks)[0]
+                    rewards, mask, log_probs, spp = (torch.from_numpy(np.ascontiguousarray(a[:, columns]))
+                                                     for a in batch[:4])
+                    ids, options = torch.from_numpy(batch[4]), dict(context_group=dist.group.WORLD)
+                else:
+                    rewards, mask, log_probs, spp, ids = _rank_rows(batch, ranks, 0)
+                    options = _data_parallel_options(case)
                 one = _one_process(case)
                 costs[(prompts, samples, positions, case)] = (
                     _median_seconds(lambda: otb_dist.distributed_token_baseline(
@@ -450,23 +457,30 @@ def _fixed_costs(args: argparse.Namespace) -> dict:
         dist.destroy_process_group()
 
 
+def _grid_planes(case: str) -> int:
+    """Planes of the grid a call sums over the ranks; context parallel (every rank holds every row, columns by
+    position) sums none: each rank's cells are complete, each rank counts the group statistics, and the native
+    kernel's value verdicts ride with the pieces' totals — its one blocking collective."""
+    return 0 if case == "context parallel" else 3 if case == "leave-one-out" else 2
+
+
 def _bytes_sent(key, size: int, args: argparse.Namespace) -> int:
     """Bytes one rank sends, ring algorithms: all-reduce 2(P−1)/P·S, all-gather (P−1)/P·S (S: the result's size).
     The native path sends the group statistics ([P, 4, G]) and the value verdicts (P) in the grid's float32
-    all-reduce; the eager path all-gathers the statistics as int64 (self-inclusive only) and checks values first."""
+    all-reduce; the eager path all-gathers the statistics as int64 (self-inclusive only) and checks values first.
+    Context parallel (one context group of every rank) sums no grid and gathers no statistics."""
     reduce, gather = 2 * (size - 1) / size, (size - 1) / size
     handshake = gather * size * 8 * 19                   # 19 integers per rank (fixed size)
     if isinstance(key, tuple):
         prompts, samples, positions, case = key
         G, K, B = prompts, positions, prompts * samples
-        planes = 3 if case == "leave-one-out" else 2
-        sent = handshake + reduce * planes * G * K * 4
-        if args.kernel != "eager":
+        sent = handshake + reduce * _grid_planes(case) * G * K * 4
+        if case == "context parallel":                   # the row pieces' totals (native: and the value verdict)
+            sent += gather * size * (3 * B + (args.kernel != "eager")) * 8
+        elif args.kernel != "eager":
             sent += reduce * (size * 4 * G + size) * 4   # the group statistics and verdicts, in the all-reduce
-        elif case != "leave-one-out":
+        if args.kernel == "eager" and case not in ("leave-one-out", "context parallel"):  # (whole rows: counted)
             sent += gather * size * 4 * G * 8            # the group statistics
-        if case == "context parallel":
-            sent += gather * size * 3 * B * 8            # the row pieces' totals
         return int(sent)
     parts = 2 if key == "Σπ² vocab parallel" else 4
     return int(handshake + reduce * (args.rows + 2) * 4 + reduce * parts * args.rows * 4)
@@ -481,8 +495,9 @@ def _whole_call_verdict(record: dict, one: float, one_q75: float, one_cpu: float
     """"Never slower than one process": met or not, and where not, whether this run's measured floor rules it out —
     where it reaches the one-process call's upper quartile ``one_q75`` (not only its median: a floor within the
     one-process call's own spread rules nothing out). The floor is the CPU work the call needs at least: the CPU time
-    the batch's compute takes split as the ranks split it (the one-process kernel on each rank's rows, the ranks at
-    once, summed over the ranks; for context parallel the one-process call's CPU time ``one_cpu``) plus the CPU time
+    the batch's compute takes split as the ranks split it (the one-process kernel on each rank's rows — for context
+    parallel its piece — the ranks at once, summed over the ranks; where that was not measured, the one-process
+    call's CPU time ``one_cpu``) plus the CPU time
     the collectives alone take on every rank (the backend's threads copy every byte through the loopback sockets),
     over the machine's cores — a floor as long as a rank computes its rows with no less CPU than the one-process
     kernel does on them (the distributed path does the same arithmetic and more), which each run checks: where the
@@ -490,8 +505,9 @@ def _whole_call_verdict(record: dict, one: float, one_q75: float, one_cpu: float
     not the backend's) is below the compute term, no floor is claimed.
 
     Also printed, for scale and not as a floor: the gloo floor plus the rank's rows in the one-process kernel with
-    the ranks at once (for context parallel, its share of the one-process time) — a call overlaps its handshake with
-    its first sweep, and the two maxima over the ranks may come from different ranks, so a call can take less."""
+    the ranks at once (where that was not measured, its share of the one-process time) — a call overlaps its
+    handshake with its first sweep, and the two maxima over the ranks may come from different ranks, so a call can
+    take less."""
     ratio = f"({record['total'] / one:.2f}×)"
     if record["total"] <= one:
         return f"met {ratio}"
@@ -516,8 +532,9 @@ def _local_verdict(record: dict, one: float, one_q75: float) -> str:
     what sharing the machine's cores, caches and memory bandwidth leaves of the one-process speed; a measured floor,
     not a proved one: see the module's docstring). "bounded" where that figure reaches the bound taken at the
     one-process call's upper quartile ``one_q75`` (not only its median) and stays below the rank's local compute in
-    the same run (where it does not, the run itself contradicts it as a floor). Context parallel has no such figure
-    (its pieces are not rows the one-process kernel computes alone)."""
+    the same run (where it does not, the run itself contradicts it as a floor). For context parallel, its column
+    piece as a batch of its own: the same tokens, rows and groups without the other pieces' offsets, which the
+    distributed path adds on top."""
     bound = 1.3 * record["share"] * one
     ratio = f"({record['local'] / (record['share'] * one):.2f}×)"
     if record["local"] <= bound:
@@ -593,7 +610,8 @@ def main() -> None:
         for case, (distributed, one) in fixed.items():
             if not isinstance(case, tuple):
                 print(f"| {case} | {ms(distributed)} | {ms(one)} | {ms(distributed - one)} |")
-        print(f"\n### A rank's rows without a peer (rank 0's rows of {args.processes[0]}, a gloo world of one)\n")
+        print(f"\n### A rank's rows without a peer (rank 0's rows of {args.processes[0]}; context parallel: its column "
+              "piece, a context group of one; a gloo world of one)\n")
         print("| batch | case | distributed_token_baseline | the one-process function, same rows | ratio |\n"
               "|---|---|---|---|---|")
         for key, (distributed, one) in fixed.items():

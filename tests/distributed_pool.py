@@ -9,6 +9,7 @@ Process groups, created once at start-up in every process (``new_group`` is coll
 * ``"two"``     — ranks 0–1 as ``group`` (ranks 2–3 sit out);
 * ``"last two"`` — ranks 2–3 as ``group`` (ranks 0–1 sit out: a group's ranks 0–1 are not the global ones);
 * ``"context"`` — all four ranks as one context group (rows cut along T in four pieces);
+* ``"context two"`` — ranks 0–1 as ``group`` and as its context group (rows cut in two pieces; ranks 2–3 sit out);
 * ``"mesh"``    — a 2 × 2 mesh: context pairs {0, 1} and {2, 3}, the batch split over the pairs (rank = 2·d + c);
 * ``"mesh-broken"`` — the mesh, but rank 1 forgets its context group (every rank must raise).
 
@@ -17,7 +18,8 @@ The task ``"native_kernel_status"`` answers whether a rank has otb_torch's nativ
 kernels, as without a C compiler); otherwise otb_torch's native CPU kernel runs where it is built. ``_float32_exact_below=N``
 lowers, for that call, the bound below which the native path's float32 all-reduce carries the group statistics
 (``otb_torch.distributed._FLOAT32_EXACT_BELOW``, 2²⁴): N = 1 takes the all-gather that batches of 2²⁴ rows or
-positions need.
+positions need. ``_count_reduced=True`` makes the rank answer ``(result, values)``: ``values`` the number of values
+the call passed to ``otb_torch.distributed._all_reduce`` (every SUM and MAX of the module goes through it).
 
 A task that does not answer within ``timeout`` seconds fails the test and the pool is restarted; collectives inside
 the processes time out after ``COLLECTIVE_TIMEOUT`` seconds (the process groups' timeout), so nothing can hang.
@@ -38,7 +40,7 @@ import numpy as np
 
 WORLD_SIZE = 4
 COLLECTIVE_TIMEOUT = 30.0
-LAYOUTS = ("world", "three", "two", "last two", "context", "mesh", "mesh-broken")
+LAYOUTS = ("world", "three", "two", "last two", "context", "context two", "mesh", "mesh-broken")
 
 
 def _free_port() -> int:
@@ -67,6 +69,7 @@ def _worker(rank: int, port: int, inbox: Any, outbox: Any) -> None:  # pragma: n
         "two": (rank < 2, dict(group=two)),
         "last two": (rank >= 2, dict(group=pairs[1])),
         "context": (True, dict(group=None, context_group=dist.group.WORLD)),
+        "context two": (rank < 2, dict(group=two, context_group=two)),
         "mesh": (True, dict(group=None, context_group=pairs[rank // 2])),
         "mesh-broken": (True, dict(group=None, context_group=None if rank == 1 else pairs[rank // 2])),
     }
@@ -86,6 +89,12 @@ def _worker(rank: int, port: int, inbox: Any, outbox: Any) -> None:  # pragma: n
             arguments = dict(arguments)
             kernel = _native.eager_only() if arguments.pop("_eager", False) else contextlib.nullcontext()
             exact_below = arguments.pop("_float32_exact_below", otb_dist._FLOAT32_EXACT_BELOW)
+            reduced, all_reduce = [0], otb_dist._all_reduce
+            count_reduced = arguments.pop("_count_reduced", False)
+
+            def counting(tensor, *rest, reduced=reduced, all_reduce=all_reduce):
+                reduced[0] += tensor.numel()
+                return all_reduce(tensor, *rest)
             call = {key: torch.from_numpy(value) if isinstance(value, np.ndarray) and value.dtype.kind in "biuf" else value
                     for key, value in arguments.items()}
             if name in ("vocab_parallel_token_statistics", "vocab_parallel_sum_pi_squared", "global_group_ids"):
@@ -93,12 +102,13 @@ def _worker(rank: int, port: int, inbox: Any, outbox: Any) -> None:  # pragma: n
             elif name == "context_parallel_returns_and_energy":
                 groups = {"context_group": groups.get("context_group", groups.get("group"))}
             saved, otb_dist._FLOAT32_EXACT_BELOW = otb_dist._FLOAT32_EXACT_BELOW, exact_below
+            otb_dist._all_reduce = counting
             try:
                 with kernel:
                     result = function(**call, **groups)
             finally:
-                otb_dist._FLOAT32_EXACT_BELOW = saved
-            outbox.put((rank, "ok", _to_numpy(result)))
+                otb_dist._FLOAT32_EXACT_BELOW, otb_dist._all_reduce = saved, all_reduce
+            outbox.put((rank, "ok", _to_numpy((result, reduced[0]) if count_reduced else result)))
         except Exception as exc:  # reported to the parent, which decides
             outbox.put((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))
     dist.destroy_process_group()

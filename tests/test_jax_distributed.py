@@ -157,3 +157,36 @@ def test_junk_weights_at_masked_positions_are_ignored():
     tolerance, _ = otb_comparison_tolerance(rewards, mask, ids, np.log(half), half, is_weights=weights,
                                             compute_dtype=np.float32)
     tolerance.assert_close(np.asarray(got.advantages), expected.advantages, "advantages")
+
+
+def _psums(jaxpr) -> list[tuple[tuple, tuple]]:
+    """(axes, operand shapes) of every psum in a traced program, nested programs included."""
+    found = []
+    for equation in jaxpr.eqns:
+        if equation.primitive.name.startswith("psum"):
+            found.append((tuple(equation.params["axes"]), tuple(tuple(v.aval.shape) for v in equation.invars)))
+        for value in equation.params.values():
+            for inner in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    found.extend(_psums(inner))
+    return found
+
+
+@pytest.mark.parametrize("mesh_name, align, expected", [
+    ("data2xcontext2", "position", [(("data",), (2, GROUPS * COLUMNS // 2))]),
+    ("context4", "position", []),
+    ("data2xcontext2", "valid_token", [(("data", "context"), (2, GROUPS * COLUMNS))]),
+    ("context4", "valid_token", [(("context",), (2, GROUPS * COLUMNS))]),
+    ("data4", "position", [(("data",), (2, GROUPS * COLUMNS))])])
+def test_the_grid_is_summed_over_the_devices_that_add_to_its_cells(mesh_name, align, expected):
+    """By position a context block's grid cells get terms only from the devices at the same context index (equal
+    blocks): its grid is [G, T_c], summed over the data axes alone (nothing to sum without one). By valid token a
+    block's tokens reach any column of K: [G, K], summed over every axis. The values are checked against the
+    reference by test_sharded_otb_equals_one_process; this checks what travels (the traced program's psums)."""
+    mesh, data_axis, context_axis = _mesh(mesh_name)
+    program = jax_distributed._sharded_baseline(mesh, data_axis, context_axis, GROUPS, align, False, True, 1e-8, False)
+    cells, rows = jax.ShapeDtypeStruct((ROWS, COLUMNS), np.float32), jax.ShapeDtypeStruct((ROWS,), np.int32)
+    traced = jax.make_jaxpr(program)(cells, cells, rows, cells, cells)
+    grids = [(axes, shapes[0]) for axes, shapes in _psums(traced.jaxpr) if len(shapes[0]) == 2]
+    assert grids == expected, grids

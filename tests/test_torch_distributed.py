@@ -37,6 +37,7 @@ from otb_spec.tolerances import (  # noqa: E402
 pytestmark = pytest.mark.distributed
 
 DATA_LAYOUTS = {"world": 4, "three": 3, "two": 2, "last two": 2}
+CONTEXT_LAYOUTS = {"context": (4, 1), "context two": (2, 1), "mesh": (2, 2)}     # (context size, data shards)
 _FIRST_RANK = {"last two": 2}
 
 
@@ -159,11 +160,10 @@ def test_data_parallel_equals_one_process(pool, kernel, data, layout, align, lea
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @settings(max_examples=20)
-@given(data=st.data(), layout=st.sampled_from(["context", "mesh"]), align=st.sampled_from(["position", "valid_token"]),
-       leave_one_out=st.booleans())
+@given(data=st.data(), layout=st.sampled_from(sorted(CONTEXT_LAYOUTS)),
+       align=st.sampled_from(["position", "valid_token"]), leave_one_out=st.booleans())
 def test_context_parallel_equals_one_process(pool, kernel, data, layout, align, leave_one_out):
-    context_size = 4 if layout == "context" else 2
-    data_shards = WORLD_SIZE // context_size
+    context_size, data_shards = CONTEXT_LAYOUTS[layout]
     batch = data.draw(strategies.rollout_batches(**_BATCHES, min_group_size=2).filter(
         lambda b: b.rewards.shape[0] >= data_shards))
     total = batch.rewards.shape[1]
@@ -378,23 +378,62 @@ def test_bad_values_on_one_rank_raise_on_every_rank(pool, kernel, layout, leave_
         assert errors[rank][0] == "ValueError" and "rank 2 rejected its inputs" in errors[rank][1], errors[rank]
 
 
+@pytest.mark.parametrize("layout", ["last two", "context two"])
 @pytest.mark.parametrize("leave_one_out", [False, True])
 @pytest.mark.parametrize("name, where, value", [("rewards", "masked", np.nan), ("log_probs", "valid", 0.5)])
-def test_bad_values_on_one_of_two_ranks_raise_on_both(pool, leave_one_out, name, where, value):
-    """Over a group of two ranks (global ranks 2 and 3) the native kernel's verdict on the values travels in the
-    grid's exchange instead of gloo's all-reduce: the group's second rank raises the reference's error, the first
-    says that global rank 3 rejected its inputs."""
+def test_bad_values_on_one_of_two_ranks_raise_on_both(pool, layout, leave_one_out, name, where, value):
+    """Over a group of two ranks the native kernel's verdict on the values travels in the exchange instead of gloo's
+    all-reduce — with the grid (data parallel over global ranks 2 and 3) or alone (the rows cut in two along T over
+    ranks 0 and 1, where no grid is sent): the group's second rank raises the reference's error, the first says that
+    the second's global rank rejected its inputs."""
     batch = _fixed_batch()
-    arguments, _ = _split_arguments(batch, group_segments(batch.group_ids).index, 3, [np.arange(4), np.arange(4, 8)],
-                                    [], 1, align="position", leave_one_out=leave_one_out, epsilon=1e-8)
+    context = layout == "context two"
+    arguments, _ = _split_arguments(batch, group_segments(batch.group_ids).index, 3,
+                                    [np.arange(8)] if context else [np.arange(4), np.arange(4, 8)],
+                                    [3] if context else [], 2 if context else 1, align="position",
+                                    leave_one_out=leave_one_out, epsilon=1e-8)
     mask = arguments[1]["response_mask"]
     rows, columns = np.nonzero(mask > 0) if where == "valid" else np.nonzero(mask == 0)
     arguments[1][name] = arguments[1][name].copy()
     arguments[1][name][rows[0], columns[0]] = value
     errors = dict((rank, (kind, message)) for rank, kind, message in
-                  _errors(_run_on_layout(pool, "distributed_token_baseline", "last two", arguments), range(2)))
+                  _errors(_run_on_layout(pool, "distributed_token_baseline", layout, arguments), range(2)))
+    second = _FIRST_RANK.get(layout, 0) + 1
     assert errors[1][0] == "ValueError" and errors[1][1].startswith(name), errors[1]
-    assert errors[0][0] == "ValueError" and "rank 3 rejected its inputs" in errors[0][1], errors[0]
+    assert errors[0][0] == "ValueError" and f"rank {second} rejected its inputs" in errors[0][1], errors[0]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("layout, align, grid_sent", [
+    ("context two", "position", False), ("context", "position", False), ("context two", "valid_token", True),
+    ("mesh", "position", True), ("two", "position", True)])
+def test_the_grid_is_summed_only_where_other_ranks_add_to_its_cells(pool, kernel, layout, align, grid_sent):
+    """Every rank of the group holding every row (one context group of them all) and columns by position: the grid
+    cells a rank reads hold every row's terms already, and every rank can count the group statistics, so nothing is
+    summed (the native kernel's value verdicts ride with the pieces' totals). By valid token the pieces' columns
+    overlap, and data-parallel ranks hold different rows: there the whole grid is summed (native: with the group
+    statistics and verdicts, P·4·G + P values). The results equal one process's either way."""
+    batch = _fixed_batch()
+    ids = group_segments(batch.group_ids).index
+    context_size, data_shards = CONTEXT_LAYOUTS.get(layout, (1, DATA_LAYOUTS.get(layout)))
+    row_shards = [np.arange(8)] if data_shards == 1 else [np.arange(0, 8, 2), np.arange(1, 8, 2)]
+    cuts = {4: (1, 3, 4), 2: (3,), 1: ()}[context_size]
+    arguments, pieces = _split_arguments(batch, ids, 3, row_shards, list(cuts), context_size, align=align,
+                                         leave_one_out=False, epsilon=1e-8)
+    arguments = [dict(argument, _count_reduced=True, _eager=kernel == "eager") for argument in arguments]
+    outcomes = _run_on_layout(pool, "distributed_token_baseline", layout, arguments)
+    expected = _reference(batch, ids, align=align, leave_one_out=False, epsilon=1e-8)
+    tolerance, _ = otb_comparison_tolerance(batch.rewards, batch.response_mask, ids, batch.log_probs,
+                                            batch.sum_pi_squared, is_weights=batch.is_weights, align=align,
+                                            compute_dtype=np.float64)
+    ranks, grid = len(arguments), 2 * 3 * batch.rewards.shape[1]          # 2 planes × G × K
+    for rank, ((status, answer), (rows, columns)) in enumerate(zip(outcomes, pieces)):
+        assert status == "ok", f"rank {rank}: {answer}"
+        result, reduced = answer
+        _sliced(tolerance, rows, columns).assert_close(result.advantages, expected.advantages[rows][:, columns],
+                                                       f"rank {rank} advantages")
+        statistics = ranks * 4 * 3 + ranks if kernel == "native" else 0
+        assert reduced == (grid + statistics if grid_sent else 0), (rank, reduced)
 
 
 @pytest.mark.parametrize("problem", ["id outside num_groups", "num_groups differs", "ids differ in context group",

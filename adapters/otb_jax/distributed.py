@@ -9,7 +9,9 @@ The JAX port of :mod:`otb_spec.distributed` and of the vocab-shard rule. The ``*
 * Data parallel (axis ``data_axis``): the [G, K] grid sums N, D (and V for leave-one-out) are ``psum``-ed; the
   self-inclusive rules' per-group members and top-two lengths are ``all_gather``-ed as [4, G] integers and merged.
 * Context parallel (axis ``context_axis``, rows cut into equal column blocks in axis order): the per-row totals
-  (Σmr, Σmρ²w, Σm) are ``all_gather``-ed and scanned exclusively across the axis.
+  (Σmr, Σmρ²w, Σm) are ``all_gather``-ed and scanned exclusively across the axis. By position a block's grid is
+  its own [G, T_c] columns, which only the devices at the same context index add to: it is ``psum``-ed over the
+  data axes alone (not at all without one). By valid token the blocks' tokens reach any column: [G, K] over both.
 
 Shapes are static: ``num_groups`` G is a Python int and K is the padded row length (the context blocks' total).
 Values are checked on the host before the ``shard_map`` (concrete inputs only), with the reference's messages.
@@ -177,24 +179,28 @@ def distributed_token_baseline_local(rewards: jax.Array, response_mask: jax.Arra
         valid_before = jnp.sum(jnp.where(shards < me, gathered[:, 2], 0.0), axis=0).astype(jnp.int32)
         lengths = jnp.sum(gathered[:, 2], axis=0).astype(jnp.int32)
         columns_before, width = me * block, gathered.shape[0] * block
+    data_axes = tuple(axis for axis in (data_axis if isinstance(data_axis, tuple) else (data_axis,))
+                      if axis is not None)
     if align == "position":
-        columns = jnp.broadcast_to(columns_before + jnp.arange(block), m.shape)
-    else:
-        columns = (jnp.cumsum(m, axis=-1) - m).astype(jnp.int32) + valid_before[:, None]
-    columns = jnp.minimum(columns, width - 1)
-    if num_groups * width >= 2**31:
-        raise ValueError(f"num_groups: the [G, K] grid ({num_groups} × {width}) has more than 2³¹ cells, beyond int32 "
-                         "indexing; split the batch into fewer groups per call")
+        # the block's own columns: in equal blocks only the devices at the same context index add to these cells,
+        # so the grid is [G, T_c] and sums over the data axes alone
+        local_columns = jnp.broadcast_to(jnp.arange(block), m.shape)
+        columns, grid_width, grid_axes = columns_before + local_columns, block, data_axes
+    else:                                                         # a block's valid tokens reach any column of K
+        columns = jnp.minimum((jnp.cumsum(m, axis=-1) - m).astype(jnp.int32) + valid_before[:, None], width - 1)
+        local_columns, grid_width = columns, width
+        grid_axes = data_axes + (() if context_axis is None else (context_axis,))
+    if num_groups * grid_width >= 2**31:
+        raise ValueError(f"num_groups: the [G, K] grid ({num_groups} × {grid_width}) has more than 2³¹ cells, beyond "
+                         "int32 indexing; split the batch into fewer groups per call")
     ids = group_ids.astype(jnp.int32)
-    cells = (ids[:, None] * width + columns).reshape(-1)
+    cells = (ids[:, None] * grid_width + local_columns).reshape(-1)
     weights = energy * m
     planes = [returns * weights, weights] + ([m] if leave_one_out else [])
-    grid = jnp.zeros((len(planes), num_groups * width), compute).at[:, cells].add(
+    grid = jnp.zeros((len(planes), num_groups * grid_width), compute).at[:, cells].add(
         jnp.stack([plane.reshape(-1) for plane in planes]))
-    axes = tuple(axis for axis in ((data_axis if isinstance(data_axis, tuple) else (data_axis,))
-                                   + (() if context_axis is None else (context_axis,))) if axis is not None)
-    if axes:
-        grid = lax.psum(grid, axes)
+    if grid_axes:
+        grid = lax.psum(grid, grid_axes)
     numerator = grid[0][cells].reshape(m.shape)
     denominator = grid[1][cells].reshape(m.shape)
     if leave_one_out:
@@ -204,8 +210,6 @@ def distributed_token_baseline_local(rewards: jax.Array, response_mask: jax.Arra
     else:
         ratio_num, ratio_den = numerator, denominator + epsilon
         stats = _group_lengths(lengths, ids, num_groups, align)
-        data_axes = tuple(axis for axis in (data_axis if isinstance(data_axis, tuple) else (data_axis,))
-                          if axis is not None)
         if data_axes:
             stats = _merge_lengths(lax.all_gather(stats, data_axes))
         members, longest, count_longest, second = stats

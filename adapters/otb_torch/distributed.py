@@ -21,7 +21,9 @@ shapes, options, context groups or ids that disagree with the others', makes eve
 the argument (the offending rank raises the reference's own message). On CPU, ``distributed_token_baseline`` runs
 otb_torch's native kernel (:mod:`otb_torch._native`): its first sweep runs while the handshake travels, with the value
 checks inside it, and the values' verdict, the group statistics and the grid travel in one SUM all-reduce (two
-collectives per call; three with a context group). A SUM over two ranks of CPU tensors is one exchange between them
+collectives per call; three with a context group — two where the context group is every rank of ``group``: each rank
+then holds every row, and by position its grid cells are complete, so the verdict rides with the row totals and
+nothing is summed). A SUM over two ranks of CPU tensors is one exchange between them
 (``isend`` + ``irecv`` of the whole tensor, then an add: :func:`_all_reduce`) instead of gloo's ring of two rounds.
 Collectives wait at most ``timeout`` seconds when given (else the process group's timeout). Tested on gloo; on NCCL
 one rank only, on a GPU (docs/distributed.md).
@@ -570,7 +572,9 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
     Per rank (the protocol of :mod:`otb_spec.distributed`): the whole-row scans (:func:`context_parallel_returns_and_energy`),
     then its terms of N_gk = Σᵢ GᵢWᵢmᵢ, D_gk = Σᵢ Wᵢmᵢ (and V_gk = Σᵢ mᵢ for leave-one-out) on the [G, K] aligned grid,
     SUM all-reduced over ``group``; the self-inclusive rules need each group's members and top-two lengths, gathered
-    as [4, G] integers (on CPU in the same all-reduce, each rank's in its own slot). K = the longest padded row over
+    as [4, G] integers (on CPU in the same all-reduce, each rank's in its own slot). Where every rank of ``group``
+    holds every row (``context_group`` spans ``group``) and ``align="position"``, a rank's grid cells already hold
+    every row's terms and it counts every row itself: neither is summed nor gathered. K = the longest padded row over
     the ranks (Σ of the context shards' widths). Extra memory per rank: the grid, G·(2 or 3)·K values (over two ranks
     on CPU a second one receives the peer's while they are exchanged, freed before the final sweep allocates the
     advantages and baselines: the peak grows only where the grid outweighs those two outputs), and a few rows of T
@@ -634,18 +638,24 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
         verdicts.require_equal(field, name)
     columns_before, width = _layout(verdicts, 7, 8, 9)
     assert local is not None and local.ids is not None
+    # every rank of ``group`` holds every row (one context group of all of them, or a group of one): by position, the
+    # grid's cells at this rank's columns then hold every row's terms already, and no other rank adds to them
+    whole_rows = len(verdicts.context_groups()) == 1
+    grid_is_complete = whole_rows and (align == "position" or len(verdicts.table) == 1)
     if start is not None:
         advantages, returns, baselines = _native_baseline(
             local, start, groups, width, columns_before, align=align, leave_one_out=leave_one_out,
             handle_zero_tail=handle_zero_tail, epsilon=epsilon, dtype=dtype, group=group,
-            context_group=context_group, timeout=timeout, most_rows=max(verdicts.column(7)))
+            context_group=context_group, timeout=timeout, most_rows=max(verdicts.column(7)), whole_rows=whole_rows,
+            grid_is_complete=grid_is_complete)
         out = check.output_dtype(local.rewards)
         return AdvantageResult(advantages.to(out), returns.to(out), baselines.to(out))
     scan = _scan(local, dtype, context_group, columns_before, timeout)
     advantages, returns, baselines = _baseline(local, scan, groups, width, align=align,
                                                leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail,
                                                epsilon=epsilon, dtype=dtype, group=group,
-                                               context_group=context_group, timeout=timeout)
+                                               context_group=context_group, timeout=timeout,
+                                               grid_is_complete=grid_is_complete)
     out = check.output_dtype(local.rewards)
     return AdvantageResult(advantages.to(out), returns.to(out), baselines.to(out))
 
@@ -693,17 +703,41 @@ def _native_first_sweep(local: _Local, num_groups: int, dtype: torch.dtype, *, a
 _FLOAT32_EXACT_BELOW = 2**24     # integers below this are exact in float32: the statistics may ride in the grid
 
 
+def _raise_rejected(flags: torch.Tensor, failure: ValueError | None, group: Any) -> None:
+    """Raise on every rank if a rank of ``group`` rejected its values: ``flags`` [P] (nonzero where the rank of that
+    index in ``group`` did), ``failure`` this rank's own error (the reference's, naming the argument)."""
+    rejected = torch.nonzero(flags).flatten().tolist()
+    if not rejected:
+        return
+    if failure is not None:
+        raise failure
+    members = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+    raise ValueError(f"distributed_token_baseline: rank {members[rejected[0]]} rejected its inputs (its own error "
+                     "names the argument); no result on any rank")
+
+
 def _native_baseline(local: _Local, start: _NativeStart, num_groups: int, width: int, columns_before: int, *,
                      align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float, dtype: torch.dtype,
-                     group: Any, context_group: Any, timeout: float | None, most_rows: int
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     group: Any, context_group: Any, timeout: float | None, most_rows: int, whole_rows: bool,
+                     grid_is_complete: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The native path after the handshake: (context parallel) the other pieces' totals and the first sweep with
     their offsets; one SUM all-reduce over ``group`` of the grid, the group statistics and the value-check flags
-    (every rank raises if one rank's values were rejected); the final sweep. K = ``width``."""
+    (every rank raises if one rank's values were rejected); the final sweep. K = ``width``.
+
+    ``whole_rows``: every rank of ``group`` holds every row (one context group of all of them, or a group of one);
+    the value-check flags then ride with the pieces' totals, whose all-gather reaches every rank. ``grid_is_complete``
+    (whole rows, by position, or a group of one): the cells a rank reads hold every row's terms already and every
+    rank counts the group statistics of all rows, so no all-reduce follows — one blocking collective in all."""
     first, pieces = start.first, {}
-    ranks, me = dist.get_world_size(group), dist.get_rank(group)
     if first.totals is not None:                                   # context parallel: offsets from the other pieces
-        gathered = _all_gather(first.totals, context_group, timeout)                  # [P_c, 3, B] float64
+        totals = first.totals.reshape(-1)
+        if whole_rows:
+            totals = torch.cat([totals, torch.tensor([float(start.failure is not None)], dtype=torch.float64)])
+        gathered = _all_gather(totals, context_group, timeout)                      # [P_c, 3·B (+ 1)] float64
+        if whole_rows:
+            _raise_rejected(gathered[:, -1], start.failure, context_group)
+            gathered = gathered[:, :-1]
+        gathered = gathered.reshape(gathered.shape[0], 3, -1)                       # [P_c, 3, B]
         piece = dist.get_rank(context_group)
         pieces = dict(columns_before=columns_before,
                       valid_before=gathered[:piece, 2].sum(0).to(torch.int64).numpy(),
@@ -711,8 +745,30 @@ def _native_baseline(local: _Local, start: _NativeStart, num_groups: int, width:
         first = _native.distributed_offsets(
             local.mask, start.plan, first, num_groups=num_groups, columns=width, align=align,
             leave_one_out=leave_one_out, dtype=dtype, ret_offsets=gathered[piece + 1:, 0].sum(0).numpy(),
-            energy_offsets=gathered[:piece, 1].sum(0).numpy(), count_rows=piece == 0, extra=start.extra, **pieces)
+            energy_offsets=gathered[:piece, 1].sum(0).numpy(), count_rows=piece == 0 or grid_is_complete,
+            extra=start.extra, **pieces)
     assert first.grid is not None and first.buffer is not None
+    if grid_is_complete:
+        if first.totals is None and start.failure is not None:    # a group of one: its own verdict
+            raise start.failure
+        gathered_statistics = None if leave_one_out else first.stats.numpy()[None]     # [1, 4, G]: every row
+    else:
+        first, gathered_statistics = _reduce_grid(first, start, num_groups, width, leave_one_out=leave_one_out,
+                                                  dtype=dtype, group=group, timeout=timeout, most_rows=most_rows)
+    advantages, baselines = _native.distributed_final(
+        local.mask, start.plan, first, gathered_statistics, num_groups=num_groups, align=align,
+        leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail, epsilon=epsilon, dtype=dtype, **pieces)
+    return advantages, first.returns, baselines
+
+
+def _reduce_grid(first: _native.FirstSweep, start: _NativeStart, num_groups: int, width: int, *, leave_one_out: bool,
+                 dtype: torch.dtype, group: Any, timeout: float | None, most_rows: int
+                 ) -> tuple[_native.FirstSweep, np.ndarray | None]:
+    """The SUM all-reduce over ``group`` of the rank's grid (widened to K = ``width`` where another rank's rows are
+    longer), with every rank's group statistics and value-check flag in its own slot after it; raises on every rank
+    if one rank's values were rejected. Returns the sweep with the summed grid and, self-inclusive, the ranks'
+    statistics [P, 4, G] int64 (merged in the kernel)."""
+    ranks, me = dist.get_world_size(group), dist.get_rank(group)
     cells = first.grid.numel()
     if first.grid.shape[2] < width:                                # another rank's rows are longer: widen to K
         buffer = torch.zeros(num_groups * first.grid.shape[1] * width + start.extra, dtype=dtype)
@@ -729,25 +785,18 @@ def _native_baseline(local: _Local, start: _NativeStart, num_groups: int, width:
         statistics[me] = first.stats.to(dtype)
     flags[me] = float(start.failure is not None)
     _all_reduce(first.buffer, dist.ReduceOp.SUM, group, timeout)
-    rejected = torch.nonzero(flags).flatten().tolist()
-    if rejected:
-        if start.failure is not None:
-            raise start.failure
-        members = list(range(ranks)) if group is None else dist.get_process_group_ranks(group)
-        raise ValueError(f"distributed_token_baseline: rank {members[rejected[0]]} rejected its inputs (its own "
-                         "error names the argument); no result on any rank")
-    gathered = None                                    # [P, 4, G], merged in the kernel
-    if not leave_one_out:
-        gathered = statistics.numpy().astype(np.int64) if exact else _all_gather(first.stats, group, timeout).numpy()
-    advantages, baselines = _native.distributed_final(
-        local.mask, start.plan, first, gathered, num_groups=num_groups, align=align, leave_one_out=leave_one_out,
-        handle_zero_tail=handle_zero_tail, epsilon=epsilon, dtype=dtype, **pieces)
-    return advantages, first.returns, baselines
+    _raise_rejected(flags, start.failure, group)
+    if leave_one_out:
+        return first, None
+    return first, statistics.numpy().astype(np.int64) if exact else _all_gather(first.stats, group, timeout).numpy()
 
 
 def _baseline(local: _Local, scan: ContextScan, num_groups: int, width: int, *, align: str, leave_one_out: bool,
               handle_zero_tail: bool, epsilon: float, dtype: torch.dtype, group: Any, context_group: Any,
-              timeout: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              timeout: float | None, grid_is_complete: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The eager path after the handshake (values checked before it): the grid, SUM all-reduced over ``group``, and
+    (self-inclusive) the group statistics, all-gathered — neither where ``grid_is_complete`` (as
+    :func:`_native_baseline`: each rank's cells hold every row's terms, and it counts every row); B and A."""
     m = local.mask.to(dtype)
     ids = local.ids
     assert ids is not None
@@ -763,14 +812,16 @@ def _baseline(local: _Local, scan: ContextScan, num_groups: int, width: int, *, 
         grid = torch.zeros((len(planes), num_groups, width), dtype=dtype, device=m.device)
         window = slice(scan.columns_before, scan.columns_before + positions)
         grid[:, :, window].index_add_(1, ids, torch.stack(planes))
-        _all_reduce(grid, dist.ReduceOp.SUM, group, timeout)
+        if not grid_is_complete:
+            _all_reduce(grid, dist.ReduceOp.SUM, group, timeout)
         picked = grid[:, :, window].index_select(1, ids)           # [planes, B, T_c]
     else:                                                           # each valid token to its (group, column) cell
         cells = (ids[:, None] * width + columns).reshape(-1)
         source = torch.stack(planes, dim=-1).reshape(cells.shape[0], len(planes))
         grid = torch.zeros((num_groups * width, len(planes)), dtype=dtype, device=m.device).index_add_(0, cells,
                                                                                                      source)
-        _all_reduce(grid, dist.ReduceOp.SUM, group, timeout)
+        if not grid_is_complete:
+            _all_reduce(grid, dist.ReduceOp.SUM, group, timeout)
         picked = grid.index_select(0, cells).reshape(m.shape + (len(planes),)).movedim(-1, 0)
     numerator, denominator = picked[0], picked[1]
     if leave_one_out:
@@ -781,9 +832,9 @@ def _baseline(local: _Local, scan: ContextScan, num_groups: int, width: int, *, 
         forced = others <= 0
     else:
         ratio_num, ratio_den = numerator, denominator + epsilon
-        stats = _group_lengths(scan.lengths, ids, num_groups, align,
-                               count_rows=context_group is None or dist.get_rank(context_group) == 0)
-        merged = _merge_lengths(_all_gather(stats, group, timeout))     # [4, G]
+        stats = _group_lengths(scan.lengths, ids, num_groups, align, count_rows=grid_is_complete
+                               or context_group is None or dist.get_rank(context_group) == 0)
+        merged = _merge_lengths(stats[None] if grid_is_complete else _all_gather(stats, group, timeout))  # [4, G]
         members, longest, count_longest, second = merged
         forced = (members[ids] < 2)[:, None].expand(m.shape)
         if handle_zero_tail:
