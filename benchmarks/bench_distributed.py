@@ -192,7 +192,7 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
             if not memory:                  # the same collectives with nothing computed: what gloo costs at least
                 handshake, table = torch.zeros(19, dtype=torch.int64), torch.empty(19 * size, dtype=torch.int64)
                 buffer = torch.zeros(_grid_planes(case) * prompts * positions + size * 4 * prompts + size)
-                totals = torch.zeros(3 * rewards.shape[0] + 1, dtype=torch.float64)     # + the value verdict
+                totals = torch.zeros(3 * rewards.shape[0] + (args.kernel != "eager"), dtype=torch.float64)  # verdict
                 gathered = torch.empty(totals.numel() * size, dtype=torch.float64)
 
                 def collectives():

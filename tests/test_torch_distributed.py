@@ -357,7 +357,8 @@ _CORRUPTIONS = [("rewards", "masked", np.nan), ("rewards", "valid", np.inf), ("l
 def test_bad_values_on_one_rank_raise_on_every_rank(pool, kernel, layout, leave_one_out, name, where, value):
     """A value the reference rejects, on rank 2 only: that rank raises the reference's error naming the argument,
     every other rank says rank 2 rejected its inputs — data or context parallel, either kernel (the native one
-    finds it inside its first sweep and sends its verdict with the grid)."""
+    finds it inside its first sweep and sends its verdict with the grid; with a context group spanning the ranks, with
+    the row totals)."""
     batch = _fixed_batch()
     context = layout == "context"
     row_shards = [np.arange(8)] if context else [np.array([0, 1]), np.array([2, 3]), np.array([4, 5]),
@@ -422,6 +423,10 @@ def test_the_grid_is_summed_only_where_other_ranks_add_to_its_cells(pool, kernel
                                          leave_one_out=False, epsilon=1e-8)
     arguments = [dict(argument, _count_reduced=True, _eager=kernel == "eager") for argument in arguments]
     outcomes = _run_on_layout(pool, "distributed_token_baseline", layout, arguments)
+    # the native path's statistics and verdicts ride in the grid's buffer: where the ranks run it (on a machine without
+    # a C compiler the eager path runs in its place)
+    native = kernel == "native" and all(answer for _, answer in pool.run("native_kernel_status", "world",
+                                                                          [{}] * WORLD_SIZE))
     expected = _reference(batch, ids, align=align, leave_one_out=False, epsilon=1e-8)
     tolerance, _ = otb_comparison_tolerance(batch.rewards, batch.response_mask, ids, batch.log_probs,
                                             batch.sum_pi_squared, is_weights=batch.is_weights, align=align,
@@ -432,7 +437,7 @@ def test_the_grid_is_summed_only_where_other_ranks_add_to_its_cells(pool, kernel
         result, reduced = answer
         _sliced(tolerance, rows, columns).assert_close(result.advantages, expected.advantages[rows][:, columns],
                                                        f"rank {rank} advantages")
-        statistics = ranks * 4 * 3 + ranks if kernel == "native" else 0
+        statistics = ranks * 4 * 3 + ranks if native else 0
         assert reduced == (grid + statistics if grid_sent else 0), (rank, reduced)
 
 
@@ -567,8 +572,10 @@ def test_global_group_ids_bad_id_on_one_rank_raises_on_every_rank(pool):
 
 # ----------------------------------------------------------------------------------------------------------------------
 # One rank on the backend's own device: gloo on the CPU here; NCCL on a CUDA device where there is one (the path a
-# multi-GPU trainer takes: the handshake and the grid's all-reduce on the inputs' device). In a fresh process with a
-# world of one, so that no process group of this test process is touched and a collective cannot hang the suite.
+# multi-GPU trainer takes: the handshake, the row totals' all-gather and, called directly, the all-reduce and all-gather
+# a wider group sums the grid and gathers the statistics with — a world of one holds every row and sums nothing — on
+# the inputs' device). In a fresh process with a world of one, so that no process group of this test process is touched
+# and a collective cannot hang the suite. NaN rewards must still raise there, with and without a context group.
 
 _ONE_RANK = r"""
 import datetime, os, sys
@@ -591,6 +598,21 @@ for case in ("self-inclusive", "leave-one-out", "multi-turn", "context parallel"
     assert result.advantages.device.type == torch.device(device).type, (case, result.advantages.device)
     np.savez(os.path.join(folder, case + ".npz"), advantages=result.advantages.cpu().numpy(),
              returns=result.returns.cpu().numpy())
+summed = torch.arange(4.0, device=device, dtype=on["rewards"].dtype)
+otb_dist._all_reduce(summed, dist.ReduceOp.SUM, None, 60.0)
+gathered = otb_dist._all_gather(summed, None, 60.0)
+assert summed.device.type == gathered.device.type == torch.device(device).type
+assert summed.tolist() == [0.0, 1.0, 2.0, 3.0] and gathered.tolist() == [[0.0, 1.0, 2.0, 3.0]], (summed, gathered)
+bad = on["rewards"].clone()
+bad[0, 0] = float("nan")
+for context in (None, dist.group.WORLD):
+    try:
+        otb_dist.distributed_token_baseline(bad, on["mask"], on["ids"], on["log_probs"], on["spp"], num_groups=int(
+            inputs["ids"].max()) + 1, is_weights=on["weights"], context_group=context, timeout=60.0)
+    except ValueError as error:
+        assert str(error).startswith("rewards"), error
+    else:
+        raise AssertionError(f"NaN rewards in a world of one were not rejected (context group: {context})")
 dist.destroy_process_group()
 """
 

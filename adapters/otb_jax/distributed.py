@@ -191,8 +191,8 @@ def distributed_token_baseline_local(rewards: jax.Array, response_mask: jax.Arra
         local_columns, grid_width = columns, width
         grid_axes = data_axes + (() if context_axis is None else (context_axis,))
     if num_groups * grid_width >= 2**31:
-        raise ValueError(f"num_groups: the [G, K] grid ({num_groups} × {grid_width}) has more than 2³¹ cells, beyond "
-                         "int32 indexing; split the batch into fewer groups per call")
+        raise ValueError(f"num_groups: the grid of groups × columns ({num_groups} × {grid_width}) has more than 2³¹ "
+                         "cells, beyond int32 indexing; split the batch into fewer groups per call")
     ids = group_ids.astype(jnp.int32)
     cells = (ids[:, None] * grid_width + local_columns).reshape(-1)
     weights = energy * m

@@ -21,9 +21,9 @@ shapes, options, context groups or ids that disagree with the others', makes eve
 the argument (the offending rank raises the reference's own message). On CPU, ``distributed_token_baseline`` runs
 otb_torch's native kernel (:mod:`otb_torch._native`): its first sweep runs while the handshake travels, with the value
 checks inside it, and the values' verdict, the group statistics and the grid travel in one SUM all-reduce (two
-collectives per call; three with a context group — two where the context group is every rank of ``group``: each rank
-then holds every row, and by position its grid cells are complete, so the verdict rides with the row totals and
-nothing is summed). A SUM over two ranks of CPU tensors is one exchange between them
+collectives per call; three with a context group — two where the context group is every rank of ``group`` and
+``align="position"``: each rank then holds every row, and its grid cells are complete, so the verdict rides with the
+row totals and nothing is summed; one in a group of one rank). A SUM over two ranks of CPU tensors is one exchange between them
 (``isend`` + ``irecv`` of the whole tensor, then an add: :func:`_all_reduce`) instead of gloo's ring of two rounds.
 Collectives wait at most ``timeout`` seconds when given (else the process group's timeout). Tested on gloo; on NCCL
 one rank only, on a GPU (docs/distributed.md).
@@ -663,7 +663,8 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
 class _NativeStart(NamedTuple):
     """What the native path computed while the handshake travelled: the rank's plan; its first sweep (data
     parallel: with the grid over its own width T; context parallel: with its row pieces' totals instead); and the
-    reference's error if its values were rejected (sent to the other ranks in the grid's all-reduce)."""
+    reference's error if its values were rejected (sent to the other ranks in the grid's all-reduce — with the row
+    totals where every rank holds every row; in a group of one raised at once)."""
 
     plan: _native.LocalGroups
     first: _native.FirstSweep
