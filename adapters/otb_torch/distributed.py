@@ -23,8 +23,9 @@ otb_torch's native kernel (:mod:`otb_torch._native`): its first sweep runs while
 checks inside it, and the values' verdict, the group statistics and the grid travel in one SUM all-reduce (two
 collectives per call; three with a context group — two where the context group is every rank of ``group`` and
 ``align="position"``: each rank then holds every row, and its grid cells are complete, so the verdict rides with the
-row totals and nothing is summed; one in a group of one rank). A SUM over two ranks of CPU tensors is one exchange between them
-(``isend`` + ``irecv`` of the whole tensor, then an add: :func:`_all_reduce`) instead of gloo's ring of two rounds.
+row totals and nothing is summed; one in a group of one rank). A SUM over two ranks of CPU tensors is one exchange
+between them (``isend`` + ``irecv`` of the whole tensor, then an add: :func:`_all_reduce`) instead of gloo's ring of
+two rounds.
 Collectives wait at most ``timeout`` seconds when given (else the process group's timeout). Tested on gloo; on NCCL
 one rank only, on a GPU (docs/distributed.md).
 """
