@@ -18,8 +18,10 @@ The task ``"native_kernel_status"`` answers whether a rank has otb_torch's nativ
 kernels, as without a C compiler); otherwise otb_torch's native CPU kernel runs where it is built. ``_float32_exact_below=N``
 lowers, for that call, the bound below which the native path's float32 all-reduce carries the group statistics
 (``otb_torch.distributed._FLOAT32_EXACT_BELOW``, 2²⁴): N = 1 takes the all-gather that batches of 2²⁴ rows or
-positions need. ``_count_reduced=True`` makes the rank answer ``(result, values)``: ``values`` the number of values
-the call passed to ``otb_torch.distributed._all_reduce`` (every SUM and MAX of the module goes through it).
+positions need. ``_count_reduced=True`` makes the rank answer ``(result, values, columns)``: ``values`` the number of
+values the call passed to ``otb_torch.distributed._all_reduce`` (every SUM and MAX of the module goes through it),
+``columns`` the widths of the grids the native kernel's calls allocated (``otb_torch._native._grid``; none on the
+eager path).
 
 A task that does not answer within ``timeout`` seconds fails the test and the pool is restarted; collectives inside
 the processes time out after ``COLLECTIVE_TIMEOUT`` seconds (the process groups' timeout), so nothing can hang.
@@ -89,12 +91,16 @@ def _worker(rank: int, port: int, inbox: Any, outbox: Any) -> None:  # pragma: n
             arguments = dict(arguments)
             kernel = _native.eager_only() if arguments.pop("_eager", False) else contextlib.nullcontext()
             exact_below = arguments.pop("_float32_exact_below", otb_dist._FLOAT32_EXACT_BELOW)
-            reduced, all_reduce = [0], otb_dist._all_reduce
+            reduced, all_reduce, grids, make_grid = [0], otb_dist._all_reduce, [], _native._grid
             count_reduced = arguments.pop("_count_reduced", False)
 
             def counting(tensor, *rest, reduced=reduced, all_reduce=all_reduce):
                 reduced[0] += tensor.numel()
                 return all_reduce(tensor, *rest)
+
+            def recording(num_groups, planes, columns, *rest, grids=grids, make_grid=make_grid):
+                grids.append(columns)
+                return make_grid(num_groups, planes, columns, *rest)
             call = {key: torch.from_numpy(value) if isinstance(value, np.ndarray) and value.dtype.kind in "biuf" else value
                     for key, value in arguments.items()}
             if name in ("vocab_parallel_token_statistics", "vocab_parallel_sum_pi_squared", "global_group_ids"):
@@ -102,13 +108,13 @@ def _worker(rank: int, port: int, inbox: Any, outbox: Any) -> None:  # pragma: n
             elif name == "context_parallel_returns_and_energy":
                 groups = {"context_group": groups.get("context_group", groups.get("group"))}
             saved, otb_dist._FLOAT32_EXACT_BELOW = otb_dist._FLOAT32_EXACT_BELOW, exact_below
-            otb_dist._all_reduce = counting
+            otb_dist._all_reduce, _native._grid = counting, recording
             try:
                 with kernel:
                     result = function(**call, **groups)
             finally:
-                otb_dist._FLOAT32_EXACT_BELOW, otb_dist._all_reduce = saved, all_reduce
-            outbox.put((rank, "ok", _to_numpy((result, reduced[0]) if count_reduced else result)))
+                otb_dist._FLOAT32_EXACT_BELOW, otb_dist._all_reduce, _native._grid = saved, all_reduce, make_grid
+            outbox.put((rank, "ok", _to_numpy((result, reduced[0], grids) if count_reduced else result)))
         except Exception as exc:  # reported to the parent, which decides
             outbox.put((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))
     dist.destroy_process_group()

@@ -411,9 +411,10 @@ def test_bad_values_on_one_of_two_ranks_raise_on_both(pool, layout, leave_one_ou
 def test_the_grid_is_summed_only_where_other_ranks_add_to_its_cells(pool, kernel, layout, align, grid_sent):
     """Every rank of the group holding every row (one context group of them all) and columns by position: the grid
     cells a rank reads hold every row's terms already, and every rank can count the group statistics, so nothing is
-    summed (the native kernel's value verdicts ride with the pieces' totals). By valid token the pieces' columns
-    overlap, and data-parallel ranks hold different rows: there the whole grid is summed (native: with the group
-    statistics and verdicts, P·4·G + P values). The results equal one process's either way."""
+    summed (the native kernel's value verdicts ride with the pieces' totals), and its grid holds the piece's own
+    columns, not all K. By valid token the pieces' columns overlap, and data-parallel ranks hold different rows: there
+    the whole grid is summed (native: with the group statistics and verdicts, P·4·G + P values). The results equal
+    one process's either way."""
     batch = _fixed_batch()
     ids = group_segments(batch.group_ids).index
     context_size, data_shards = CONTEXT_LAYOUTS.get(layout, (1, DATA_LAYOUTS.get(layout)))
@@ -434,11 +435,14 @@ def test_the_grid_is_summed_only_where_other_ranks_add_to_its_cells(pool, kernel
     ranks, grid = len(arguments), 2 * 3 * batch.rewards.shape[1]          # 2 planes × G × K
     for rank, ((status, answer), (rows, columns)) in enumerate(zip(outcomes, pieces)):
         assert status == "ok", f"rank {rank}: {answer}"
-        result, reduced = answer
+        result, reduced, grids = answer
         _sliced(tolerance, rows, columns).assert_close(result.advantages, expected.advantages[rows][:, columns],
                                                        f"rank {rank} advantages")
         statistics = ranks * 4 * 3 + ranks if native else 0
         assert reduced == (grid + statistics if grid_sent else 0), (rank, reduced)
+        if native:                # the last grid is the one summed and read (the first sweep's, then a piece's)
+            own = columns.stop - columns.start
+            assert grids[-1] == (batch.rewards.shape[1] if grid_sent else own), (rank, grids)
 
 
 @pytest.mark.parametrize("problem", ["id outside num_groups", "num_groups differs", "ids differ in context group",

@@ -1097,15 +1097,17 @@ OTB_EXPORT int FN(otb_dist_first)(const T *r, const M *m, const T *lp, const T *
 /* Context parallel, after the other pieces' totals: each row's returns (ret) and energies (wm, from the first sweep)
  * get the offsets of the other pieces — Gₜ += ret_offsets[b] (the later pieces' rewards), mₜWₜ += mₜ·energy_offsets[b]
  * (the earlier pieces' energy) — and its terms are added into grid[global id] at columns col0 + t (position) or
- * col_offsets[b] + #valid before t (valid token); with count_rows (the first piece of its rows), the group statistics
- * from total_lengths. scratch: width values of T. */
+ * col_offsets[b] + #valid before t (valid token), less `origin`: the grid's first column (0 for a grid of all K
+ * columns; by position a piece whose grid is its own columns alone passes origin = col0); with count_rows (the first
+ * piece of its rows, or every piece where each holds every row), the group statistics from total_lengths. scratch:
+ * width values of T. */
 OTB_EXPORT void FN(otb_dist_offsets)(const M *m, int64_t width, const int64_t *order, const int64_t *offsets,
                                      const int64_t *rows_in_order, const int64_t *row_group, int64_t first_group,
                                      int64_t last_group, const int64_t *group_ids, T *grid, int64_t columns,
                                      int planes, int valid_token, const double *ret_offsets,
                                      const double *energy_offsets, const int64_t *col_offsets, int64_t col0,
-                                     const int64_t *total_lengths, int count_rows, int64_t num_groups, T *ret,
-                                     T *wm, int64_t *stats, T *scratch) {
+                                     int64_t origin, const int64_t *total_lengths, int count_rows,
+                                     int64_t num_groups, T *ret, T *wm, int64_t *stats, T *scratch) {
     T *mv = scratch;
     for (int64_t p = offsets[first_group]; p < offsets[last_group]; ++p) {
         const int64_t row = rows_in_order[p], at = row * width;
@@ -1118,7 +1120,7 @@ OTB_EXPORT void FN(otb_dist_offsets)(const M *m, int64_t width, const int64_t *o
         for (int64_t t = 0; t < width; ++t) gr[t] = gr[t] + later;
         for (int64_t t = lo; t < hi; ++t) wr[t] = wr[t] + earlier * mv[t];
         FN(otb_row_accumulate)(gr, wr, mv, lo, hi, num, den, cnt, valid_token,
-                               valid_token ? col_offsets[row] : col0, columns);
+                               (valid_token ? col_offsets[row] : col0) - origin, columns);
     }
     if (!count_rows) return;
     for (int64_t g = first_group; g < last_group; ++g) {
@@ -1133,14 +1135,15 @@ OTB_EXPORT void FN(otb_dist_offsets)(const M *m, int64_t width, const int64_t *o
  * First each of these groups' grid row: self-inclusive, N becomes N/(D + ε) in place; leave-one-out by valid token,
  * the length histogram becomes V. Then each row: self-inclusive, B = 0 from the column otb_zero_from finds in the
  * ranks' [ranks, 4, G] group statistics `stats` (all ranks' rows; the row's total length from total_lengths);
- * leave-one-out, mₜWₜ of the first sweep is read from adv and overwritten. scratch: width values of T. */
+ * leave-one-out, mₜWₜ of the first sweep is read from adv and overwritten. The grid holds `columns` columns from
+ * global column `origin` (as otb_dist_offsets; the zero rule's column is global). scratch: width values of T. */
 OTB_EXPORT void FN(otb_dist_final)(const M *m, int64_t width, const int64_t *offsets, const int64_t *rows_in_order,
                                    const int64_t *row_group, int64_t first_group, int64_t last_group,
                                    const int64_t *group_ids, T *grid, int64_t columns, int planes, int valid_token,
                                    int leave_one_out, int zero_tail, double epsilon, const int64_t *stats,
                                    int64_t ranks, int64_t num_groups, const int64_t *total_lengths,
-                                   const int64_t *col_offsets, int64_t col0, const T *ret, T *adv, T *base,
-                                   T *scratch) {
+                                   const int64_t *col_offsets, int64_t col0, int64_t origin, const T *ret,
+                                   T *adv, T *base, T *scratch) {
     const T eps = (T)epsilon;
     for (int64_t g = first_group; g < last_group; ++g) {
         T *num = OTB_GRID_ROW(group_ids[g]);
@@ -1150,13 +1153,14 @@ OTB_EXPORT void FN(otb_dist_final)(const M *m, int64_t width, const int64_t *off
     for (int64_t p = offsets[first_group]; p < offsets[last_group]; ++p) {
         const int64_t row = rows_in_order[p], at = row * width, id = group_ids[row_group[row]];
         T *num = OTB_GRID_ROW(id);
-        const int64_t start_column = valid_token && col_offsets ? col_offsets[row] : col0;
+        const int64_t start_column = (valid_token && col_offsets ? col_offsets[row] : col0) - origin;
         if (leave_one_out) {
             FN(otb_row_final_loo)(m + at, ret + at, adv + at, width, num, num + columns, num + 2 * columns,
                                   valid_token, start_column, columns, eps, base ? base + at : 0, scratch);
             continue;
         }
-        const int64_t start = otb_zero_from(stats, ranks, num_groups, id, zero_tail, total_lengths[row], columns);
+        const int64_t start = otb_zero_from(stats, ranks, num_groups, id, zero_tail, total_lengths[row],
+                                            origin + columns) - origin;
         FN(otb_row_final_self)(m + at, ret + at, width, num, valid_token, start_column, columns, start, adv + at,
                                base ? base + at : 0, scratch);
     }

@@ -490,9 +490,10 @@ def distributed_first(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torc
 def distributed_offsets(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, *, num_groups: int, columns: int,
                         align: str, leave_one_out: bool, dtype: torch.dtype, columns_before: int,
                         ret_offsets: np.ndarray, energy_offsets: np.ndarray, valid_before: np.ndarray,
-                        total_lengths: np.ndarray, count_rows: bool, extra: int = 0) -> FirstSweep:
+                        total_lengths: np.ndarray, count_rows: bool, extra: int = 0, origin: int = 0) -> FirstSweep:
     """A context piece after the other pieces' totals (``_kernel.c``: otb_dist_offsets): its returns and energies
-    offset in place (float64 [B] ``ret_offsets``, ``energy_offsets``), its terms in a grid of width K = ``columns``
+    offset in place (float64 [B] ``ret_offsets``, ``energy_offsets``), its terms in a grid of ``columns`` columns
+    from global column ``origin`` (all K columns from 0; by position, a piece's own columns from ``columns_before``)
     at columns ``columns_before`` + t or ``valid_before`` + #valid before t, and (``count_rows``) the group
     statistics from the rows' ``total_lengths``."""
     rows, width = first.returns.shape
@@ -510,7 +511,7 @@ def distributed_offsets(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep
             _array(plan.row_group)]
     tail = [_array(plan.ids), _pointer(grid), ctypes.c_int64(columns), ctypes.c_int(planes),
             ctypes.c_int(int(align != "position")), *(_array(value) for value in arrays[:3]),
-            ctypes.c_int64(columns_before), _array(arrays[3]), ctypes.c_int(int(count_rows)),
+            ctypes.c_int64(columns_before), ctypes.c_int64(origin), _array(arrays[3]), ctypes.c_int(int(count_rows)),
             ctypes.c_int64(num_groups), _pointer(first.returns), _pointer(first.energy), _pointer(stats)]
     owners = (mask, plan, rows_in_order, first, buffer, stats, arrays, scratch)
 
@@ -537,10 +538,11 @@ def _run_in_shares(function: Any, head: list, tail: list, bounds: Any, scratch: 
 def distributed_final(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, statistics: np.ndarray | None, *,
                       num_groups: int, align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float,
                       dtype: torch.dtype, columns_before: int = 0, valid_before: np.ndarray | None = None,
-                      total_lengths: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, baselines) of a rank's rows from the all-reduced grid (``_kernel.c``: otb_dist_final);
-    ``statistics`` [P, 4, G] int64 (NumPy): every rank's group statistics, merged in the kernel (self-inclusive only).
-    The grid's N becomes the ratio in place."""
+                      total_lengths: np.ndarray | None = None, origin: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, baselines) of a rank's rows from the all-reduced grid (``_kernel.c``: otb_dist_final), whose
+    columns start at global column ``origin`` (as :func:`distributed_offsets`); ``statistics`` [P, 4, G] int64
+    (NumPy): every rank's group statistics, merged in the kernel (self-inclusive only). The grid's N becomes the
+    ratio in place."""
     rows, width = first.returns.shape
     mask, _ = _inputs(dtype, mask)
     advantages = first.energy if first.energy is not None else torch.empty((rows, width), dtype=dtype)
@@ -558,7 +560,7 @@ def distributed_final(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, 
             ctypes.c_int(int(align != "position")), ctypes.c_int(int(leave_one_out)),
             ctypes.c_int(int(handle_zero_tail)), ctypes.c_double(epsilon), _array(statistics_c),
             ctypes.c_int64(ranks), ctypes.c_int64(num_groups), _array(lengths), _array(valid_before),
-            ctypes.c_int64(columns_before),
+            ctypes.c_int64(columns_before), ctypes.c_int64(origin),
             _pointer(first.returns), _pointer(advantages), _pointer(baselines)]
     owners = (mask, plan, rows_in_order, first, statistics_c, lengths, valid_before, advantages, baselines, scratch)
 

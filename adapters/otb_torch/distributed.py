@@ -576,10 +576,11 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
     as [4, G] integers (on CPU in the same all-reduce, each rank's in its own slot). Where every rank of ``group``
     holds every row (``context_group`` spans ``group``) and ``align="position"``, a rank's grid cells already hold
     every row's terms and it counts every row itself: neither is summed nor gathered. K = the longest padded row over
-    the ranks (Σ of the context shards' widths). Extra memory per rank: the grid, G·(2 or 3)·K values (over two ranks
-    on CPU a second one receives the peer's while they are exchanged, freed before the final sweep allocates the
-    advantages and baselines: the peak grows only where the grid outweighs those two outputs), and a few rows of T
-    per thread (on CPU; the eager path also materialises [B, T] temporaries).
+    the ranks (Σ of the context shards' widths). Extra memory per rank: the grid, G·(2 or 3)·K values — G·(2 or 3)·T_c
+    where a context group spans ``group``, by position: the piece's own columns (over two ranks on CPU a second one
+    receives the peer's while they are exchanged, freed before the final sweep allocates the advantages and
+    baselines: the peak grows only where the grid outweighs those two outputs) — and a few rows of T per thread (on
+    CPU; the eager path also materialises [B, T] temporaries).
 
     Args:
       rewards, response_mask, log_probs, sum_pi_squared, is_weights: this rank's [B, T_c] pieces, as
@@ -729,7 +730,8 @@ def _native_baseline(local: _Local, start: _NativeStart, num_groups: int, width:
     ``whole_rows``: every rank of ``group`` holds every row (one context group of all of them, or a group of one);
     the value-check flags then ride with the pieces' totals, whose all-gather reaches every rank. ``grid_is_complete``
     (whole rows, by position, or a group of one): the cells a rank reads hold every row's terms already and every
-    rank counts the group statistics of all rows, so no all-reduce follows — one blocking collective in all."""
+    rank counts the group statistics of all rows, so no all-reduce follows — one blocking collective in all; a
+    context piece's grid then holds its own T_c columns, not all K (P_c times less memory)."""
     first, pieces = start.first, {}
     if first.totals is not None:                                   # context parallel: offsets from the other pieces
         totals = first.totals.reshape(-1)
@@ -741,14 +743,16 @@ def _native_baseline(local: _Local, start: _NativeStart, num_groups: int, width:
             gathered = gathered[:, :-1]
         gathered = gathered.reshape(gathered.shape[0], 3, -1)                       # [P_c, 3, B]
         piece = dist.get_rank(context_group)
+        own_columns = grid_is_complete and align == "position"         # the grid holds the piece's columns alone
         pieces = dict(columns_before=columns_before,
                       valid_before=gathered[:piece, 2].sum(0).to(torch.int64).numpy(),
-                      total_lengths=gathered[:, 2].sum(0).to(torch.int64).numpy())
+                      total_lengths=gathered[:, 2].sum(0).to(torch.int64).numpy(),
+                      origin=columns_before if own_columns else 0)
         first = _native.distributed_offsets(
-            local.mask, start.plan, first, num_groups=num_groups, columns=width, align=align,
-            leave_one_out=leave_one_out, dtype=dtype, ret_offsets=gathered[piece + 1:, 0].sum(0).numpy(),
+            local.mask, start.plan, first, num_groups=num_groups, columns=local.mask.shape[1] if own_columns else width,
+            align=align, leave_one_out=leave_one_out, dtype=dtype, ret_offsets=gathered[piece + 1:, 0].sum(0).numpy(),
             energy_offsets=gathered[:piece, 1].sum(0).numpy(), count_rows=piece == 0 or grid_is_complete,
-            extra=start.extra, **pieces)
+            extra=0 if grid_is_complete else start.extra, **pieces)
     assert first.grid is not None and first.buffer is not None
     if grid_is_complete:
         if first.totals is None and start.failure is not None:    # a group of one: its own verdict
@@ -811,8 +815,11 @@ def _baseline(local: _Local, scan: ContextScan, num_groups: int, width: int, *, 
     weights = scan.energy * m                                       # 0 at masked positions: they add nothing
     planes = [scan.returns * weights, weights] + ([m] if leave_one_out else [])
     if align == "position":                                         # whole rows of the grid: row-wise adds
-        grid = torch.zeros((len(planes), num_groups, width), dtype=dtype, device=m.device)
-        window = slice(scan.columns_before, scan.columns_before + positions)
+        # a complete grid: this rank's columns alone (no other rank adds to them), else all K
+        origin = scan.columns_before if grid_is_complete else 0
+        grid = torch.zeros((len(planes), num_groups, positions if grid_is_complete else width), dtype=dtype,
+                           device=m.device)
+        window = slice(scan.columns_before - origin, scan.columns_before - origin + positions)
         grid[:, :, window].index_add_(1, ids, torch.stack(planes))
         if not grid_is_complete:
             _all_reduce(grid, dist.ReduceOp.SUM, group, timeout)
