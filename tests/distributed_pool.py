@@ -18,10 +18,10 @@ The task ``"native_kernel_status"`` answers whether a rank has otb_torch's nativ
 kernels, as without a C compiler); otherwise otb_torch's native CPU kernel runs where it is built. ``_float32_exact_below=N``
 lowers, for that call, the bound below which the native path's float32 all-reduce carries the group statistics
 (``otb_torch.distributed._FLOAT32_EXACT_BELOW``, 2²⁴): N = 1 takes the all-gather that batches of 2²⁴ rows or
-positions need. ``_count_reduced=True`` makes the rank answer ``(result, values, columns)``: ``values`` the number of
+positions need. ``_count_reduced=True`` makes the rank answer ``(result, values, widths)``: ``values`` the number of
 values the call passed to ``otb_torch.distributed._all_reduce`` (every SUM and MAX of the module goes through it),
-``columns`` the widths of the grids the native kernel's calls allocated (``otb_torch._native._grid``; none on the
-eager path).
+``widths`` the list of the column counts of the grids the native kernel's calls allocated, in order
+(``otb_torch._native._grid``; empty on the eager path).
 
 A task that does not answer within ``timeout`` seconds fails the test and the pool is restarted; collectives inside
 the processes time out after ``COLLECTIVE_TIMEOUT`` seconds (the process groups' timeout), so nothing can hang.

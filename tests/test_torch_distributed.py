@@ -440,7 +440,8 @@ def test_the_grid_is_summed_only_where_other_ranks_add_to_its_cells(pool, kernel
                                                        f"rank {rank} advantages")
         statistics = ranks * 4 * 3 + ranks if native else 0
         assert reduced == (grid + statistics if grid_sent else 0), (rank, reduced)
-        if native:                # the last grid is the one summed and read (the first sweep's, then a piece's)
+        if native:   # the last grid the kernel allocated: the first sweep's, or after it a context piece's (a grid
+            # widened to K for the sum is not recorded; in these layouts every rank's rows are K wide)
             own = columns.stop - columns.start
             assert grids[-1] == (batch.rewards.shape[1] if grid_sent else own), (rank, grids)
 

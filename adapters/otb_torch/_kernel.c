@@ -27,11 +27,13 @@
  *
  *   otb_groups       — one process: each group in one thread, its column sums in scratch rows of T;
  *   otb_dist_first   — one rank of a data-/context-parallel batch (otb_torch.distributed): the returns, and the
- *                      rank's terms of N, D (, V) added into a [G, planes, K] grid of global groups; per local group
- *                      the member count and top-two lengths (context parallel: the row pieces' totals instead);
- *   otb_dist_offsets — context parallel: the other pieces' offsets added, then the terms into the grid;
- *   otb_dist_final   — after the grid's SUM all-reduce: B and A for the rank's rows (the self-inclusive rules
- *                      from every rank's group statistics, merged per row).
+ *                      rank's terms of N, D (, V) added into a [G, planes, T] grid of global groups (T the rank's
+ *                      width); per local group the member count and top-two lengths (context parallel: the row
+ *                      pieces' totals instead);
+ *   otb_dist_offsets — context parallel: the other pieces' offsets added, then the terms into a grid of `columns`
+ *                      columns from global column `origin` (all K from 0, or by position a piece's own);
+ *   otb_dist_final   — after the grid's SUM all-reduce (none where the grid is complete): B and A for the rank's
+ *                      rows (the self-inclusive rules from every rank's group statistics, merged per row).
  *
  * Scans accumulate in double and round each output once (what torch's CPU cumsum does); everything else is in the
  * compute type T, in the order of the eager kernel (otb_torch._core). With `check`, the return value is nonzero if

@@ -418,8 +418,9 @@ def _array(value: np.ndarray | torch.Tensor | None) -> ctypes.c_void_p:
 
 class FirstSweep(NamedTuple):
     """What a rank's first sweep leaves (:func:`distributed_first`, :func:`distributed_offsets`), in the compute
-    dtype: ``buffer`` [G·planes·K + extra], whose first part is ``grid`` [G, planes, K] (N, D and, for leave-one-out,
-    V of the rank's rows) and whose ``extra`` last values are zeros for the caller (None for a context piece until
+    dtype: ``buffer`` [G·planes·C + extra], whose first part is ``grid`` [G, planes, C] (N, D and, for leave-one-out,
+    V of the rank's rows; C the rank's width T after the first sweep, all K columns or a spanning piece's own T_c
+    after the offsets) and whose ``extra`` last values are zeros for the caller (None for a context piece until
     its offsets are added); ``returns`` [B, T]; ``energy`` [B, T] mₜWₜ on the valid spans, in what becomes the
     advantages (leave-one-out, and context pieces; else None); ``lengths`` [B] int64 valid counts; ``stats`` [4, G]
     int64 (members, longest, count at longest, second longest of the rank's rows); ``totals`` [3, B] float64 (a
@@ -494,8 +495,8 @@ def distributed_offsets(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep
     """A context piece after the other pieces' totals (``_kernel.c``: otb_dist_offsets): its returns and energies
     offset in place (float64 [B] ``ret_offsets``, ``energy_offsets``), its terms in a grid of ``columns`` columns
     from global column ``origin`` (all K columns from 0; by position, a piece's own columns from ``columns_before``)
-    at columns ``columns_before`` + t or ``valid_before`` + #valid before t, and (``count_rows``) the group
-    statistics from the rows' ``total_lengths``."""
+    at columns ``columns_before`` + t or ``valid_before`` + #valid before t, less ``origin``, and (``count_rows``)
+    the group statistics from the rows' ``total_lengths``."""
     rows, width = first.returns.shape
     mask, _ = _inputs(dtype, mask)
     planes = 3 if leave_one_out else 2

@@ -576,11 +576,11 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
     as [4, G] integers (on CPU in the same all-reduce, each rank's in its own slot). Where every rank of ``group``
     holds every row (``context_group`` spans ``group``) and ``align="position"``, a rank's grid cells already hold
     every row's terms and it counts every row itself: neither is summed nor gathered. K = the longest padded row over
-    the ranks (Σ of the context shards' widths). Extra memory per rank: the grid, G·(2 or 3)·K values — G·(2 or 3)·T_c
-    where a context group spans ``group``, by position: the piece's own columns (over two ranks on CPU a second one
-    receives the peer's while they are exchanged, freed before the final sweep allocates the advantages and
-    baselines: the peak grows only where the grid outweighs those two outputs) — and a few rows of T per thread (on
-    CPU; the eager path also materialises [B, T] temporaries).
+    the ranks (Σ of the context shards' widths). Extra memory per rank: the grid, G·(2 or 3)·K values (over two ranks
+    on CPU a second one receives the peer's while they are exchanged, freed before the final sweep allocates the
+    advantages and baselines: the peak grows only where the grid outweighs those two outputs) — G·(2 or 3)·T_c where
+    a context group spans ``group``, by position: the piece's own columns, nothing exchanged — and a few rows of T per
+    thread (on CPU; the eager path also materialises [B, T] temporaries).
 
     Args:
       rewards, response_mask, log_probs, sum_pi_squared, is_weights: this rank's [B, T_c] pieces, as
@@ -731,7 +731,7 @@ def _native_baseline(local: _Local, start: _NativeStart, num_groups: int, width:
     the value-check flags then ride with the pieces' totals, whose all-gather reaches every rank. ``grid_is_complete``
     (whole rows, by position, or a group of one): the cells a rank reads hold every row's terms already and every
     rank counts the group statistics of all rows, so no all-reduce follows — one blocking collective in all; a
-    context piece's grid then holds its own T_c columns, not all K (P_c times less memory)."""
+    context piece's grid then holds its own T_c columns, not all K (K/T_c times less memory)."""
     first, pieces = start.first, {}
     if first.totals is not None:                                   # context parallel: offsets from the other pieces
         totals = first.totals.reshape(-1)
