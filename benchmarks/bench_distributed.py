@@ -111,6 +111,16 @@ def _rank_rows(batch: list, size: int, rank: int) -> list:
     return [torch.from_numpy(np.ascontiguousarray(a[mine])) for a in batch]
 
 
+def _rank_piece(batch: list, size: int, rank: int) -> list:
+    """Rank ``rank`` of ``size``'s column piece of a :func:`_batch` (rewards, mask, log π, Σπ², ids) as torch tensors:
+    every row, its contiguous share of the positions (context parallel); the ids whole."""
+    import numpy as np
+    import torch
+
+    columns = np.array_split(np.arange(batch[0].shape[1]), size)[rank]
+    return [torch.from_numpy(np.ascontiguousarray(a[:, columns])) for a in batch[:4]] + [torch.from_numpy(batch[4])]
+
+
 def _peak() -> int:
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM"))
@@ -181,10 +191,7 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
             holes = case.startswith("multi-turn")
             rewards, mask, log_probs, spp, ids = _batch(prompts, samples, positions, holes=holes)
             if case == "context parallel":
-                columns = np.array_split(np.arange(positions), size)[rank]
-                local = [torch.from_numpy(np.ascontiguousarray(a[:, columns])) for a in (rewards, mask, log_probs,
-                                                                                          spp)]
-                local_ids = torch.from_numpy(ids)
+                *local, local_ids = _rank_piece([rewards, mask, log_probs, spp, ids], size, rank)
                 options = dict(context_group=dist.group.WORLD)
             else:
                 *local, local_ids = _rank_rows([rewards, mask, log_probs, spp, ids], size, rank)
@@ -450,10 +457,8 @@ def _fixed_costs(args: argparse.Namespace) -> dict:
                 holes = case.startswith("multi-turn")
                 batch = _batch(prompts, samples, positions, holes=holes)
                 if case == "context parallel":                 # rank 0's column piece, a context group of one
-                    columns = np.array_split(np.arange(positions), ranks)[0]
-                    rewards, mask, log_probs, spp = (torch.from_numpy(np.ascontiguousarray(a[:, columns]))
-                                                     for a in batch[:4])
-                    ids, options = torch.from_numpy(batch[4]), dict(context_group=dist.group.WORLD)
+                    rewards, mask, log_probs, spp, ids = _rank_piece(batch, ranks, 0)
+                    options = dict(context_group=dist.group.WORLD)
                 else:
                     rewards, mask, log_probs, spp, ids = _rank_rows(batch, ranks, 0)
                     options = _data_parallel_options(case)

@@ -512,13 +512,15 @@ def _scan(local: _Local, dtype: torch.dtype, context_group: Any, columns_before:
                        gathered[:me, 2].sum(0).to(torch.int64), columns_before)
 
 
-def _layout(verdicts: _Verdicts, rows_field: int, width_field: int, ids_field: int | None) -> tuple[int, int]:
-    """Check that each context group's ranks hold the same rows (and ids); return (this rank's columns_before, K),
-    K the longest padded row over the ranks: the widest context group's total width."""
+def _layout(verdicts: _Verdicts, rows_field: int, width_field: int, ids_field: int | None
+            ) -> tuple[int, int, list[list[int]]]:
+    """Check that each context group's ranks hold the same rows (and ids); return (this rank's columns_before, K, the
+    context groups), K the longest padded row over the ranks: the widest context group's total width."""
     me = dist.get_rank()
     widths = {row[3]: row[_HEADER + width_field] for row in verdicts.table}
     columns_before, width = 0, 1
-    for members in verdicts.context_groups():
+    groups = verdicts.context_groups()
+    for members in groups:
         if len(members) > 1:
             verdicts.require_equal(rows_field, "rewards (number of rows B)", members)
             if ids_field is not None:
@@ -526,7 +528,7 @@ def _layout(verdicts: _Verdicts, rows_field: int, width_field: int, ids_field: i
         width = max(width, sum(widths[rank] for rank in members))
         if me in members:
             columns_before = sum(widths[rank] for rank in members[:members.index(me)])
-    return columns_before, width
+    return columns_before, width, groups
 
 
 @torch.no_grad()
@@ -550,7 +552,7 @@ def context_parallel_returns_and_energy(rewards: Any, response_mask: Any, log_pr
                          [shape[0], shape[1], local is not None and local.is_weights is not None], failure,
                          context_group, timeout, _handshake_device(rewards, context_group), context_group)
     verdicts.require_equal(2, "is_weights (given on some ranks only)")
-    columns_before, _ = _layout(verdicts, 0, 1, None)
+    columns_before, _, _ = _layout(verdicts, 0, 1, None)
     assert local is not None
     dtype = check.accumulation_dtype(local.rewards, local.log_probs, local.sum_pi_squared, local.is_weights)
     scan = _scan(local, dtype, context_group, columns_before, timeout)
@@ -638,11 +640,11 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
                                   "the accumulation dtype (float64 inputs on some ranks only)",
                                   "is_weights (given on some ranks only)")):
         verdicts.require_equal(field, name)
-    columns_before, width = _layout(verdicts, 7, 8, 9)
+    columns_before, width, context_groups = _layout(verdicts, 7, 8, 9)
     assert local is not None and local.ids is not None
     # every rank of ``group`` holds every row (one context group of all of them, or a group of one): by position, the
     # grid's cells at this rank's columns then hold every row's terms already, and no other rank adds to them
-    whole_rows = len(verdicts.context_groups()) == 1
+    whole_rows = len(context_groups) == 1
     grid_is_complete = whole_rows and (align == "position" or len(verdicts.table) == 1)
     if start is not None:
         advantages, returns, baselines = _native_baseline(
