@@ -2,11 +2,17 @@
 
     python benchmarks/count_torch_ops.py [--sizes 64x8x1024,256x8x4096]
 
-On CUDA the drop-in runs the eager kernel with one block per run of equal-size groups (the segments' plan); on the
-CPU the same kernel cuts runs into cache-sized blocks. This script runs the CPU's eager kernel (``OTB_TORCH_NATIVE=0``)
-with one block per run, as CUDA does, on the benchmark's batches (benchmarks/bench_torch.py), and counts the top-level
-``aten::`` ops of one call of ``otb_torch.optimal_token_baseline`` (hot path: planned segments, no value checks) with
-``torch.profiler``. Each op is at least one kernel launch on a GPU.
+On CUDA the drop-in runs the eager kernel; on the CPU the same kernel cuts the plan's runs of equal-size groups into
+cache-sized blocks. This script runs the CPU's eager kernel (``OTB_TORCH_NATIVE=0``) blocked two ways on the
+benchmark's batches (benchmarks/bench_torch.py) and counts the top-level ``aten::`` ops of one call of
+``otb_torch.optimal_token_baseline`` and ``leave_one_out_token_baseline`` (hot path: planned segments, no value
+checks) with ``torch.profiler``; each op is at least one kernel launch on a GPU:
+
+* *one block per size* — each run of equal-size groups one block: how CUDA ran a plan until groups of several sizes
+  became one block (every op once per distinct size);
+* *as on an accelerator* — ``otb_torch._otb.blocks_as_on_accelerators``, what CUDA runs now: one block per run where
+  the groups have one size, and one block of all rows in the plan's order, group sums over consecutive rows
+  (``torch.segment_reduce``), where they have several.
 """
 
 from __future__ import annotations
@@ -25,23 +31,40 @@ import otb_torch  # noqa: E402
 from bench_torch import batch  # noqa: E402
 
 
+def _ops(call) -> int:
+    call()
+    with profile(activities=[ProfilerActivity.CPU]) as trace:
+        call()
+    return sum(1 for event in trace.events() if event.name.startswith("aten::") and event.cpu_parent is None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="64x8x1024,256x8x4096", help="comma-separated GROUPSxSIZExPOSITIONS")
     args = parser.parse_args()
-    otb_torch._otb._BLOCK_ELEMENTS = 2**62          # one block per run of equal sizes, as on CUDA
-    print("| size | layout | distinct group sizes | top-level torch ops per call |\n|---|---|---|---|")
+    print("| size | layout | distinct group sizes | function | one block per size | as on an accelerator |\n"
+          "|---|---|---|---|---|---|")
     for size in args.sizes.split(","):
         groups, group_size, positions = (int(value) for value in size.split("x"))
         for layout in ("contiguous", "scattered", "scattered, unequal"):
             rewards, mask, index, log_probs, spp = batch(groups, group_size, positions, layout, "cpu")
             segments = otb_torch.segments_from_index(index, "cpu")
-            otb_torch.optimal_token_baseline(rewards, mask, segments, log_probs, spp, check_values=False)
-            with profile(activities=[ProfilerActivity.CPU]) as trace:
-                otb_torch.optimal_token_baseline(rewards, mask, segments, log_probs, spp, check_values=False)
-            ops = [event for event in trace.events() if event.name.startswith("aten::") and event.cpu_parent is None]
             runs = len(segments.runs) if segments.runs else 1
-            print(f"| {size} | {layout} | {runs} | {len(ops)} |", flush=True)
+            for name in ("optimal_token_baseline", "leave_one_out_token_baseline"):
+                function = getattr(otb_torch, name)
+
+                def call():
+                    return function(rewards, mask, segments, log_probs, spp, check_values=False)
+
+                default = otb_torch._otb._BLOCK_ELEMENTS
+                otb_torch._otb._BLOCK_ELEMENTS = 2**62      # one block per run, none cut to the cache's size
+                try:
+                    per_size = _ops(call)
+                finally:
+                    otb_torch._otb._BLOCK_ELEMENTS = default
+                with otb_torch._otb.blocks_as_on_accelerators():
+                    accelerator = _ops(call)
+                print(f"| {size} | {layout} | {runs} | {name} | {per_size} | {accelerator} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -209,6 +209,8 @@ for _spec in (
     AdapterSpec("torch-cpu", "otb_torch._adapter:make_adapter", ("torch", "otb_torch"), {"device": "cpu"}),
     AdapterSpec("torch-cpu-eager", "otb_torch._adapter:make_adapter", ("torch", "otb_torch"),
                 {"device": "cpu", "eager": True}),
+    AdapterSpec("torch-cpu-accelerator-blocks", "otb_torch._adapter:make_adapter", ("torch", "otb_torch"),
+                {"device": "cpu", "accelerator_blocks": True}),
     AdapterSpec("torch-cpu-compiled", "otb_torch._adapter:make_adapter", ("torch", "otb_torch"),
                 {"device": "cpu", "compiled": True}),
     AdapterSpec("torch-cpu-distributed", "otb_torch._adapter:make_adapter", ("torch", "otb_torch"),

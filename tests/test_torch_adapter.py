@@ -351,6 +351,113 @@ def test_segments_without_a_plan_use_segment_sums(function):
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-12, atol=1e-12)
 
 
+def _top_level_ops(call) -> int:
+    """How many top-level aten ops one call issues (each at least one kernel launch on a GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    with profile(activities=[ProfilerActivity.CPU]) as trace:
+        call()
+    return sum(1 for event in trace.events() if event.name.startswith("aten::") and event.cpu_parent is None)
+
+
+@pytest.mark.parametrize("function", _FUNCTIONS[:3])
+def test_accelerator_blocks_launch_as_many_kernels_whatever_the_group_sizes(monkeypatch, function):
+    """On an accelerator a plan with groups of several sizes runs as one block in the plan's order, its group sums
+    over consecutive rows: a call issues the same number of ops for 2 distinct group sizes as for 8 (the eager
+    kernels on the CPU, blocked as on an accelerator). One block per size — the blocking before, kept here as the
+    control that shows the count can fail to stay flat — issues more ops with every size."""
+    from test_adapters import realistic_batch
+
+    monkeypatch.setattr(otb_torch._native, "usable", lambda *_: False)
+    call = getattr(otb_torch, function)
+    counts = {}
+    for distinct in (2, 8):
+        sizes = [1 + group % distinct for group in range(16)]
+        batch = realistic_batch(5, sizes, 10, holes="multi_turn" in function)
+        tensors = [torch.as_tensor(np.asarray(getattr(batch, name)), dtype=torch.float32)
+                   for name in ("rewards", "response_mask", "log_probs", "sum_pi_squared")]
+        segments = otb_torch.segments_from_index(batch.group_ids)
+        assert len(segments.runs) == distinct
+
+        def once():
+            return call(tensors[0], tensors[1], segments, tensors[2], tensors[3], check_values=False)
+
+        with otb_torch._otb.blocks_as_on_accelerators():
+            counts["one block", distinct] = _top_level_ops(once)
+        with monkeypatch.context() as patch:                  # one block per run of equal sizes, none cut smaller
+            patch.setattr(otb_torch._otb, "_BLOCK_ELEMENTS", 2**62)
+            counts["one block per size", distinct] = _top_level_ops(once)
+    assert counts["one block", 2] == counts["one block", 8], counts
+    assert counts["one block per size", 8] > counts["one block per size", 2] + 5 * 6, counts
+
+
+@pytest.mark.parametrize("function", _FUNCTIONS)
+@pytest.mark.parametrize("plan", ["planned", "by hand, no sizes", "rows already in the plan's order",
+                                  "cut into blocks", "cut into blocks, rows in the plan's order"])
+def test_accelerator_blocks_give_the_eager_result(monkeypatch, function, plan):
+    """The block of consecutive-row group sums (float64) gives the cache-blocked eager kernel's results within
+    rounding — for the plan segments_from_index makes (its group sizes on the device), a plan built by hand without
+    them (made from its runs), a batch whose rows are already in the plan's order (a slice: nothing gathered), and
+    with the block's size bounded so that the plan is cut at group boundaries into blocks of ≤ 20 rows (a group of
+    more rows alone in its block)."""
+    inputs, options = _realistic_inputs(function, "scattered-unequal", torch.float64)
+    monkeypatch.setattr(otb_torch._native, "usable", lambda *_: False)
+    call = getattr(otb_torch, function)
+    segments = otb_torch.segments_from_index(inputs[2])
+    if plan.endswith("rows in the plan's order") or plan == "rows already in the plan's order":
+        order = segments.order
+        inputs = tuple(value[order] if isinstance(value, torch.Tensor) else np.asarray(value)[order.numpy()]
+                       for value in inputs)
+        options = {name: value[order] for name, value in options.items()}
+        segments = otb_torch.segments_from_index(inputs[2])
+        assert all(run.first_row == run.start for run in segments.runs) and len(segments.runs) > 1
+    expected = call(*inputs[:2], segments, *inputs[3:], **options)
+    if plan == "by hand, no sizes":
+        segments = otb_torch.Segments(segments.index, segments.num_groups, None, segments.order, segments.runs)
+        assert segments.sizes is None
+    rows, positions = inputs[0].shape
+    if plan.startswith("cut"):
+        monkeypatch.setattr(otb_torch._otb, "_ACCELERATOR_BLOCK_ELEMENTS", 20 * positions)
+    with otb_torch._otb.blocks_as_on_accelerators():
+        blocks = otb_torch._otb._blocks(segments, rows, positions, torch.device("cpu"))
+        assert all(block.sizes is not None for block in blocks)
+        assert (len(blocks) > 2) if plan.startswith("cut") else (len(blocks) == 1)
+        assert [block.begin for block in blocks] == [0] + [block.end for block in blocks[:-1]]
+        assert blocks[-1].end == rows
+        assert all(int(block.sizes.sum()) == block.end - block.begin for block in blocks)
+        assert not plan.startswith("cut") or all(block.end - block.begin <= 20 or len(block.sizes) == 1
+                                                  for block in blocks)
+        assert all(isinstance(block.rows, slice) == plan.endswith("plan's order") for block in blocks)
+        got = call(*inputs[:2], segments, *inputs[3:], **options)
+    for a, b in zip(got, expected):
+        if b is not None:
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_plan_sizes_travel_with_the_segments():
+    """segments_from_index records the groups' sizes in the plan's order (for consecutive-row sums) and
+    Segments.to carries them; the integer reductions over consecutive rows are exact, and on the CPU a float sum is
+    bitwise the sum of the group's rows added in order."""
+    from otb_torch._core import consecutive_reduce
+
+    segments = otb_torch.segments_from_index(np.array(["b", "a", "c", "b", "a", "b", "d", "d"], dtype=object))
+    assert segments.sizes.tolist() == [1, 2, 2, 3]                        # c | a a d d | b b b
+    assert segments.to("cpu").sizes.tolist() == [1, 2, 2, 3]
+    values = torch.tensor([2**52, 1, 2**40, 3, 5, 7, 11, 13], dtype=torch.int64)
+    assert consecutive_reduce(values, segments.sizes, "sum").tolist() == [2**52, 1 + 2**40, 3 + 5, 7 + 11 + 13]
+    assert consecutive_reduce(values, segments.sizes, "max").tolist() == [2**52, 2**40, 5, 13]
+    floats = torch.from_numpy(np.random.default_rng(3).normal(0, 1, (8, 33)).astype(np.float32)) * torch.logspace(
+        -6, 6, 33)                                                            # cancellations where the order shows
+    sums, row = consecutive_reduce(floats, segments.sizes, "sum"), 0
+    for group, size in enumerate(segments.sizes.tolist()):             # on the CPU: each group's rows in order
+        in_order = floats[row].clone()
+        for member in range(row + 1, row + size):
+            in_order += floats[member]
+        assert torch.equal(sums[group], in_order)
+        row += size
+
+
 _CORRUPTIONS = [("token_level_rewards", 0, float("nan")), ("token_level_rewards", 0, float("inf")),
                 ("old_log_probs", 3, float("nan")), ("old_log_probs", 3, -float("inf")), ("old_log_probs", 3, 0.5),
                 ("sum_pi_squared", 2, float("inf")), ("sum_pi_squared", 2, 1.5), ("sum_pi_squared", 2, -0.5),
@@ -508,6 +615,34 @@ def test_cuda_matches_cpu_and_never_synchronises():
                                            _verl_batch()[1]["sum_pi_squared"])
     np.testing.assert_allclose(result.advantages.cpu().numpy(), cpu.advantages.numpy(), rtol=1e-5, atol=1e-5)
     assert result.advantages.device.type == "cuda"
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("function", _FUNCTIONS[:3])
+def test_cuda_unequal_groups_run_as_one_deterministic_block_without_synchronising(function):
+    """Scattered groups of several sizes on CUDA: one block, group sums over consecutive rows (torch.segment_reduce)
+    — no host synchronisation on the hot path, the same bits on a second call (no atomics in the sums), and the CPU's
+    results within float32 rounding."""
+    inputs, options = _realistic_inputs(function, "scattered-unequal", torch.float32)
+    call = getattr(otb_torch, function)
+    segments = otb_torch.segments_from_index(inputs[2], "cuda")
+    assert len(otb_torch._otb._blocks(segments, inputs[0].shape[0], inputs[0].shape[1], torch.device("cuda"))) == 1
+    on_gpu = [value.cuda() if isinstance(value, torch.Tensor) else segments for value in inputs]
+    weights = {name: value.cuda() for name, value in options.items()}
+    call(*on_gpu, **weights, check_values=False)                      # warm-up: first-use allocations
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        first = call(*on_gpu, **weights, check_values=False)
+        second = call(*on_gpu, **weights, check_values=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    cpu = call(*inputs, **options)
+    for a, b, c in zip(first, second, cpu):
+        if c is None:
+            continue
+        assert torch.equal(a, b)
+        np.testing.assert_allclose(a.cpu().numpy(), c.numpy(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import Any
+from contextlib import contextmanager, nullcontext
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
 import otb_torch
 from otb_torch import _native
+from otb_torch._otb import blocks_as_on_accelerators
 
 __all__ = ["TorchAdapter", "make_adapter"]
 
@@ -37,15 +38,19 @@ class TorchAdapter:
     ``distributed=True`` runs the OTB estimators through ``otb_torch.distributed.distributed_token_baseline`` on a
     process group of this process alone — a rank's whole code path (its plan, grid, group statistics, collectives,
     value checks), with every group's members on that rank (tests/test_torch_distributed.py splits batches over
-    several processes)."""
+    several processes); ``accelerator_blocks=True`` runs the eager kernels with the batch cut into blocks as on an
+    accelerator (``otb_torch._otb.blocks_as_on_accelerators``): the CUDA code path, on the CPU."""
 
-    def __init__(self, device: str = "cpu", compiled: bool = False, eager: bool = False, distributed: bool = False):
+    def __init__(self, device: str = "cpu", compiled: bool = False, eager: bool = False, distributed: bool = False,
+                 accelerator_blocks: bool = False):
         self.device = str(torch.device(device))
         self.compiled = bool(compiled)
-        self.eager = bool(eager)
+        self.accelerator_blocks = bool(accelerator_blocks)
+        self.eager = bool(eager) or self.accelerator_blocks
         self.distributed = bool(distributed)
         self.name = (f"torch-{torch.device(device).type}" + ("-compiled" if compiled else "")
-                     + ("-eager" if eager else "") + ("-distributed" if distributed else ""))
+                     + ("-eager" if eager else "") + ("-distributed" if distributed else "")
+                     + ("-accelerator-blocks" if accelerator_blocks else ""))
         self._otb = otb_torch.optimal_token_baseline
         self._multi = otb_torch.multi_turn_optimal_token_baseline
         self._loo = otb_torch.leave_one_out_token_baseline
@@ -70,8 +75,11 @@ class TorchAdapter:
 
         return estimator
 
-    def _kernel(self):
-        return _native.eager_only() if self.eager else nullcontext()
+    @contextmanager
+    def _kernel(self) -> Iterator[None]:
+        with _native.eager_only() if self.eager else nullcontext():
+            with blocks_as_on_accelerators() if self.accelerator_blocks else nullcontext():
+                yield
 
     def asarray(self, array: Any, dtype: str) -> torch.Tensor:
         return torch.as_tensor(np.asarray(array)).to(device=self.device, dtype=_DTYPES[dtype])
@@ -115,5 +123,6 @@ class TorchAdapter:
 
 
 def make_adapter(device: str = "cpu", compiled: bool = False, eager: bool = False,
-                 distributed: bool = False) -> TorchAdapter:
-    return TorchAdapter(device=device, compiled=compiled, eager=eager, distributed=distributed)
+                 distributed: bool = False, accelerator_blocks: bool = False) -> TorchAdapter:
+    return TorchAdapter(device=device, compiled=compiled, eager=eager, distributed=distributed,
+                        accelerator_blocks=accelerator_blocks)

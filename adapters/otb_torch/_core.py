@@ -50,6 +50,13 @@ class Segments:
     Build once per batch with :func:`segments_from_index` (the only step that touches the host); segments built
     by hand without a plan use segment sums (``index_add_``) instead, and a hand-built plan is checked against the
     batch on every call (a host synchronisation).
+
+    On an accelerator each run of equal-size groups is a block, and a plan with groups of several sizes runs as
+    blocks of consecutive groups in the plan's order (one block up to 2²⁵ tokens) whose group sums are over
+    consecutive rows (``torch.segment_reduce``, no atomics), so a call's kernel launches do not grow with the number
+    of distinct sizes. ``sizes`` [G] int64 holds the groups' sizes in the plan's order on the device
+    (:func:`segments_from_index` sets it; for a plan built by hand without it, it is made from ``runs`` at each call,
+    a host-to-device copy).
     """
 
     index: torch.Tensor
@@ -58,10 +65,12 @@ class Segments:
     order: torch.Tensor | None = None
     runs: tuple[Run, ...] | None = None
     planned: bool = field(default=False, repr=False, compare=False)   # made by segments_from_index: consistent
+    sizes: torch.Tensor | None = field(default=None, repr=False, compare=False)   # [G]: the plan's sizes, in order
 
     def to(self, device: torch.device | str) -> "Segments":
         return Segments(self.index.to(device), self.num_groups, self.group_size,
-                        None if self.order is None else self.order.to(device), self.runs, self.planned)
+                        None if self.order is None else self.order.to(device), self.runs, self.planned,
+                        None if self.sizes is None else self.sizes.to(device))
 
 
 def _contiguous_size(index: np.ndarray, num_groups: int) -> int | None:
@@ -123,7 +132,13 @@ def segments_from_index(index: Any, device: torch.device | str | None = None) ->
     num_groups = int(relabelled.max()) + 1
     order, runs = _plan(relabelled, num_groups)
     return Segments(torch.as_tensor(relabelled, device=device), num_groups, _contiguous_size(relabelled, num_groups),
-                    torch.as_tensor(order, device=device), runs, planned=True)
+                    torch.as_tensor(order, device=device), runs, planned=True,
+                    sizes=torch.as_tensor(plan_sizes(runs), device=device))
+
+
+def plan_sizes(runs: tuple[Run, ...]) -> np.ndarray:
+    """[G] int64: the groups' sizes in the plan's order (each run's size, once per group of the run)."""
+    return np.repeat(np.array([run.size for run in runs], dtype=np.int64), [run.count for run in runs])
 
 
 def _string_labels(ids: np.ndarray) -> np.ndarray | None:
@@ -144,12 +159,26 @@ def segment_sum(values: torch.Tensor, segments: Segments) -> torch.Tensor:
     return out.index_add_(0, segments.index, values)
 
 
-class Layout:
-    """How per-row arrays are grouped: [B, …] as is (scatter/gather), or viewed as [G, N, …] (reshape/broadcast)."""
+def consecutive_reduce(values: torch.Tensor, sizes: torch.Tensor, reduce: str) -> torch.Tensor:
+    """[B, …] rows sorted by group → [G, …]: the ``reduce`` ("sum" or "max") of each group's ``sizes[g]`` consecutive
+    rows, in row order (``torch.segment_reduce``, unchecked: the caller's sizes add up to B, each ≥ 1). Integers go
+    through float64, exact below 2⁵³ (segment_reduce takes floating point only)."""
+    if values.is_floating_point():
+        return torch.segment_reduce(values, reduce, lengths=sizes, axis=0, unsafe=True)
+    reduced = torch.segment_reduce(values.to(torch.float64), reduce, lengths=sizes, axis=0, unsafe=True)
+    return reduced.to(values.dtype)
 
-    def __init__(self, segments: Segments):
+
+class Layout:
+    """How per-row arrays are grouped: [B, …] as is (scatter/gather), or viewed as [G, N, …] (reshape/broadcast).
+
+    ``sizes`` (rows sorted by group, ``index`` their group, numbered in order): group reductions over consecutive
+    rows (:func:`consecutive_reduce`) instead of scatters."""
+
+    def __init__(self, segments: Segments, sizes: torch.Tensor | None = None):
         self.segments = segments
         self.grouped = segments.group_size is not None
+        self.sizes = None if self.grouped else sizes
 
     def view(self, values: torch.Tensor) -> torch.Tensor:
         """[B, …] → the layout ([B, …] or [G, N, …])."""
@@ -165,6 +194,8 @@ class Layout:
         """Group totals, broadcastable against ``values`` in the layout (materialised per row in general)."""
         if self.grouped:
             return values.sum(1, keepdim=True)
+        if self.sizes is not None:
+            return consecutive_reduce(values, self.sizes, "sum").index_select(0, self.segments.index)
         out = torch.zeros((self.segments.num_groups,) + tuple(values.shape[1:]), dtype=values.dtype,
                           device=values.device)
         return out.index_add_(0, self.segments.index, values)[self.segments.index]
@@ -173,6 +204,8 @@ class Layout:
         """Group maximum of per-row values ([B] or [G, N]), broadcastable against them."""
         if self.grouped:
             return values.amax(1, keepdim=True)
+        if self.sizes is not None:
+            return consecutive_reduce(values, self.sizes, "max").index_select(0, self.segments.index)
         out = torch.full((self.segments.num_groups,), fill, dtype=values.dtype, device=values.device)
         return out.scatter_reduce_(0, self.segments.index, values, reduce="amax", include_self=True)[
             self.segments.index]
@@ -263,15 +296,16 @@ _EXACT_INTEGERS = {torch.float32: 2**24, torch.float64: 2**53}    # every intege
 
 def token_baseline(returns: torch.Tensor, energy: torch.Tensor, mask: torch.Tensor, segments: Segments, *,
                    align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float,
-                   need_baselines: bool = True, out: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   need_baselines: bool = True, out: torch.Tensor | None = None,
+                   sorted_sizes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(advantages, baselines or None) from returns G and realized energy W (compute dtype, [B, T]).
 
     ``mask`` is 0/1 in the compute dtype. Aₜ = mₜ·(Gₜ − Bₜ·keepₜ) is formed in one fused pass (``addcmul``) on the
-    aligned grid, then masked into ``out`` when given.
+    aligned grid, then masked into ``out`` when given. ``sorted_sizes``: the rows are sorted by group, of these sizes
+    (:class:`Layout`).
     """
     grid = Grid(mask, align)
-    layout = Layout(segments)
+    layout = Layout(segments, sorted_sizes)
     grid_returns = layout.view(grid.gather(returns))
     weights = layout.view(grid.gather(energy) * grid.valid)
     weighted_returns = grid_returns * weights

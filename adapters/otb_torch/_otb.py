@@ -6,8 +6,11 @@ float64; bfloat16/float16 inputs are accepted), and returns tensors on the input
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator, NamedTuple
 
+import numpy as np
 import torch
 
 from otb_torch import _checks as check
@@ -17,6 +20,7 @@ from otb_torch._core import (
     Segments,
     grouped_otb,
     grouped_workspace,
+    plan_sizes,
     realized_energy,
     reward_to_go,
     segments_from_index,
@@ -60,16 +64,43 @@ def _segments(group_ids: Any, rows: int, device: torch.device, name: str) -> Seg
 
 
 _BLOCK_ELEMENTS = 2**18       # elements per array in a CPU block: of 2**16 … 2**19, 2**18 and 2**19 were fastest
+# elements per array in an accelerator's block (at least one group): bounds the eager kernels' temporaries (about 12
+# arrays of the block's size, 1.5 GiB in float32) while keeping one block, and one launch per op, up to 2²⁵ tokens
+_ACCELERATOR_BLOCK_ELEMENTS = 2**25
 
 
 class _Block(NamedTuple):
     """Rows of whole groups of one size: a slice of the batch or row indices to gather, positions ``begin:end`` of
-    the plan's order; ``segments`` numbers their groups."""
+    the plan's order; ``segments`` numbers their groups. With ``sizes`` (on an accelerator, a plan with groups of
+    several sizes): all rows in the plan's order, groups of these sizes on consecutive rows."""
 
     rows: slice | torch.Tensor
     begin: int
     end: int
     segments: Segments
+    sizes: torch.Tensor | None = None
+
+
+_BLOCKING = threading.local()
+
+
+@contextmanager
+def blocks_as_on_accelerators() -> Iterator[None]:
+    """Within this block (in this thread), CPU batches are cut into blocks as on an accelerator (up to
+    ``_ACCELERATOR_BLOCK_ELEMENTS`` per array: one run of equal-size groups per block, or consecutive groups of the
+    plan's order with their sums over consecutive rows where the sizes differ) instead of cache-sized ones:
+    for the tests and the ``torch-cpu-accelerator-blocks`` adapter, which run that code path on the CPU (with the
+    eager kernels, :func:`otb_torch._native.eager_only`), and for benchmarks/count_torch_ops.py."""
+    previous = getattr(_BLOCKING, "accelerator", False)
+    _BLOCKING.accelerator = True
+    try:
+        yield
+    finally:
+        _BLOCKING.accelerator = previous
+
+
+def _accelerator_blocks(device: torch.device) -> bool:
+    return device.type != "cpu" or getattr(_BLOCKING, "accelerator", False)
 
 
 _LOCAL: dict[tuple[int, int | None, str], Segments] = {}
@@ -96,18 +127,23 @@ def _blocks(segments: Segments, rows: int, positions: int, device: torch.device)
 
     Groups are independent, so blocking is exact. On CPU a run of equal-size groups is cut into blocks of about
     ``_BLOCK_ELEMENTS`` per array, so a block's ~20 elementwise passes run in cache instead of streaming the whole
-    batch through memory for each; elsewhere each run is one block. Rows that are not a contiguous slice are gathered
-    (one ``index_select`` per input, one ``index_copy_`` per output). Segments without a plan or group size (built by
-    hand) give one block over the whole batch, computed with segment sums.
+    batch through memory for each. On an accelerator the blocks hold up to ``_ACCELERATOR_BLOCK_ELEMENTS`` (one run
+    of equal-size groups per block; a plan with groups of several sizes as blocks of consecutive groups in the plan's
+    order, ``sizes`` set: group sums over consecutive rows, where one block per run would cost every kernel launch
+    once per distinct size). Rows that are not a contiguous slice are gathered (one ``index_select`` per input, one
+    ``index_copy_`` per output). Segments without a plan or group size (built by hand) give one block over the whole
+    batch, computed with segment sums.
     """
     runs = _runs(segments)
     if runs is None:
         return [_Block(slice(0, rows), 0, rows, segments)]
+    accelerator = _accelerator_blocks(device)
+    budget = _ACCELERATOR_BLOCK_ELEMENTS if accelerator else _BLOCK_ELEMENTS
+    if accelerator and len(runs) > 1:              # launches independent of the number of distinct sizes
+        return _consecutive_blocks(segments, runs, rows, positions, budget, device)
     blocks = []
     for run in runs:
-        per_block = run.count
-        if device.type == "cpu":
-            per_block = max(1, min(run.count, _BLOCK_ELEMENTS // (positions * run.size)))
+        per_block = max(1, min(run.count, budget // (positions * run.size)))
         for first in range(0, run.count, per_block):
             count = min(per_block, run.count - first)
             begin, end = run.start + first * run.size, run.start + (first + count) * run.size
@@ -119,18 +155,45 @@ def _blocks(segments: Segments, rows: int, positions: int, device: torch.device)
     return blocks
 
 
+def _consecutive_blocks(segments: Segments, runs: tuple[Run, ...], rows: int, positions: int, budget: int,
+                        device: torch.device) -> list[_Block]:
+    """A plan's rows in its order, cut at group boundaries into blocks of at most ``budget`` elements per array (at
+    least one group each; one block up to that size), each with its groups' sizes for sums over consecutive rows.
+    The cuts come from the plan's runs on the host; on the device only slices and ``repeat_interleave`` with its
+    output size given — no synchronisation."""
+    host_sizes = plan_sizes(runs)
+    sizes = segments.sizes
+    if sizes is None:                               # a plan built by hand: its sizes copied to the device here
+        sizes = torch.as_tensor(host_sizes, device=device)
+    ends = np.cumsum(host_sizes)                    # each group's last row + 1, in the plan's order
+    in_order = all(run.first_row == run.start for run in runs)             # the plan's order is the batch's
+    per_block = max(1, budget // max(1, positions))
+    blocks, first_group, begin = [], 0, 0
+    while first_group < host_sizes.shape[0]:
+        stop_group = max(first_group + 1, int(np.searchsorted(ends, begin + per_block, side="right")))
+        end = int(ends[stop_group - 1])
+        count = stop_group - first_group
+        local_sizes = sizes.narrow(0, first_group, count)
+        local = Segments(torch.repeat_interleave(torch.arange(count, device=device), local_sizes,
+                                                 output_size=end - begin), count)
+        taken: slice | torch.Tensor = slice(begin, end) if in_order else segments.order[begin:end]
+        blocks.append(_Block(taken, begin, end, local, local_sizes))
+        first_group, begin = stop_group, end
+    return blocks
+
+
 def _block(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor, sum_pi_squared: torch.Tensor,
            is_weights: torch.Tensor | None, local_index: torch.Tensor, num_groups: int, group_size: int | None, *,
-           align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float, need_baselines: bool
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The general block (leave-one-out, or segments without a plan) in the compute dtype: (advantages, returns,
-    baselines)."""
+           align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float, need_baselines: bool,
+           sizes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The general block (leave-one-out, segments without a plan, or on an accelerator a plan with groups of several
+    sizes: ``sizes``) in the compute dtype: (advantages, returns, baselines)."""
     returns = reward_to_go(rewards, mask)
     energy = realized_energy(token_energy(log_probs, sum_pi_squared, mask), None, is_weights)
     advantages, baselines = token_baseline(returns, energy, mask, Segments(local_index, num_groups, group_size),
                                            align=align, leave_one_out=leave_one_out,
                                            handle_zero_tail=handle_zero_tail, epsilon=epsilon,
-                                           need_baselines=need_baselines)
+                                           need_baselines=need_baselines, sorted_sizes=sizes)
     return advantages, returns, baselines
 
 
@@ -214,10 +277,10 @@ def _run(names: tuple[str, str, str, str, str, str], rewards: Any, response_mask
     (self-inclusive and leave-one-out) runs the native kernel (:mod:`otb_torch._native`: one sweep per group, zero
     rules and value flags included) where it is built; otherwise the self-inclusive variants run :func:`grouped_otb`
     on every block, which also reduces what the value checks need while the block is in cache, then the zero rules on
-    one row per group; leave-one-out, and segments without a plan, run the general :func:`token_baseline` with the
-    value checks of :func:`otb_torch._checks.problems`. Either way the value checks
-    cost one synchronisation, at the end; only if they flag something are the inputs checked exactly, and the
-    reference's error raised.
+    one row per group; leave-one-out, segments without a plan, and on an accelerator any variant whose groups have
+    several sizes (one block in the plan's order, :func:`_blocks`), run the general :func:`token_baseline` with the
+    value checks of :func:`otb_torch._checks.problems`. Either way the value checks cost one synchronisation, at the
+    end; only if they flag something are the inputs checked exactly, and the reference's error raised.
     """
     r_name, m_name, g_name, lp_name, spp_name, w_name = names
     rewards_t, mask_t, lp_t, spp_t, weights_t = check.token_batch(rewards, response_mask, log_probs, sum_pi_squared,
@@ -247,14 +310,15 @@ def _run(names: tuple[str, str, str, str, str, str], rewards: Any, response_mask
             slacks=(check.slack(lp_t), check.slack(spp_t)) if check_values else None)
         if options["out_dtype"] != options["dtype"]:
             outputs = [value.to(options["out_dtype"]) for value in outputs]
-    elif leave_one_out or runs is None:
-        outputs, bad = _general(_blocks(segments, *rewards_t.shape, rewards_t.device), inputs,
-                                leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail, **options)
     else:
-        outputs, bad, lengths = _grouped(_blocks(segments, *rewards_t.shape, rewards_t.device), inputs,
-                                         handle_zero_tail=handle_zero_tail,
-                                         slacks=(check.slack(lp_t), check.slack(spp_t)) if check_values else None,
-                                         **options)
+        blocks = _blocks(segments, *rewards_t.shape, rewards_t.device)
+        if leave_one_out or runs is None or blocks[0].sizes is not None:
+            outputs, bad = _general(blocks, inputs, leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail,
+                                    **options)
+        else:
+            outputs, bad, lengths = _grouped(blocks, inputs, handle_zero_tail=handle_zero_tail,
+                                             slacks=(check.slack(lp_t), check.slack(spp_t)) if check_values else None,
+                                             **options)
     # integer token statistics have no input slack and π² may underflow in float32: the reference's validators decide
     exact = not (lp_t.is_floating_point() and spp_t.is_floating_point())
     if check_values and not native and mask_t.dtype == torch.float64 and options["dtype"] != torch.float64:
@@ -323,8 +387,9 @@ def _grouped(blocks: list[_Block], inputs: list[torch.Tensor], *, align: str, ha
 def _general(blocks: list[_Block], inputs: list[torch.Tensor], *, align: str, leave_one_out: bool,
              handle_zero_tail: bool, epsilon: float, need_baselines: bool, compiled: bool, check_values: bool,
              dtype: torch.dtype, out_dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-    """Leave-one-out, or segments without a plan: :func:`token_baseline` block by block (one block over the whole
-    batch without a plan). Returns the outputs and the value-check flag (None without checks)."""
+    """Leave-one-out, segments without a plan, or on an accelerator a plan with groups of several sizes:
+    :func:`token_baseline` block by block (one block over the whole batch without a plan, or in the plan's order).
+    Returns the outputs and the value-check flag (None without checks)."""
     rows, positions = inputs[0].shape
     kernel = _kernel("general", compiled)
     flags, outputs = [], []
@@ -336,7 +401,7 @@ def _general(blocks: list[_Block], inputs: list[torch.Tensor], *, align: str, le
         local = block.segments
         result = kernel(r, m, lp, spp, w, local.index, local.num_groups, local.group_size, align=align,
                         leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail, epsilon=epsilon,
-                        need_baselines=need_baselines)
+                        need_baselines=need_baselines, sizes=block.sizes)
         if len(blocks) == 1 and isinstance(block.rows, slice):        # the whole batch: its results are the outputs
             outputs = [None if value is None else value.to(out_dtype) for value in result]
             break
