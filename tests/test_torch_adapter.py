@@ -393,14 +393,15 @@ def test_accelerator_blocks_launch_as_many_kernels_whatever_the_group_sizes(monk
 
 
 @pytest.mark.parametrize("function", _FUNCTIONS)
-@pytest.mark.parametrize("plan", ["planned", "by hand, no sizes", "rows already in the plan's order",
-                                  "cut into blocks", "cut into blocks, rows in the plan's order"])
+@pytest.mark.parametrize("plan", ["planned", "by hand, no sizes", "by hand, wrong sizes",
+                                  "rows already in the plan's order", "cut into blocks",
+                                  "cut into blocks, rows in the plan's order"])
 def test_accelerator_blocks_give_the_eager_result(monkeypatch, function, plan):
     """The block of consecutive-row group sums (float64) gives the cache-blocked eager kernel's results within
-    rounding — for the plan segments_from_index makes (its group sizes on the device), a plan built by hand without
-    them (made from its runs), a batch whose rows are already in the plan's order (a slice: nothing gathered), and
-    with the block's size bounded so that the plan is cut at group boundaries into blocks of ≤ 20 rows (a group of
-    more rows alone in its block)."""
+    rounding — for the plan segments_from_index makes (its group sizes on the device), a plan built by hand (sizes
+    made from its runs; wrong sizes given with it ignored), a batch whose rows are already in the plan's order (a
+    slice: nothing gathered), and with the block's size bounded so that the plan is cut at group boundaries into
+    blocks of ≤ 20 rows (a group of more rows alone in its block). The group sums are the consecutive-row ones."""
     inputs, options = _realistic_inputs(function, "scattered-unequal", torch.float64)
     monkeypatch.setattr(otb_torch._native, "usable", lambda *_: False)
     call = getattr(otb_torch, function)
@@ -413,9 +414,14 @@ def test_accelerator_blocks_give_the_eager_result(monkeypatch, function, plan):
         segments = otb_torch.segments_from_index(inputs[2])
         assert all(run.first_row == run.start for run in segments.runs) and len(segments.runs) > 1
     expected = call(*inputs[:2], segments, *inputs[3:], **options)
-    if plan == "by hand, no sizes":
-        segments = otb_torch.Segments(segments.index, segments.num_groups, None, segments.order, segments.runs)
-        assert segments.sizes is None
+    if plan.startswith("by hand"):
+        wrong = segments.sizes.flip(0) if plan.endswith("wrong sizes") else None
+        segments = otb_torch.Segments(segments.index, segments.num_groups, None, segments.order, segments.runs,
+                                      sizes=wrong)
+    reductions = []
+    consecutive_reduce = otb_torch._core.consecutive_reduce
+    monkeypatch.setattr(otb_torch._core, "consecutive_reduce",
+                        lambda *args: reductions.append(args[2]) or consecutive_reduce(*args))
     rows, positions = inputs[0].shape
     if plan.startswith("cut"):
         monkeypatch.setattr(otb_torch._otb, "_ACCELERATOR_BLOCK_ELEMENTS", 20 * positions)
@@ -430,6 +436,7 @@ def test_accelerator_blocks_give_the_eager_result(monkeypatch, function, plan):
                                                   for block in blocks)
         assert all(isinstance(block.rows, slice) == plan.endswith("plan's order") for block in blocks)
         got = call(*inputs[:2], segments, *inputs[3:], **options)
+    assert reductions.count("sum") >= 2 * len(blocks)                      # N and D of every block, at least
     for a, b in zip(got, expected):
         if b is not None:
             np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-12, atol=1e-12)
@@ -594,6 +601,20 @@ def test_runs_under_torch_compile(function):
             np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("function", ["optimal_token_baseline", "leave_one_out_token_baseline"])
+def test_accelerator_blocks_run_under_a_callers_torch_compile(function):
+    """A caller's torch.compile traces the blocks of consecutive groups (the plan's cuts on the host, the sums over
+    consecutive rows) as on CUDA, and agrees with eager mode."""
+    inputs, options = _realistic_inputs(function, "scattered-unequal", torch.float32)
+    segments = otb_torch.segments_from_index(inputs[2])
+    eager = getattr(otb_torch, function)(*inputs[:2], segments, *inputs[3:], **options)
+    compiled = torch.compile(getattr(otb_torch, function), dynamic=True)
+    with otb_torch._otb.blocks_as_on_accelerators():
+        fast = compiled(*inputs[:2], segments, *inputs[3:], **options, check_values=False)
+    for a, b in zip(eager, fast):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # CUDA (skipped cleanly without a GPU)
 
@@ -619,30 +640,39 @@ def test_cuda_matches_cpu_and_never_synchronises():
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("function", _FUNCTIONS[:3])
+@pytest.mark.parametrize("function", _FUNCTIONS)
 def test_cuda_unequal_groups_run_as_one_deterministic_block_without_synchronising(function):
-    """Scattered groups of several sizes on CUDA: one block, group sums over consecutive rows (torch.segment_reduce)
-    — no host synchronisation on the hot path, the same bits on a second call (no atomics in the sums), and the CPU's
-    results within float32 rounding."""
-    inputs, options = _realistic_inputs(function, "scattered-unequal", torch.float32)
+    """Scattered groups of 1 … 64 members on CUDA (400 groups, 1024 positions): one block, group sums over
+    consecutive rows (torch.segment_reduce) — no host synchronisation on the hot path, the same bits on three calls
+    (where index_add_'s atomics would add in varying order), and the CPU's results within float32 rounding."""
+    from test_adapters import realistic_batch, unequal_sizes
+
+    batch = realistic_batch(21, unequal_sizes(21, 400, largest=64), 1024, holes="multi_turn" in function,
+                            is_weights=True)
+    inputs = [torch.as_tensor(np.asarray(getattr(batch, name)), dtype=torch.float32)
+              for name in ("rewards", "response_mask", "log_probs", "sum_pi_squared", "is_weights")]
+    weights = "rollout_is_weights" if function.startswith("compute") else "is_weights"
     call = getattr(otb_torch, function)
-    segments = otb_torch.segments_from_index(inputs[2], "cuda")
-    assert len(otb_torch._otb._blocks(segments, inputs[0].shape[0], inputs[0].shape[1], torch.device("cuda"))) == 1
-    on_gpu = [value.cuda() if isinstance(value, torch.Tensor) else segments for value in inputs]
-    weights = {name: value.cuda() for name, value in options.items()}
-    call(*on_gpu, **weights, check_values=False)                      # warm-up: first-use allocations
+    segments = otb_torch.segments_from_index(batch.group_ids, "cuda")
+    blocks = otb_torch._otb._blocks(segments, *inputs[0].shape, inputs[0].cuda().device)
+    assert len(blocks) == 1 and blocks[0].sizes is not None and len(segments.runs) > 30
+    on_gpu = [value.cuda() for value in inputs]
+
+    def once():
+        return call(*on_gpu[:2], segments, *on_gpu[2:4], **{weights: on_gpu[4]}, check_values=False)
+
+    once()                                                            # warm-up: first-use allocations
     torch.cuda.set_sync_debug_mode("error")
     try:
-        first = call(*on_gpu, **weights, check_values=False)
-        second = call(*on_gpu, **weights, check_values=False)
+        results = [once() for _ in range(3)]
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    cpu = call(*inputs, **options)
-    for a, b, c in zip(first, second, cpu):
-        if c is None:
+    cpu = call(*inputs[:2], batch.group_ids, *inputs[2:4], **{weights: inputs[4]})
+    for values in zip(*results, cpu):
+        if values[-1] is None:
             continue
-        assert torch.equal(a, b)
-        np.testing.assert_allclose(a.cpu().numpy(), c.numpy(), rtol=1e-5, atol=1e-5)
+        assert all(torch.equal(values[0], other) for other in values[1:3])
+        np.testing.assert_allclose(values[0].cpu().numpy(), values[-1].numpy(), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu

@@ -51,12 +51,13 @@ class Segments:
     by hand without a plan use segment sums (``index_add_``) instead, and a hand-built plan is checked against the
     batch on every call (a host synchronisation).
 
-    On an accelerator each run of equal-size groups is a block, and a plan with groups of several sizes runs as
-    blocks of consecutive groups in the plan's order (one block up to 2²⁵ tokens) whose group sums are over
-    consecutive rows (``torch.segment_reduce``, no atomics), so a call's kernel launches do not grow with the number
-    of distinct sizes. ``sizes`` [G] int64 holds the groups' sizes in the plan's order on the device
-    (:func:`segments_from_index` sets it; for a plan built by hand without it, it is made from ``runs`` at each call,
-    a host-to-device copy).
+    On an accelerator each run of equal-size groups is a block, and on CUDA a plan with groups of several sizes runs
+    as blocks of consecutive groups in the plan's order (one block up to 2²⁵ tokens) whose group sums are over
+    consecutive rows (``torch.segment_reduce``: in PyTorch's CUDA code a loop over each group's rows per output
+    element, no atomics), so a call's kernel launches do not grow with the number of distinct sizes. ``sizes`` [G]
+    int64 holds the groups' sizes in the plan's order on the device, set by :func:`segments_from_index` and used only
+    from its segments (``planned``); for a plan built by hand they are made from ``runs`` at each call (a
+    host-to-device copy, after the plan's check against the batch).
     """
 
     index: torch.Tensor

@@ -64,8 +64,9 @@ def _segments(group_ids: Any, rows: int, device: torch.device, name: str) -> Seg
 
 
 _BLOCK_ELEMENTS = 2**18       # elements per array in a CPU block: of 2**16 … 2**19, 2**18 and 2**19 were fastest
-# elements per array in an accelerator's block (at least one group): bounds the eager kernels' temporaries (about 12
-# arrays of the block's size, 1.5 GiB in float32) while keeping one block, and one launch per op, up to 2²⁵ tokens
+# elements per array in an accelerator's block (at least one group, so a group of more rows than 2²⁵/T is a larger
+# block of its own): bounds the eager kernels' temporaries (about 12 arrays of the block, 1.5 GiB in float32, 3 GiB
+# in float64) while keeping one block, and one launch per op, up to 2²⁵ tokens
 _ACCELERATOR_BLOCK_ELEMENTS = 2**25
 
 
@@ -101,6 +102,11 @@ def blocks_as_on_accelerators() -> Iterator[None]:
 
 def _accelerator_blocks(device: torch.device) -> bool:
     return device.type != "cpu" or getattr(_BLOCKING, "accelerator", False)
+
+
+# where a plan with groups of several sizes runs as blocks of consecutive groups: torch.segment_reduce is implemented
+# there (on the CPU under blocks_as_on_accelerators); other accelerators keep one block per run of equal sizes
+_CONSECUTIVE_SUMS = ("cuda", "cpu")
 
 
 _LOCAL: dict[tuple[int, int | None, str], Segments] = {}
@@ -139,7 +145,7 @@ def _blocks(segments: Segments, rows: int, positions: int, device: torch.device)
         return [_Block(slice(0, rows), 0, rows, segments)]
     accelerator = _accelerator_blocks(device)
     budget = _ACCELERATOR_BLOCK_ELEMENTS if accelerator else _BLOCK_ELEMENTS
-    if accelerator and len(runs) > 1:              # launches independent of the number of distinct sizes
+    if accelerator and len(runs) > 1 and device.type in _CONSECUTIVE_SUMS:   # launches whatever the sizes' count
         return _consecutive_blocks(segments, runs, rows, positions, budget, device)
     blocks = []
     for run in runs:
@@ -162,9 +168,9 @@ def _consecutive_blocks(segments: Segments, runs: tuple[Run, ...], rows: int, po
     The cuts come from the plan's runs on the host; on the device only slices and ``repeat_interleave`` with its
     output size given — no synchronisation."""
     host_sizes = plan_sizes(runs)
-    sizes = segments.sizes
-    if sizes is None:                               # a plan built by hand: its sizes copied to the device here
-        sizes = torch.as_tensor(host_sizes, device=device)
+    sizes = segments.sizes if segments.planned else None      # segments_from_index's own, made from these runs
+    if sizes is None:                               # a plan built by hand (its runs checked against the batch, any
+        sizes = torch.as_tensor(host_sizes, device=device)    # sizes it was given ignored): copied to the device here
     ends = np.cumsum(host_sizes)                    # each group's last row + 1, in the plan's order
     in_order = all(run.first_row == run.start for run in runs)             # the plan's order is the batch's
     per_block = max(1, budget // max(1, positions))
