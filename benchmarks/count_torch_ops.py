@@ -50,6 +50,7 @@ from contextlib import nullcontext
 sys.path.insert(0, sys.argv[1])
 import torch, otb_torch
 from bench_torch import batch
+from bench_distributed import _peak, _reset_peak
 blocking, layout, name, size = sys.argv[2:6]
 groups, group_size, positions = (int(value) for value in size.split("x"))
 rewards, mask, index, log_probs, spp = batch(groups, group_size, positions, layout, "cpu")
@@ -59,14 +60,9 @@ if blocking == "one block per size":
     otb_torch._otb._BLOCK_ELEMENTS = 2**62
 with otb_torch._otb.blocks_as_on_accelerators() if blocking == "as on an accelerator" else nullcontext():
     function(rewards[:16], mask[:16], otb_torch.segments_from_index(index[:16], "cpu"), log_probs[:16], spp[:16])
-    def peak():
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM"))
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")
-    base = peak()
+    base = _reset_peak()                  # the resident set's high-water mark, restarted here (bench_distributed)
     outputs = function(rewards, mask, segments, log_probs, spp, check_values=False)
-    extra = peak() - base - sum(value.numel() * value.element_size() for value in outputs if value is not None)
+    extra = _peak() - base - sum(value.numel() * value.element_size() for value in outputs if value is not None)
 print(json.dumps(extra / (rewards.numel() * 4)))
 """
 
