@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, ContextManager, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -181,20 +181,31 @@ _CHOICE = threading.local()
 
 
 @contextmanager
-def eager_only():
-    """Within this block (in this thread), the eager kernel runs even where the native one could: for the tests
-    and the ``torch-cpu-eager`` adapter, which keep the fallback proven equal to the reference."""
-    previous = getattr(_CHOICE, "eager", False)
-    _CHOICE.eager = True
+def choosing(name: str) -> Iterator[None]:
+    """Within this block (in this thread), the kernel choice ``name`` is on (:func:`chosen`): ``"eager"``
+    (:func:`eager_only`) or ``"accelerator_blocks"`` (``otb_torch._otb.blocks_as_on_accelerators``)."""
+    previous = chosen(name)
+    setattr(_CHOICE, name, True)
     try:
         yield
     finally:
-        _CHOICE.eager = previous
+        setattr(_CHOICE, name, previous)
+
+
+def chosen(name: str) -> bool:
+    """Whether the kernel choice ``name`` is on in this thread (:func:`choosing`)."""
+    return getattr(_CHOICE, name, False)
+
+
+def eager_only() -> ContextManager[None]:
+    """Within this block (in this thread), the eager kernel runs even where the native one could: for the tests
+    and the ``torch-cpu-eager`` adapter, which keep the fallback proven equal to the reference."""
+    return choosing("eager")
 
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
     """True if the native kernel serves a CPU computation in ``dtype``."""
-    return (device.type == "cpu" and dtype in _COMPUTE and not getattr(_CHOICE, "eager", False)
+    return (device.type == "cpu" and dtype in _COMPUTE and not chosen("eager")
             and _load()[0] is not None)
 
 

@@ -6,9 +6,7 @@ float64; bfloat16/float16 inputs are accepted), and returns tensors on the input
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
-from typing import Any, Iterator, NamedTuple
+from typing import Any, ContextManager, NamedTuple
 
 import numpy as np
 import torch
@@ -82,26 +80,17 @@ class _Block(NamedTuple):
     sizes: torch.Tensor | None = None
 
 
-_BLOCKING = threading.local()
-
-
-@contextmanager
-def blocks_as_on_accelerators() -> Iterator[None]:
+def blocks_as_on_accelerators() -> ContextManager[None]:
     """Within this block (in this thread), CPU batches are cut into blocks as on an accelerator (up to
     ``_ACCELERATOR_BLOCK_ELEMENTS`` per array: one run of equal-size groups per block, or consecutive groups of the
     plan's order with their sums over consecutive rows where the sizes differ) instead of cache-sized ones:
     for the tests and the ``torch-cpu-accelerator-blocks`` adapter, which run that code path on the CPU (with the
     eager kernels, :func:`otb_torch._native.eager_only`), and for benchmarks/count_torch_ops.py."""
-    previous = getattr(_BLOCKING, "accelerator", False)
-    _BLOCKING.accelerator = True
-    try:
-        yield
-    finally:
-        _BLOCKING.accelerator = previous
+    return _native.choosing("accelerator_blocks")
 
 
 def _accelerator_blocks(device: torch.device) -> bool:
-    return device.type != "cpu" or getattr(_BLOCKING, "accelerator", False)
+    return device.type != "cpu" or _native.chosen("accelerator_blocks")
 
 
 # where a plan with groups of several sizes runs as blocks of consecutive groups: torch.segment_reduce is implemented
