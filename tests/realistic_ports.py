@@ -531,6 +531,43 @@ def _clamps_weights_in_place(token_level_rewards, response_mask, index, old_log_
                            rollout_is_weights, **options)
 
 
+def torch_keywords_in_another_order(index, token_level_rewards, response_mask, sum_pi_squared, old_log_probs,
+                                    rollout_is_weights=None, epsilon=1e-8, handle_zero_tail=True, **kwargs):
+    """Correct: verl's parameter names in another order — verl's trainer passes every argument by keyword."""
+    return torch_index_add(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                           rollout_is_weights, handle_zero_tail, epsilon)
+
+
+def _zero_tail_off_by_default(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                              rollout_is_weights=None, handle_zero_tail=False, epsilon=1e-8, **kwargs):
+    """BUG: the zero tail off unless asked for (verl's multi-turn docstring says "Default: False"; its code and its
+    trainer's call — which never passes the option — give True)."""
+    return torch_index_add(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                           rollout_is_weights, handle_zero_tail, epsilon)
+
+
+def _epsilon_default_1e6(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                         rollout_is_weights=None, handle_zero_tail=True, epsilon=1e-6, **kwargs):
+    """BUG: ε defaults to 1e-6 where verl's is 1e-8 — what the trainer, which never passes it, gets."""
+    return torch_index_add(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                           rollout_is_weights, handle_zero_tail, epsilon)
+
+
+def _no_room_for_config(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                        rollout_is_weights=None, handle_zero_tail=True, epsilon=1e-8):
+    """BUG: no ``**kwargs`` — verl's trainer also passes ``config=…``, so the call raises TypeError there."""
+    return torch_index_add(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                           rollout_is_weights, handle_zero_tail, epsilon)
+
+
+def _names_of_log_pi_and_sum_swapped(token_level_rewards, response_mask, index, sum_pi_squared, old_log_probs,
+                                     rollout_is_weights=None, handle_zero_tail=True, epsilon=1e-8, **kwargs):
+    """BUG: the 4th and 5th parameters named in the wrong order while the body takes them by position (verl's
+    positional order) — right for a positional caller, wrong for verl's trainer, which passes them by name."""
+    return torch_index_add(token_level_rewards, response_mask, index, sum_pi_squared, old_log_probs,
+                           rollout_is_weights, handle_zero_tail, epsilon)
+
+
 CORRECT: dict[str, tuple[str, str, Callable[..., Any]]] = {
     "numpy_loops": ("otb", "numpy", numpy_loops),
     "numpy_reduceat": ("otb", "numpy", numpy_reduceat),
@@ -541,6 +578,7 @@ CORRECT: dict[str, tuple[str, str, Callable[..., Any]]] = {
     "torch_scatter_add": ("otb", "verl", torch_scatter_add),
     "torch_index_put_accumulate": ("otb", "verl", torch_index_put_accumulate),
     "torch_one_hot_matmul": ("otb", "verl", torch_one_hot_matmul),
+    "torch_keywords_in_another_order": ("otb", "verl", torch_keywords_in_another_order),
     "torch_multi_turn_scatter": ("tir-otb", "verl", torch_multi_turn_scatter),
     "spp_shifted_log_sum_exp": ("sum-pi-squared", "verl", spp_shifted_log_sum_exp),
     "spp_unshifted_log_sum_exp": ("sum-pi-squared", "verl", spp_unshifted_log_sum_exp),
@@ -585,6 +623,13 @@ BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
                                 "the caller's importance weights clamped in place"),
     "outputs_float32": ("otb", "verl", _torch_output_float32(torch_index_add),
                         "outputs always float32 (float64 inputs lose precision)"),
+    "zero_tail_off_by_default": ("otb", "verl", _zero_tail_off_by_default,
+                                 "handle_zero_tail defaults to False (the trainer never passes it)"),
+    "epsilon_default_1e6": ("otb", "verl", _epsilon_default_1e6, "ε defaults to 1e-6 (the trainer never passes it)"),
+    "no_room_for_config": ("otb", "verl", _no_room_for_config,
+                           "no **kwargs: the trainer's config=… keyword raises TypeError"),
+    "names_of_log_pi_and_sum_swapped": ("otb", "verl", _names_of_log_pi_and_sum_swapped,
+                                        "old_log_probs and sum_pi_squared named in each other's places"),
     "tir_keeps_observations": ("tir-otb", "numpy", _variant(numpy_multi_turn_loops, "tir_keeps_observations"),
                                "TIR compaction keeps the observation (tool-output) tokens inside a response"),
     "tir_keeps_empty_members": ("tir-otb", "verl", _variant(torch_multi_turn_scatter, "tir_keeps_empty_members"),

@@ -483,7 +483,7 @@ def test_the_cli_exits_1_when_a_target_is_still_running_in_torch(tmp_path):
     pytest.importorskip("torch")
     target = tmp_path / "busy.py"
     target.write_text("import time, torch\n"
-                      "def otb(rewards, response_mask, index, old_log_probs, sum_pi_squared, **options):\n"
+                      "def otb(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, **options):\n"
                       "    end = time.monotonic() + 60\n"
                       "    while time.monotonic() < end:\n"
                       "        torch.randn(300, 300) @ torch.randn(300, 300)\n")

@@ -51,3 +51,24 @@ def test_sum_pi_squared_ports_held_to_float32_with_working_dtype():
     report = verify(half, "sum-pi-squared", working_dtype="float32", **options)
     assert not report.conformant
     assert {r.id.rsplit("/", 1)[-1] for r in report.failures} <= {"bfloat16", "float16"}, report.to_text()
+
+
+def test_a_verl_convention_snippet_reproduces_a_failure_from_defaults():
+    """A bug that shows only through the trainer's keyword call (the zero tail off by default): the report's snippet
+    makes the same call — verl's keywords, the options left out at verl's defaults — and prints the same error."""
+    import contextlib
+    import io
+    import re
+
+    kind, convention, function, _ = realistic_ports.BUGGY["zero_tail_off_by_default"]
+    report = verify(function, kind, convention=convention, layers=("golden",))
+    failure = next(r for r in report.failures if r.snippet and "handle_zero_tail=True" in r.case)
+    call = next(line for line in failure.snippet.splitlines() if line.startswith("got_advantages, got_returns ="))
+    assert "config=None" in call and "handle_zero_tail" not in call and "epsilon" not in call
+    advantages = next(c for c in failure.comparisons if c.output == "advantages")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(re.sub(r"^from \S+ import \S+ as target$", "target = port", failure.snippet, flags=re.M),
+             {"port": function})
+    numbers = [float(x) for x in re.findall(r"advantages ([0-9.e+-]+)", printed.getvalue())]
+    assert numbers and numbers[0] == pytest.approx(advantages.max_abs_error, rel=1e-6)

@@ -267,6 +267,40 @@ def test_compute_advantage_passes_verls_inputs_and_our_options(verl, monkeypatch
     assert torch.equal(kwargs["rollout_is_weights"], batch.batch["rollout_is_weights"])
 
 
+@pytest.mark.parametrize("estimator", sorted(ESTIMATORS))
+@pytest.mark.parametrize("is_weights", [False, True])
+def test_the_verifier_calls_a_target_as_verls_trainer_does(verl, monkeypatch, estimator, is_weights):
+    """The verifier's ``verl`` convention passes the keywords verl's own ``compute_advantage`` passes to a registered
+    estimator — read off verl here, not written down — every one by keyword, so that a target's parameter order does
+    not matter and its own defaults of ``handle_zero_tail`` and ``epsilon`` are what it gets; the two options only in
+    cases whose values differ from verl's defaults."""
+    from otb_spec.conformance import verify
+
+    kind = {"optimal_token_baseline": "otb", "tir_optimal_token_baseline": "tir-otb"}[estimator]
+    real = verl.core_algos.get_adv_estimator_fn(estimator)
+    by_verl, by_verifier = [], []
+
+    def spy(calls):
+        def estimator_function(*args, **kwargs):
+            calls.append((args, kwargs))
+            return real(*args, **kwargs)
+        return estimator_function
+
+    monkeypatch.setitem(verl.core_algos.ADV_ESTIMATOR_REGISTRY, estimator, spy(by_verl))
+    run_compute_advantage(verl, trainer_batch(verl, seed=9, multi_turn=kind == "tir-otb", is_weights=is_weights),
+                          estimator)
+    ((args, trainer_keywords),) = by_verl
+    assert args == () and trainer_keywords["config"] is not None
+    verify(spy(by_verifier), kind, layers=("golden",))
+    defaults = [keywords for args, keywords in by_verifier
+                if (keywords["rollout_is_weights"] is not None) == is_weights and "epsilon" not in keywords]
+    others = [keywords for args, keywords in by_verifier if "epsilon" in keywords]
+    assert defaults and others and all(args == () for args, _ in by_verifier)
+    assert all(list(keywords) == list(trainer_keywords) for keywords in defaults)     # the same names, in verl's order
+    assert all(set(keywords) == set(trainer_keywords) | {"handle_zero_tail", "epsilon"} for keywords in others)
+    assert all((keywords["handle_zero_tail"], keywords["epsilon"]) != (True, 1e-8) for keywords in others)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Σπ² swap on bf16 logits
 

@@ -4,9 +4,13 @@ A convention turns a target into a *subject* — something that runs a :class:`~
 NumPy outputs plus what the structural checks need (output dtypes and devices, which inputs the call modified) — and
 writes a copy-pasteable snippet reproducing a call. Built in:
 
-* ``verl`` — verl 0.9.1's functions: torch tensors, ``index`` a NumPy array of ids; otb/tir-otb return
-  ``(advantages, returns)``, sum-pi-squared a tensor. Positional: (token_level_rewards, response_mask, index,
-  old_log_probs, sum_pi_squared), keywords rollout_is_weights, handle_zero_tail, epsilon.
+* ``verl`` — verl 0.9.1's functions, called as its trainer calls an advantage estimator (``compute_advantage`` in
+  ``verl.trainer.ppo.ray_trainer``): by keyword — ``token_level_rewards``, ``response_mask``, ``config`` (None, the
+  default of ``compute_advantage``; verl's own functions take it into ``**kwargs``), ``index`` (a NumPy array of
+  ids), ``sum_pi_squared``, ``old_log_probs``, ``rollout_is_weights`` (None when the case has none) — torch tensors;
+  ``handle_zero_tail`` and ``epsilon`` only where the case's differ from verl's defaults (True, 1e-8), so that a
+  target's own defaults are what the trainer gets. otb/tir-otb return ``(advantages, returns)``; sum-pi-squared:
+  ``f(logits)`` → a tensor.
 * ``numpy`` — the reference's own signature on NumPy arrays: (rewards, response_mask, group_ids, log_probs,
   sum_pi_squared, *, is_weights, handle_zero_tail, epsilon) → (advantages, returns, …); loo-otb without
   handle_zero_tail; sum-pi-squared (logits) → array.
@@ -163,9 +167,7 @@ def _verl(target: Callable, target_spec: str, kind: str, device: str) -> Subject
         if kind != "sum-pi-squared":
             index = np.array(case.group_ids, copy=True)
             index_before = index.copy()
-            result = target(inputs["token_level_rewards"], inputs["response_mask"], index, inputs["old_log_probs"],
-                            inputs["sum_pi_squared"], rollout_is_weights=inputs.get("rollout_is_weights"),
-                            handle_zero_tail=case.handle_zero_tail, epsilon=case.epsilon)
+            result = target(**_verl_keywords(case, inputs, index))
             results = tuple(zip(("advantages", "returns"), _pair(result)))
         outcome = _outcome(results, {str(value.device) for value in inputs.values()})
         outcome.mutated = [name for name, value in inputs.items() if changed(before[name], value)]
@@ -180,9 +182,11 @@ def _verl(target: Callable, target_spec: str, kind: str, device: str) -> Subject
         if kind == "sum-pi-squared":
             lines.append("got = target(t(logits))")
         else:
-            lines.append("got_advantages, got_returns = target(t(rewards), t(response_mask), group_ids, t(log_probs), "
-                         "t(sum_pi_squared), rollout_is_weights=t(is_weights), handle_zero_tail=handle_zero_tail, "
-                         "epsilon=epsilon)")
+            options = "" if _verl_defaults(case) else ", handle_zero_tail=handle_zero_tail, epsilon=epsilon"
+            lines.append("got_advantages, got_returns = target(token_level_rewards=t(rewards), "
+                         "response_mask=t(response_mask), config=None, index=group_ids, "
+                         "sum_pi_squared=t(sum_pi_squared), old_log_probs=t(log_probs), "
+                         f"rollout_is_weights=t(is_weights){options})")
         lines.append(_reference_line(case))
         host = "{}.detach().double().cpu().numpy()"
         lines.append(_difference_line(case, host.format("got_advantages"), host.format("got_returns"),
@@ -190,13 +194,52 @@ def _verl(target: Callable, target_spec: str, kind: str, device: str) -> Subject
         return "\n".join(lines)
 
     def describe_call(case: Case) -> str:
-        names = {"rewards": "token_level_rewards", "group_ids": "index", "log_probs": "old_log_probs",
-                 "is_weights": "rollout_is_weights"}
-        return _described_call(case, names, lambda a, dtype: _Shown("Tensor", a, dtype, device),
-                               lambda ids: _Shown("ndarray", ids, str(np.asarray(ids).dtype)))
+        if case.kind == "sum-pi-squared":
+            return _described_call(case, {}, lambda a, dtype: _Shown("Tensor", a, dtype, device), None)
+        shown = {name: "None" if value is None else _Shown("Tensor", value, case.dtype, device)
+                 for name, value in (("token_level_rewards", case.rewards), ("response_mask", case.response_mask),
+                                     ("sum_pi_squared", case.sum_pi_squared), ("old_log_probs", case.log_probs),
+                                     ("rollout_is_weights", case.is_weights))}
+        shown["index"] = _Shown("ndarray", case.group_ids, str(np.asarray(case.group_ids).dtype))
+        keywords = _verl_keywords(case, shown, shown["index"])
+        return "(" + ", ".join(f"{name}={shown[name]}" if name in shown else f"{name}={value!r}"
+                               for name, value in keywords.items()) + ")"
 
     return Subject(f"{target_spec} (verl convention, {device})", ("otb", "tir-otb", "sum-pi-squared"), device, run,
-                   snippet, _signature_check(target, 5, "rollout_is_weights"), describe_call=describe_call)
+                   snippet, _verl_signature_check(target), describe_call=describe_call)
+
+
+_VERL_DEFAULTS = {"handle_zero_tail": True, "epsilon": 1e-8}    # compute_optimal_token_baseline_advantage's
+
+
+def _verl_defaults(case: Case) -> bool:
+    """Whether the case's options are verl's defaults, which its trainer never passes."""
+    return case.handle_zero_tail == _VERL_DEFAULTS["handle_zero_tail"] and case.epsilon == _VERL_DEFAULTS["epsilon"]
+
+
+def _verl_keywords(case: Case, inputs: dict, index: Any) -> dict:
+    """The keyword arguments of verl 0.9.1's trainer (``compute_advantage``: ``adv_estimator_fn(**adv_kwargs)``), in
+    its order, from ``inputs`` keyed by verl's names; the options only where they differ from verl's defaults."""
+    keywords = {"token_level_rewards": inputs["token_level_rewards"], "response_mask": inputs["response_mask"],
+                "config": None, "index": index, "sum_pi_squared": inputs["sum_pi_squared"],
+                "old_log_probs": inputs["old_log_probs"], "rollout_is_weights": inputs.get("rollout_is_weights")}
+    if not _verl_defaults(case):
+        keywords.update(handle_zero_tail=case.handle_zero_tail, epsilon=case.epsilon)
+    return keywords
+
+
+def _verl_signature_check(target: Callable) -> Callable[[str], str | None]:
+    """``kind → problem``: Σπ² takes one argument; OTB kinds verl's trainer's keywords and the two options."""
+    def problem(kind: str) -> str | None:
+        if kind == "sum-pi-squared":
+            return _bind_problem(target, 1, {})
+        keywords = dict.fromkeys(("token_level_rewards", "response_mask", "config", "index", "sum_pi_squared",
+                                  "old_log_probs", "rollout_is_weights"), None)
+        found = _bind_problem(target, 0, dict(keywords, **_VERL_DEFAULTS))
+        return found and (f"{found} — verl 0.9.1's trainer calls an advantage estimator by keyword, with verl's "
+                          "argument names and config=… (compute_advantage in verl.trainer.ppo.ray_trainer)")
+
+    return problem
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -98,8 +98,8 @@ def _bind_problem(target: Callable, args: int, keywords: dict) -> str | None:
     try:
         signature.bind(*range(args), **keywords)
     except TypeError as exc:
-        return f"cannot be called as f({', '.join(['·'] * args)}{', ' if keywords else ''}" \
-               f"{', '.join(f'{k}=…' for k in keywords)}): {exc}"
+        shown = ["·"] * args + [f"{k}=…" for k in keywords]
+        return f"cannot be called as f({', '.join(shown)}): {exc}"
     return None
 
 
