@@ -10,6 +10,9 @@ unfused program (logits, log_softmax, gather) a fused kernel replaces. Half-prec
 as a correct port must; results come back in the input's dtype (the unfused program returns its float32 statistics).
 
 ``CORRECT``: name → (kind, convention, function) — the verifier must accept every one.
+``CALLED_POSITIONALLY``: name → (kind, convention, function) — right values, but verl's trainer could not call them
+by keyword (no ``**kwargs`` for its ``config``, the author's own parameter names): accepted, with the signature
+layer's warning.
 ``BUGGY``: name → (kind, convention, function, what is wrong) — the verifier must reject every one.
 Each bug is a one-line change to one of the correct ports (``_variant``), so a port is rejected for its bug only.
 """
@@ -553,11 +556,17 @@ def _epsilon_default_1e6(token_level_rewards, response_mask, index, old_log_prob
                            rollout_is_weights, handle_zero_tail, epsilon)
 
 
-def _no_room_for_config(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
-                        rollout_is_weights=None, handle_zero_tail=True, epsilon=1e-8):
-    """BUG: no ``**kwargs`` — verl's trainer also passes ``config=…``, so the call raises TypeError there."""
+def torch_without_room_for_config(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                                  rollout_is_weights=None, handle_zero_tail=True, epsilon=1e-8):
+    """Right values, but no ``**kwargs``: verl's trainer also passes ``config=…`` and would raise TypeError."""
     return torch_index_add(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
                            rollout_is_weights, handle_zero_tail, epsilon)
+
+
+def torch_own_parameter_names(rewards, mask, uid, logp, spp, rollout_is_weights=None, handle_zero_tail=True,
+                              epsilon=1e-8, **kwargs):
+    """Right values in verl's positional order, under the author's own parameter names."""
+    return torch_index_add(rewards, mask, uid, logp, spp, rollout_is_weights, handle_zero_tail, epsilon)
 
 
 def _names_of_log_pi_and_sum_swapped(token_level_rewards, response_mask, index, sum_pi_squared, old_log_probs,
@@ -586,6 +595,12 @@ CORRECT: dict[str, tuple[str, str, Callable[..., Any]]] = {
     "spp_chunked_online": ("sum-pi-squared", "verl", spp_chunked_online),
     "spp_numpy_ratio": ("sum-pi-squared", "numpy", spp_numpy_ratio),
     "torch_unfused_token_statistics": ("fused-token-statistics", "verl", torch_unfused_token_statistics),
+}
+
+# right values, but verl's trainer could not call them by keyword: checked positionally, with a signature warning
+CALLED_POSITIONALLY: dict[str, tuple[str, str, Callable[..., Any]]] = {
+    "torch_without_room_for_config": ("otb", "verl", torch_without_room_for_config),
+    "torch_own_parameter_names": ("otb", "verl", torch_own_parameter_names),
 }
 
 BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
@@ -626,8 +641,6 @@ BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
     "zero_tail_off_by_default": ("otb", "verl", _zero_tail_off_by_default,
                                  "handle_zero_tail defaults to False (the trainer never passes it)"),
     "epsilon_default_1e6": ("otb", "verl", _epsilon_default_1e6, "ε defaults to 1e-6 (the trainer never passes it)"),
-    "no_room_for_config": ("otb", "verl", _no_room_for_config,
-                           "no **kwargs: the trainer's config=… keyword raises TypeError"),
     "names_of_log_pi_and_sum_swapped": ("otb", "verl", _names_of_log_pi_and_sum_swapped,
                                         "old_log_probs and sum_pi_squared named in each other's places"),
     "tir_keeps_observations": ("tir-otb", "numpy", _variant(numpy_multi_turn_loops, "tir_keeps_observations"),

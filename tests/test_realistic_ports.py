@@ -3,6 +3,8 @@ inputs, bfloat16 in the special cases), every realistic porting bug is rejected 
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 from otb_spec.conformance import verify
@@ -23,6 +25,23 @@ def test_every_correct_port_is_accepted(name):
     assert set(report.observed_deviations) <= {"epsilon-zero-nan"}, report.to_text()
     dtypes = {r.id.rsplit("/", 1)[-1] for r in report.results if r.layer in ("golden", "special") and r.status == "pass"}
     assert {"float32", "float64"} <= dtypes
+
+
+@pytest.mark.parametrize("name", sorted(realistic_ports.CALLED_POSITIONALLY))
+def test_a_port_verls_trainer_could_not_call_is_checked_positionally_with_a_warning(name):
+    kind, convention, function = realistic_ports.CALLED_POSITIONALLY[name]
+    report = verify(function, kind, convention=convention, **FAST)
+    assert report.conformant, report.to_text()
+    (signature,) = [r for r in report.results if r.layer == "signature"]
+    assert signature.status == "warn" and "verl's trainer could not call this target" in signature.message, \
+        report.to_text()
+    def off_by_one_percent(*args, **kwargs):                                    # the values are still checked
+        advantages, returns = function(*args, **kwargs)
+        return advantages * 1.01, returns
+
+    off_by_one_percent.__signature__ = inspect.signature(function)             # called positionally as well
+    report = verify(off_by_one_percent, kind, convention=convention, fail_fast=True, **FAST)
+    assert not report.conformant and report.results[0].status == "warn"
 
 
 @pytest.mark.parametrize("name", sorted(realistic_ports.BUGGY))

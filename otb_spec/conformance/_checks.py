@@ -1,6 +1,7 @@
 """The layered checks, in the order a standards conformance suite runs them.
 
-1. **signature** — the target can be called the way its convention says;
+1. **signature** — the target can be called the way its convention says (a warning where it is checked through
+   another call than the convention's trainer makes: under ``verl``, positionally, its parameter names not verl's);
 2. **structure** — on one ordinary case in every dtype the convention delivers: it runs, outputs have the input's
    shape, the convention's dtype rule holds, outputs stay on the inputs' device, inputs are not modified, and a second
    call gives the same outputs;
@@ -15,7 +16,8 @@ reference is finite is always a failure. A value check that fails against the re
 deviation of verl 0.9.1 (``_deviations``) gets the status ``"deviation"``: listed, not failed, unless ``strict``.
 
 Statuses: ``pass``, ``fail``, ``deviation`` (a documented difference from verl), ``warn`` (worth knowing, never a
-failure: robustness to impossible inputs, bit-level nondeterminism, a more precise output dtype than verl's), ``skip``.
+failure: robustness to impossible inputs, bit-level nondeterminism, a more precise output dtype than verl's, a target
+verl's trainer could not call by keyword), ``skip``.
 
 Every call of the target runs under a per-call time limit (``timeout``): a target that does not return is reported as
 failing that check, and the remaining checks are not run (the verdict is then NOT CONFORMANT, not a stuck terminal).
@@ -753,8 +755,11 @@ def run_checks(subject: Subject, kind: str, *, max_examples: int = 100, seed: in
 
     if "signature" in layers and not skipped(f"{kind}/signature", "signature"):
         problem = subject.signature_problem(kind)
-        results.append(CheckResult(f"{kind}/signature", "signature", kind, "fail" if problem else "pass",
-                                   problem or "callable as the convention requires", ratio=math.inf if problem else 0))
+        note = None if problem else subject.signature_note(kind)
+        results.append(CheckResult(f"{kind}/signature", "signature", kind,
+                                   "fail" if problem else "warn" if note else "pass",
+                                   problem or note or "callable as the convention requires",
+                                   ratio=math.inf if problem else 0))
         if problem:
             return results
     def stop() -> bool:

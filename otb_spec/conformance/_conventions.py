@@ -9,8 +9,11 @@ writes a copy-pasteable snippet reproducing a call. Built in:
   default of ``compute_advantage``; verl's own functions take it into ``**kwargs``), ``index`` (a NumPy array of
   ids), ``sum_pi_squared``, ``old_log_probs``, ``rollout_is_weights`` (None when the case has none) — torch tensors;
   ``handle_zero_tail`` and ``epsilon`` only where the case's differ from verl's defaults (True, 1e-8), so that a
-  target's own defaults are what the trainer gets. otb/tir-otb return ``(advantages, returns)``; sum-pi-squared:
-  ``f(logits)`` → a tensor.
+  target's own defaults are what the trainer gets. A target whose signature cannot take those keywords (other
+  parameter names, no room for ``config``) but takes verl's positional order is checked positionally instead —
+  ``f(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, rollout_is_weights=…,
+  handle_zero_tail=…, epsilon=…)``, both options always passed — with a warning from the signature layer that verl's
+  trainer could not call it. otb/tir-otb return ``(advantages, returns)``; sum-pi-squared: ``f(logits)`` → a tensor.
 * ``numpy`` — the reference's own signature on NumPy arrays: (rewards, response_mask, group_ids, log_probs,
   sum_pi_squared, *, is_weights, handle_zero_tail, epsilon) → (advantages, returns, …); loo-otb without
   handle_zero_tail; sum-pi-squared (logits) → array.
@@ -152,6 +155,8 @@ def _verl(target: Callable, target_spec: str, kind: str, device: str) -> Subject
         host = np.array(array, dtype=np.float32 if dtype != "float64" else np.float64, copy=True)
         return torch.from_numpy(host).to(device=device, dtype=_torch_dtype(dtype))
 
+    by_keyword = kind == "sum-pi-squared" or _verl_keyword_problem(target) is None
+
     def run(case: Case) -> Outcome:
         if kind == "sum-pi-squared":
             inputs = {"logits": tensor(case.logits, case.dtype)}
@@ -167,7 +172,13 @@ def _verl(target: Callable, target_spec: str, kind: str, device: str) -> Subject
         if kind != "sum-pi-squared":
             index = np.array(case.group_ids, copy=True)
             index_before = index.copy()
-            result = target(**_verl_keywords(case, inputs, index))
+            if by_keyword:
+                result = target(**_verl_keywords(case, inputs, index))
+            else:
+                result = target(inputs["token_level_rewards"], inputs["response_mask"], index,
+                                inputs["old_log_probs"], inputs["sum_pi_squared"],
+                                rollout_is_weights=inputs.get("rollout_is_weights"),
+                                handle_zero_tail=case.handle_zero_tail, epsilon=case.epsilon)
             results = tuple(zip(("advantages", "returns"), _pair(result)))
         outcome = _outcome(results, {str(value.device) for value in inputs.values()})
         outcome.mutated = [name for name, value in inputs.items() if changed(before[name], value)]
@@ -182,11 +193,16 @@ def _verl(target: Callable, target_spec: str, kind: str, device: str) -> Subject
         if kind == "sum-pi-squared":
             lines.append("got = target(t(logits))")
         else:
-            options = "" if _verl_defaults(case) else ", handle_zero_tail=handle_zero_tail, epsilon=epsilon"
-            lines.append("got_advantages, got_returns = target(token_level_rewards=t(rewards), "
-                         "response_mask=t(response_mask), config=None, index=group_ids, "
-                         "sum_pi_squared=t(sum_pi_squared), old_log_probs=t(log_probs), "
-                         f"rollout_is_weights=t(is_weights){options})")
+            options = "" if by_keyword and _verl_defaults(case) else \
+                ", handle_zero_tail=handle_zero_tail, epsilon=epsilon"
+            if by_keyword:
+                lines.append("got_advantages, got_returns = target(token_level_rewards=t(rewards), "
+                             "response_mask=t(response_mask), config=None, index=group_ids, "
+                             "sum_pi_squared=t(sum_pi_squared), old_log_probs=t(log_probs), "
+                             f"rollout_is_weights=t(is_weights){options})")
+            else:
+                lines.append("got_advantages, got_returns = target(t(rewards), t(response_mask), group_ids, "
+                             f"t(log_probs), t(sum_pi_squared), rollout_is_weights=t(is_weights){options})")
         lines.append(_reference_line(case))
         host = "{}.detach().double().cpu().numpy()"
         lines.append(_difference_line(case, host.format("got_advantages"), host.format("got_returns"),
@@ -201,15 +217,38 @@ def _verl(target: Callable, target_spec: str, kind: str, device: str) -> Subject
                                      ("sum_pi_squared", case.sum_pi_squared), ("old_log_probs", case.log_probs),
                                      ("rollout_is_weights", case.is_weights))}
         shown["index"] = _Shown("ndarray", case.group_ids, str(np.asarray(case.group_ids).dtype))
+        if not by_keyword:                                      # positionally, in verl's order
+            return "(" + ", ".join(str(shown[name]) for name in _VERL_POSITIONAL) + ", " + ", ".join(
+                f"{name}={value}" for name, value in (("rollout_is_weights", shown["rollout_is_weights"]),
+                                                     ("handle_zero_tail", case.handle_zero_tail),
+                                                     ("epsilon", case.epsilon))) + ")"
         keywords = _verl_keywords(case, shown, shown["index"])
         return "(" + ", ".join(f"{name}={shown[name]}" if name in shown else f"{name}={value!r}"
                                for name, value in keywords.items()) + ")"
 
+    def signature_problem(kind: str) -> str | None:
+        if kind == "sum-pi-squared":
+            return _bind_problem(target, 1, {})
+        found = _verl_keyword_problem(target)
+        if found is None or _bind_problem(target, 5, dict(rollout_is_weights=None, **_VERL_DEFAULTS)) is None:
+            return None
+        return found
+
+    def signature_note(kind: str) -> str | None:
+        if by_keyword:
+            return None
+        return (f"verl's trainer could not call this target: {_verl_keyword_problem(target)}. Checked through "
+                "positional calls in verl's order instead — f(token_level_rewards, response_mask, index, "
+                "old_log_probs, sum_pi_squared, rollout_is_weights=…, handle_zero_tail=…, epsilon=…), both options "
+                "always passed, so its own defaults are not checked; to register it as verl's estimator, give it "
+                "verl's parameter names and **kwargs")
+
     return Subject(f"{target_spec} (verl convention, {device})", ("otb", "tir-otb", "sum-pi-squared"), device, run,
-                   snippet, _verl_signature_check(target), describe_call=describe_call)
+                   snippet, signature_problem, signature_note=signature_note, describe_call=describe_call)
 
 
 _VERL_DEFAULTS = {"handle_zero_tail": True, "epsilon": 1e-8}    # compute_optimal_token_baseline_advantage's
+_VERL_POSITIONAL = ("token_level_rewards", "response_mask", "index", "old_log_probs", "sum_pi_squared")
 
 
 def _verl_defaults(case: Case) -> bool:
@@ -228,18 +267,13 @@ def _verl_keywords(case: Case, inputs: dict, index: Any) -> dict:
     return keywords
 
 
-def _verl_signature_check(target: Callable) -> Callable[[str], str | None]:
-    """``kind → problem``: Σπ² takes one argument; OTB kinds verl's trainer's keywords and the two options."""
-    def problem(kind: str) -> str | None:
-        if kind == "sum-pi-squared":
-            return _bind_problem(target, 1, {})
-        keywords = dict.fromkeys(("token_level_rewards", "response_mask", "config", "index", "sum_pi_squared",
-                                  "old_log_probs", "rollout_is_weights"), None)
-        found = _bind_problem(target, 0, dict(keywords, **_VERL_DEFAULTS))
-        return found and (f"{found} — verl 0.9.1's trainer calls an advantage estimator by keyword, with verl's "
-                          "argument names and config=… (compute_advantage in verl.trainer.ppo.ray_trainer)")
-
-    return problem
+def _verl_keyword_problem(target: Callable) -> str | None:
+    """None, or why ``target`` cannot take verl's trainer's keywords and the two options (an OTB kind)."""
+    keywords = dict.fromkeys(("token_level_rewards", "response_mask", "config", "index", "sum_pi_squared",
+                              "old_log_probs", "rollout_is_weights"), None)
+    found = _bind_problem(target, 0, dict(keywords, **_VERL_DEFAULTS))
+    return found and (f"{found} — verl 0.9.1's trainer calls an advantage estimator by keyword, with verl's "
+                      "argument names and config=… (compute_advantage in verl.trainer.ppo.ray_trainer)")
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -58,6 +58,8 @@ class Subject:
       run: runs a case → :class:`Outcome` (raises whatever the implementation raises).
       snippet: a copy-pasteable program reproducing a case's call and the reference's answer.
       signature_problem: ``kind → None`` or why the callable cannot be called as the convention requires.
+      signature_note: ``kind → None`` or a warning from the signature layer: the callable is checked, but not called
+        quite as the convention's trainer would call it (and says how it is called instead).
       equal_groups: only contiguous equal-size groups can be expressed (a [G, N, T] layout).
       supports_dtype: whether the convention can deliver inputs of a dtype (NumPy has no bfloat16 without ml_dtypes).
       dtype_rule: ``"same"`` — outputs in the input dtype; ``"at-least"`` — a floating dtype at least as precise.
@@ -79,6 +81,7 @@ class Subject:
     run: Callable[[Case], Outcome]
     snippet: Callable[[Case], str]
     signature_problem: Callable[[str], str | None] = lambda kind: None
+    signature_note: Callable[[str], str | None] = lambda kind: None
     equal_groups: bool = False
     supports_dtype: Callable[[str], bool] = lambda dtype: True
     dtype_rule: str = "same"
