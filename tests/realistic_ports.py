@@ -493,6 +493,37 @@ def torch_unfused_token_statistics(hidden, weight, token_ids, temperature=1.0, b
     return chosen, entropy, probs.square().sum(-1).detach()
 
 
+def torch_vocabulary_blocks_token_statistics(hidden, weight, token_ids, temperature=1.0, block=8192,
+                                             bugs=frozenset(), **kwargs):
+    """The structure of a fused LM-head kernel: the logits of ``block`` vocabulary columns at a time (float32 for
+    half-precision inputs), folded into a running maximum m, S₁ = Σ e^{z−m}, T = Σ e^{z−m}·z and S₂ = Σ e^{2(z−m)},
+    each rescaled when m grows; log π = z_y − (m + log S₁), H = m + log S₁ − T/S₁, Σπ² = S₂/S₁². Autograd does the
+    backward pass."""
+    compute = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
+    lead = token_ids.shape
+    h = hidden.to(compute).reshape(-1, hidden.shape[-1])
+    ids = token_ids.reshape(-1).to(torch.int64)
+    tokens = h.shape[0]
+    maximum = torch.full((tokens,), -torch.inf, dtype=compute)
+    s1, tilt, s2, chosen = (torch.zeros(tokens, dtype=compute) for _ in range(4))
+    for start in range(0, weight.shape[0], block):
+        z = h @ weight[start:start + block].to(compute).T / temperature
+        block_max = z.detach().amax(-1)
+        grown = torch.maximum(maximum, block_max)
+        scale = torch.exp(maximum - grown)
+        if "block_max_not_rescaled" in bugs:        # each block against its own maximum, the sums added as they are
+            grown, scale = block_max, torch.ones_like(scale)
+        e = torch.exp(z - grown[:, None])
+        s1, tilt, s2 = s1 * scale + e.sum(-1), tilt * scale + (e * z).sum(-1), s2 * scale**2 + (e * e).sum(-1)
+        maximum = torch.maximum(maximum, grown)
+        inside = (ids >= start) & (ids < start + z.shape[1])
+        picked = z.gather(1, (ids - start).clamp(0, z.shape[1] - 1)[:, None])[:, 0]
+        chosen = chosen + torch.where(inside, picked, torch.zeros_like(picked))
+    log_sum = maximum + torch.log(s1)
+    entropy = log_sum - tilt / s1
+    return ((chosen - log_sum).reshape(lead), entropy.reshape(lead), (s2 / s1**2).detach().reshape(lead))
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # the net
 
@@ -595,6 +626,8 @@ CORRECT: dict[str, tuple[str, str, Callable[..., Any]]] = {
     "spp_chunked_online": ("sum-pi-squared", "verl", spp_chunked_online),
     "spp_numpy_ratio": ("sum-pi-squared", "numpy", spp_numpy_ratio),
     "torch_unfused_token_statistics": ("fused-token-statistics", "verl", torch_unfused_token_statistics),
+    "torch_vocabulary_blocks_token_statistics": ("fused-token-statistics", "verl",
+                                                 torch_vocabulary_blocks_token_statistics),
 }
 
 # right values, but verl's trainer could not call them by keyword: checked positionally, with a signature warning
@@ -655,6 +688,9 @@ BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
     "temperature_after_log_softmax": ("fused-token-statistics", "verl",
                                       _variant(torch_unfused_token_statistics, "temperature_after_log_softmax"),
                                       "log_softmax of h·Wᵀ, then divided by τ (instead of the softmax of h·Wᵀ/τ)"),
+    "block_max_not_rescaled": ("fused-token-statistics", "verl",
+                               _variant(torch_vocabulary_blocks_token_statistics, "block_max_not_rescaled"),
+                               "vocabulary blocks of 8192 columns, each against its own maximum, never rescaled"),
     "entropy_without_probabilities": ("fused-token-statistics", "verl",
                                       _variant(torch_unfused_token_statistics, "entropy_without_probabilities"),
                                       "the entropy as −Σ log π (the probabilities forgotten)"),

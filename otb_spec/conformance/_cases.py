@@ -580,9 +580,11 @@ def _fused_special() -> tuple[Case, ...]:
                       4099, logit_scale=3.0).with_dtype("float32"),
         _lm_head_case("3-D hidden states [B, T, H] = [4, 130, 16], V = 1031", 36, (4, 130), 16, 1031,
                       logit_scale=3.0).with_dtype("float32"),
+        _lm_head_case("a large prime vocabulary, V = 65537: vocabulary blocks of any width below it take two or more",
+                      39, (8,), 32, 65537, logit_scale=3.0).with_dtype("float32"),
         _lm_head_case("bfloat16 hidden states and LM head, V = 32768, nearly flat (logits ~N(0, ½²))", 37, (16,), 64,
                       32768, logit_scale=0.5).with_dtype("bfloat16"),
-        _lm_head_case("float16 hidden states and LM head, V = 8192", 38, (16,), 64, 8192,
+        _lm_head_case("float16 hidden states and LM head, V = 8191 (a prime)", 38, (16,), 64, 8191,
                       logit_scale=4.0).with_dtype("float16"),
     )
 
@@ -593,8 +595,9 @@ def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
     (N(0, 4²)) and nearly flat (N(0, ½²), where summing 32768 comparable terms in bfloat16 would stall). Fused token
     statistics (float32 unless said): logits up to ±3000, peaked and nearly flat softmaxes over V = 4096, τ = 0.25 and
     τ = 4, a prime vocabulary (4099) over 520 tokens (more than one of verl's 512-token chunks), 3-D hidden states
-    [4, 130, 16], and bfloat16 (V = 32768, nearly flat: summing 32768 comparable terms in bfloat16 would stall) and
-    float16 (V = 8192) hidden states and heads."""
+    [4, 130, 16], a large prime vocabulary (65537: a kernel's vocabulary blocks, whatever their width below it, take
+    two or more, so a block-local maximum never rescaled shows in float32), and bfloat16 (V = 32768, nearly flat:
+    summing 32768 comparable terms in bfloat16 would stall) and float16 (V = 8191, a prime) hidden states and heads."""
     if kind == FUSED:
         return list(_fused_special())       # built once per process: their references and bounds are kept
     if kind == "sum-pi-squared":
