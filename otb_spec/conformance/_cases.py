@@ -407,6 +407,16 @@ def _peaked(name: str, seed: int, n_tokens: int, n_hidden: int, vocab: int, peak
     return replace(base, hidden=hidden, weight=weight, token_ids=ids, _cache={})
 
 
+def _far_below_zero(name: str, seed: int, n_tokens: int, n_hidden: int, vocab: int, offset: float) -> Case:
+    """Every logit about ``offset`` below zero (the others' spread ~N(0, 3²) around it): a running maximum that
+    starts at 0 instead of −∞ makes every e^{z − 0} underflow."""
+    base = _lm_head_case(name, seed, (n_tokens,), n_hidden, vocab, logit_scale=3.0)
+    hidden, weight = np.array(base.hidden), np.array(base.weight)
+    hidden[:, 0] = 1.0
+    weight[:, 0] = -offset
+    return replace(base, hidden=hidden, weight=weight, _cache={})
+
+
 def _fused_golden() -> list[Case]:
     rng = portable.PortableRandom(20)
     g_lp, g_h = _grid_cotangents(rng, (2,))
@@ -582,6 +592,7 @@ def _fused_special() -> tuple[Case, ...]:
                       logit_scale=3.0).with_dtype("float32"),
         _lm_head_case("a large prime vocabulary, V = 65537: vocabulary blocks of any width below it take two or more",
                       39, (8,), 32, 65537, logit_scale=3.0).with_dtype("float32"),
+        _far_below_zero("every logit far below zero (about −200)", 40, 8, 32, 1024, 200.0).with_dtype("float32"),
         _lm_head_case("bfloat16 hidden states and LM head, V = 32768, nearly flat (logits ~N(0, ½²))", 37, (16,), 64,
                       32768, logit_scale=0.5).with_dtype("bfloat16"),
         _lm_head_case("float16 hidden states and LM head, V = 8191 (a prime)", 38, (16,), 64, 8191,
@@ -596,7 +607,8 @@ def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
     statistics (float32 unless said): logits up to ±3000, peaked and nearly flat softmaxes over V = 4096, τ = 0.25 and
     τ = 4, a prime vocabulary (4099) over 520 tokens (more than one of verl's 512-token chunks), 3-D hidden states
     [4, 130, 16], a large prime vocabulary (65537: a kernel's vocabulary blocks, whatever their width below it, take
-    two or more, so a block-local maximum never rescaled shows in float32), and bfloat16 (V = 32768, nearly flat:
+    two or more, so a block-local maximum never rescaled shows in float32), every logit far below zero (about −200:
+    a running maximum started at 0 instead of −∞ underflows), and bfloat16 (V = 32768, nearly flat:
     summing 32768 comparable terms in bfloat16 would stall) and float16 (V = 8191, a prime) hidden states and heads."""
     if kind == FUSED:
         return list(_fused_special())       # built once per process: their references and bounds are kept
