@@ -144,9 +144,11 @@ def nonnegative_where(name: str, array: np.ndarray, where: np.ndarray, input_dty
 
 def scalar(name: str, value: Any, *, minimum: float | None = None, maximum: float | None = None,
            min_inclusive: bool = True) -> float:
-    """A finite real scalar, optionally bounded."""
+    """A finite real scalar, optionally bounded. Text is refused, not parsed: ``float("1e-8")`` would accept it."""
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: expected a real number, got a bool")
+    if isinstance(value, (str, bytes, bytearray, np.str_, np.bytes_)):
+        raise TypeError(f"{name}: expected a real number, got text {value!r}")
     try:
         number = float(value)
     except (TypeError, ValueError) as exc:
@@ -227,8 +229,8 @@ def zero_tail(handle_zero_tail: Any, leave_one_out: bool) -> bool:
         return not leave_one_out
     handle_zero_tail = flag("handle_zero_tail", handle_zero_tail)
     if handle_zero_tail and leave_one_out:
-        raise ValueError("handle_zero_tail: not applicable with leave_one_out=True (where no other member is valid the "
-                         "leave-one-out baseline is already 0); leave it unset")
+        raise ValueError("handle_zero_tail: not applicable to the leave-one-out baseline (leave_one_out=True, "
+                         "variant='leave_one_out'): where no other member is valid it is already 0; leave it unset")
     return handle_zero_tail
 
 

@@ -525,6 +525,7 @@ BAD_OPTIONS = {
     "epsilon-negative": (dict(epsilon=-1e-8), "epsilon"),
     "epsilon-nan": (dict(epsilon=float("nan")), "epsilon"),
     "epsilon-inf": (dict(epsilon=float("inf")), "epsilon"),
+    "epsilon-text": (dict(epsilon="1e-8"), "epsilon"),
     "handle_zero_tail-text": (dict(handle_zero_tail="yes"), "handle_zero_tail"),
     "handle_zero_tail-loo": (dict(variant="leave_one_out", handle_zero_tail=True), "handle_zero_tail"),
     "unknown": (dict(varient="otb"), "varient"),
@@ -539,6 +540,26 @@ def test_invalid_options_raise_value_errors_naming_the_argument(name, tiny_model
     with pytest.raises(ValueError, match=rf"^{argument}:"):
         otb_trl.OTBGRPOTrainer(model=tiny_model, reward_funcs=trl_tiny.reward_a, train_dataset=trl_tiny.dataset(),
                                processing_class=trl_tiny.tokenizer(), **options)
+
+
+@pytest.mark.parametrize("bad", ["inf", "overflow"])
+def test_an_infinite_reward_raises_naming_the_reward_function(bad, tmp_path):
+    """±inf from a reward function is refused where the rewards are computed, naming the function and the completion
+    in TRL's generation batch; a weighted sum that overflows float32, naming the weights. (NaN — a function's None —
+    stays "not scored".)"""
+    def reward_huge(completion_ids, **_):
+        return [math.inf if bad == "inf" and i == 3 else 3e38 if bad == "overflow" else 0.0
+                for i, _ in enumerate(completion_ids)]
+
+    trainer = otb_trl.OTBGRPOTrainer(model=trl_tiny.model(), reward_funcs=[trl_tiny.reward_a, reward_huge],
+                                     args=trl_tiny.config(str(tmp_path), max_steps=1,
+                                                          reward_weights=[1.0, 1.0 if bad == "inf" else 2.0]),
+                                     train_dataset=trl_tiny.dataset(), processing_class=trl_tiny.tokenizer())
+    message = (r"^reward function 'reward_huge' returned inf for completion 3 of the generation batch" if bad == "inf"
+               else r"^reward_weights: the weighted sum of the rewards of completion 0 of the generation batch "
+                    r"overflows float32")
+    with pytest.raises(ValueError, match=message):
+        trainer.train()
 
 
 def test_accepted_options_and_defaults(tiny_model, tmp_path, monkeypatch):

@@ -67,6 +67,8 @@ CASES = [
     ("IS weight NaN", dict(is_weights=_with(np.ones((B, T)), (0, 0), np.nan)), ValueError, r"is_weights: contains"),
     ("negative epsilon", dict(epsilon=-1e-8), ValueError, r"epsilon: must be ≥ 0"),
     ("NaN epsilon", dict(epsilon=float("nan")), ValueError, r"epsilon: must be finite"),
+    ("text epsilon", dict(epsilon="1e-8"), TypeError, r"epsilon: expected a real number, got text '1e-8'"),
+    ("bytes epsilon", dict(epsilon=b"1"), TypeError, r"epsilon: expected a real number, got text b'1'"),
     ("string rewards", dict(rewards=np.array([["a"] * T] * B)), TypeError, r"rewards: expected real numbers"),
     ("complex rewards", dict(rewards=np.zeros((B, T), dtype=complex)), TypeError, r"rewards: expected real numbers"),
     ("None log_probs", dict(log_probs=None), TypeError, r"log_probs: expected an array, got None"),
@@ -106,7 +108,8 @@ def test_rounding_slack_of_the_input_precision_is_accepted():
 
 
 def test_leave_one_out_rejects_a_zero_tail_request():
-    with pytest.raises(ValueError, match="handle_zero_tail: not applicable with leave_one_out=True"):
+    with pytest.raises(ValueError, match=r"handle_zero_tail: not applicable to the leave-one-out baseline "
+                                         r"\(leave_one_out=True, variant='leave_one_out'\)"):
         otb.token_baseline(np.zeros((B, T)), np.ones((B, T)), np.ones((B, T)), [0, 0, 1], leave_one_out=True,
                            handle_zero_tail=True)
     with pytest.raises(ValueError, match="align: expected one of"):

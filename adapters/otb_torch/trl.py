@@ -323,6 +323,7 @@ class OTBGRPOTrainer(GRPOTrainer):
 
     def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> torch.Tensor:
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        _check_rewards(rewards_per_func, self.reward_func_names, self.reward_weights)
         if self._otb_generation is not None:
             self._otb_generation.rewards_per_func = rewards_per_func
         return rewards_per_func
@@ -537,6 +538,24 @@ class OTBGRPOTrainer(GRPOTrainer):
 # checks
 
 
+def _check_rewards(rewards_per_func: torch.Tensor, names: list[str], weights: torch.Tensor) -> None:
+    """±inf from a reward function, or a weighted sum that overflows, raises here, naming the function and the
+    completion (its row in the generation batch gathered over the processes, which every process holds alike, so all
+    raise) — not later inside OTB, at a row of one process's shuffled batch. NaN (a function's None) marks a
+    completion it does not score, as in TRL."""
+    infinite = torch.isinf(rewards_per_func)
+    if bool(infinite.any()):
+        row, column = (int(i) for i in torch.nonzero(infinite)[0])
+        raise ValueError(f"reward function {names[column]!r} returned {float(rewards_per_func[row, column])} for "
+                         f"completion {row} of the generation batch (over all processes): rewards must be finite "
+                         "(None marks a completion the function does not score)")
+    total = (rewards_per_func * weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+    if not bool(torch.isfinite(total).all()):
+        row = int(torch.nonzero(~torch.isfinite(total))[0])
+        raise ValueError(f"reward_weights: the weighted sum of the rewards of completion {row} of the generation batch "
+                         f"overflows float32 ({rewards_per_func[row].tolist()} weighted by {weights.tolist()})")
+
+
 def _check_trl_version() -> None:
     version = getattr(trl, "__version__", "unknown")
     if version.split(".")[:2] != SUPPORTED_TRL_SERIES.split("."):
@@ -567,8 +586,8 @@ def _check_config(config: Any) -> None:
         raise ValueError(f"args: expected a trl.GRPOConfig, got {type(config).__name__}")
     if config.scale_rewards != "none":
         raise ValueError(
-            f"scale_rewards: OTBGRPOTrainer needs scale_rewards='none' (or False), got {config.scale_rewards!r} "
-            "(TRL turns True into 'group'). "
+            f"scale_rewards: OTBGRPOTrainer needs scale_rewards='none' (or False), got {config.scale_rewards!r}"
+            + (" (TRL turns True into 'group')" if config.scale_rewards == "group" else "") + ". "
             "OTB's advantages are returns minus a per-token baseline, in reward units; TRL's scaling divides them by "
             "the group's (or batch's) reward std + 1e-4, which multiplies the advantages of a zero-std group by 10⁴ "
             "where the baseline is 0 (verl's zero tail, or no other member valid with leave_one_out). Set "
