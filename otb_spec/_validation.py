@@ -171,6 +171,7 @@ def token_statistics(
     like: str,
     *,
     names: tuple[str, str] = ("log_probs", "sum_pi_squared"),
+    consistency: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Validate the per-token policy statistics (log π(yₜ), Σ_v π_v²) at the positions ``mask`` selects.
 
@@ -181,7 +182,9 @@ def token_statistics(
     * ``sum_pi_squared ≥ exp(2·log_probs)``  (Σ_v π_v² contains the sampled token's own π²; catches arrays taken
       from different forward passes or shifted by one position).
 
-    Masked positions may hold anything finite (padding often carries log π = 0, Σπ² = 0).
+    Masked positions may hold anything finite (padding often carries log π = 0, Σπ² = 0). ``consistency=False``
+    leaves out the third rule, for a Σπ² whose own error may exceed its slack (verl's from half-precision logits:
+    otb_torch.verl).
     """
     lp_name, spp_name = names
     log_probs_raw = to_numpy(lp_name, log_probs)
@@ -196,7 +199,7 @@ def token_statistics(
     _check_where(spp_name, spp64, valid & ((spp64 < -slack_spp) | (spp64 > 1.0 + slack_spp)),
                  f"must lie in [0, 1] at valid positions (Σ_v π_v²; slack {slack_spp:g})")
     own = np.exp(2.0 * np.minimum(log_probs64, 0.0))
-    inconsistent = valid & (spp64 < own - (slack_spp + 2.0 * slack_lp))
+    inconsistent = valid & (spp64 < own - (slack_spp + 2.0 * slack_lp)) & consistency
     if inconsistent.any():
         first = tuple(int(i) for i in np.argwhere(inconsistent)[0])
         raise ValueError(
@@ -204,7 +207,9 @@ def token_statistics(
             f"token's own π²); at index {first} {spp_name} = {shown(spp64[first])} < π² = {shown(own[first])}. "
             f"Were {lp_name} and {spp_name} taken from different forward passes or shifted by one position? "
             f"(Or were float32 statistics cast to float64? The slack follows the dtype the arrays arrive in — "
-            f"{slack_spp + 2.0 * slack_lp:g} here — so pass them in the precision they were computed in.)"
+            f"{slack_spp + 2.0 * slack_lp:g} here — so pass them in the precision they were computed in. A Σπ² "
+            f"from half-precision logits by exp(lse(2z) − 2·lse(z)) in that precision, as verl's actor computes it "
+            f"under bf16, can be tens of percent off: compute it accurately, e.g. otb_torch.sum_pi_squared.)"
         )
     return log_probs64, spp64
 

@@ -2,7 +2,7 @@
 it, with verl's OTB estimators routed to otb_torch.
 
 The batch follows ``RayPPOTrainer.fit`` (verl/trainer/ppo/ray_trainer.py): string uids as an object array
-(ray_trainer.py:1482–1484), ``repeat(rollout.n, interleave=True)`` (:1537), ``_balance_batch`` — verl's own method —
+(ray_trainer.py:1482–1484), ``repeat(rollout.n, interleave=True)`` (:1540), ``_balance_batch`` — verl's own method —
 reordering the rows (:1549–1550), then the actor's ``old_log_probs`` and ``sum_pi_squared`` (:1297–1322), the
 token-level rewards and, when rollout correction is on, ``rollout_is_weights`` (:1643–1654); ``compute_advantage`` is
 called as at :1667–1675. Some batches drop rows after the repeat (as group filtering and rejection sampling do), so
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 import subprocess
 import sys
 import types
@@ -105,7 +106,7 @@ def trainer_batch(verl, *, seed: int, prompts: int = 12, rollout_n: int = 6, pos
     prompt_attention = (np.arange(16)[None, :] >= 16 - prompt_lengths[:, None]).astype(np.float32)   # left-padded
     batch = verl.DataProto.from_single_dict({"prompt_attention_mask": torch.from_numpy(prompt_attention),
                                              "uid": _uids(rng, prompts)})
-    batch = batch.repeat(repeat_times=rollout_n, interleave=True)                       # ray_trainer.py:1537
+    batch = batch.repeat(repeat_times=rollout_n, interleave=True)                       # ray_trainer.py:1540
     if unequal_groups:                                                                  # filtering / rejection
         keep = np.sort(rng.choice(len(batch), size=len(batch) - prompts, replace=False))
         batch = batch.select_idxs(keep)
@@ -230,6 +231,55 @@ def test_leave_one_out_variant_equals_the_reference(verl, estimator, batch_optio
     wrapper = (otb_verl.compute_leave_one_out_token_baseline_advantage if ESTIMATORS[estimator] == "position"
                else otb_verl.compute_multi_turn_leave_one_out_token_baseline_advantage)
     check_against_the_reference_leave_one_out(verl, trainer_batch(verl, **batch_options), estimator, function=wrapper)
+
+
+def _statistics_from_bf16_logits(verl, batch, seed: int, vocab: int = 4096, scale: float = 8.0) -> None:
+    """Σπ² and log π as verl's actor gives them after a bf16 forward: Σπ² by verl's own formula on bf16 logits
+    (peaked: ~N(0, 8²)), cast with ``.float()`` as ray_trainer.py:1322 does; log π from the same logits in float32 at
+    tokens sampled from them; 0 on padding."""
+    mask = batch.batch["response_mask"]
+    generator = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(*mask.shape, vocab, generator=generator) * scale).to(torch.bfloat16)
+    log_softmax = torch.log_softmax(logits.float(), dim=-1)
+    tokens = torch.multinomial(log_softmax.reshape(-1, vocab).exp(), 1, generator=generator).reshape(mask.shape)
+    valid = mask != 0
+    batch.batch["old_log_probs"] = torch.where(valid, log_softmax.gather(-1, tokens[..., None])[..., 0], 0.0)
+    batch.batch["sum_pi_squared"] = torch.where(
+        valid, verl.torch_functional.calculate_sum_pi_squared_from_logits(logits).float(), 0.0)
+
+
+@pytest.mark.parametrize("estimator", list(ESTIMATORS))
+def test_verls_half_precision_sum_pi_squared_passes_the_value_checks(verl, estimator, monkeypatch):
+    """verl's actor Σπ² from bf16 logits is tens of percent off on peaked softmaxes, so π² exceeds it far beyond the
+    slack of the rule Σπ² ≥ π²; with the default check_values=True the drop-in leaves that rule out for a Σπ² rounded
+    to half precision (warning once) and keeps every other check; its results are bitwise those of the unchecked
+    path (check_values=False), the one compared with verl's own above. A Σπ² not so rounded is still held to the
+    rule."""
+    monkeypatch.setattr(otb_verl, "_HALF_PRECISION_WARNED", False)
+    batch = trainer_batch(verl, seed=21, multi_turn=ESTIMATORS[estimator] == "valid_token", positions=48)
+    _statistics_from_bf16_logits(verl, batch, seed=21)
+    own = batch.batch["old_log_probs"].exp() ** 2 - batch.batch["sum_pi_squared"]
+    assert float(own.max()) > 0.1, "the batch does not show verl's half-precision error"
+    run_compute_advantage(verl, batch, estimator)                          # verl's own runs on it
+    with otb_verl.install(check_values=False):
+        expected_advantages, expected_returns = run_compute_advantage(verl, batch, estimator)
+    with otb_verl.install():
+        with pytest.warns(RuntimeWarning, match="sum_pi_squared arrives rounded to bfloat16"):
+            advantages, returns = run_compute_advantage(verl, batch, estimator)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")                                          # once per process
+            run_compute_advantage(verl, batch, estimator)
+        bad = copy.deepcopy(batch)
+        bad.batch["token_level_rewards"][1, 0] = float("nan")
+        with pytest.raises(ValueError, match=r"rewards: contains NaN"):
+            run_compute_advantage(verl, bad, estimator)
+        unrounded = copy.deepcopy(batch)
+        unrounded.batch["sum_pi_squared"] += 1e-7 * unrounded.batch["response_mask"]
+        with pytest.raises(ValueError, match=r"sum_pi_squared: must be ≥ π²"):
+            run_compute_advantage(verl, unrounded, estimator)
+    assert np.isfinite(advantages).all()
+    np.testing.assert_array_equal(advantages, expected_advantages)
+    np.testing.assert_array_equal(returns, expected_returns)
 
 
 def test_installed_options_reach_the_call(verl):
@@ -390,11 +440,29 @@ def test_uninstall_restores_every_original_object(verl, monkeypatch):
 def test_context_manager_undoes_and_install_is_idempotent(verl):
     original = verl.core_algos.ADV_ESTIMATOR_REGISTRY["optimal_token_baseline"]
     with otb_verl.install() as installation:
-        assert otb_verl.install() is installation                          # same options: the same installation
         with pytest.raises(RuntimeError, match=r"already installed .* call otb_torch.verl.uninstall\(\)"):
             otb_verl.install("leave_one_out")
+        with otb_verl.install() as inner:                                  # same options: the same installation
+            assert inner is installation
+        assert otb_verl.installed() is installation and installation.active     # the inner exit undid nothing
+        assert verl.core_algos.ADV_ESTIMATOR_REGISTRY["optimal_token_baseline"] is not original
     assert verl.core_algos.ADV_ESTIMATOR_REGISTRY["optimal_token_baseline"] is original
     assert otb_verl.installed() is None
+
+
+def test_a_plain_install_outlives_a_later_with_block_until_uninstall(verl):
+    """A trainer script calls install(); a library it uses wraps its own step in ``with install():`` — leaving that
+    block must not undo the script's installation; uninstall() does, at once."""
+    original = verl.core_algos.ADV_ESTIMATOR_REGISTRY["optimal_token_baseline"]
+    installation = otb_verl.install()
+    with otb_verl.install() as inner:
+        assert inner is installation
+    assert otb_verl.installed() is installation
+    assert verl.core_algos.ADV_ESTIMATOR_REGISTRY["optimal_token_baseline"] is installation.estimators[
+        "optimal_token_baseline"]
+    otb_verl.install()                                                      # a third holder: uninstall() ignores holds
+    assert otb_verl.uninstall() is True and not installation.active
+    assert verl.core_algos.ADV_ESTIMATOR_REGISTRY["optimal_token_baseline"] is original
 
 
 def test_install_rejects_bad_options_and_foreign_patches(verl, monkeypatch):

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import os
 import sys
 import threading
@@ -49,6 +50,7 @@ import torch
 
 import otb_torch
 from otb_spec import _validation as reference_checks
+from otb_spec._baseline import validated_otb_inputs
 from otb_torch._otb import leave_one_out_advantages
 
 __all__ = [
@@ -160,14 +162,81 @@ _ESTIMATORS = {
 
 
 def _with_options(function: Callable, options: dict, label: str) -> Callable:
-    """``function`` with otb_torch's options bound as keyword defaults (an explicit keyword of the caller wins)."""
+    """``function`` with otb_torch's options bound as keyword defaults (an explicit keyword of the caller wins), and
+    with the value checks adapted to a Σπ² rounded to half precision (:func:`_half_precision_statistics`)."""
+    signature = inspect.signature(function)
+    estimator = {"sum_pi_squared", "response_mask"} <= set(signature.parameters)    # not the Σπ² function
 
     @functools.wraps(function)
     def bound(*args: Any, **kwargs: Any) -> Any:
-        return function(*args, **{**options, **kwargs})
+        merged = {**options, **kwargs}
+        if estimator and merged.get("check_values") is True:
+            try:
+                call = signature.bind(*args, **merged).arguments
+            except TypeError:
+                call = None                                    # the function's own call raises the error
+            if call is not None and _half_precision_statistics(call["sum_pi_squared"], call["response_mask"]):
+                _check_values_without_consistency(call)
+                merged["check_values"] = False
+        return function(*args, **merged)
 
     bound.__qualname__ = f"{function.__qualname__}[{label}]"
     return bound
+
+
+_HALF_PRECISION_WARNED = False
+
+
+def _half_precision_statistics(sum_pi_squared: Any, response_mask: Any) -> str | None:
+    """The half precision ``sum_pi_squared`` was rounded to, or None: bfloat16 or float16 tensors, and float32 or
+    float64 ones whose values at valid positions all survive a round trip through bfloat16 (float16) — what verl's
+    trainer passes (``.float()`` of the actor's Σπ², ray_trainer.py:1322) after a bf16 (fp16) forward.
+
+    verl's actor computes that Σπ² as exp(lse(2z) − 2·lse(z)) in the logits' precision: tens of percent off where
+    the softmax is peaked (measured on bfloat16 logits ~N(0, 8²), V = 32768: up to 59 %, π² above Σπ² by up to 0.17,
+    14 % of tokens beyond the check's float32 slack), far beyond the slack of the rule Σπ² ≥ π² — which exists to
+    catch statistics taken from different forward passes or shifted by one, and cannot tell them from this error."""
+    if not isinstance(sum_pi_squared, torch.Tensor) or not sum_pi_squared.is_floating_point():
+        return None
+    if sum_pi_squared.dtype in (torch.bfloat16, torch.float16):
+        return str(sum_pi_squared.dtype).replace("torch.", "")
+    if not isinstance(response_mask, torch.Tensor) or response_mask.shape != sum_pi_squared.shape:
+        return None                                        # the checks name what is wrong
+    values = sum_pi_squared.detach()[response_mask.detach() != 0]
+    if values.numel() == 0:
+        return None
+    for half in (torch.bfloat16, torch.float16):
+        if bool(torch.equal(values.to(half).to(values.dtype), values)):
+            return str(half).replace("torch.", "")
+    return None
+
+
+def _check_values_without_consistency(call: dict) -> None:
+    """The reference's value checks of an estimator's inputs, all but Σπ² ≥ π², on the host; a warning once per
+    process that that rule is left out (:func:`_half_precision_statistics`)."""
+    global _HALF_PRECISION_WARNED
+
+    def host(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        value = value.detach().cpu()
+        return value.float().numpy() if value.dtype in (torch.bfloat16, torch.float16) else value.numpy()
+
+    index = call["index"]
+    index = index.index if isinstance(index, otb_torch.Segments) else index
+    validated_otb_inputs(host(call["token_level_rewards"]), host(call["response_mask"]), host(index),
+                         host(call["old_log_probs"]), host(call["sum_pi_squared"]),
+                         host(call.get("rollout_is_weights")), consistency=False)
+    if not _HALF_PRECISION_WARNED:
+        _HALF_PRECISION_WARNED = True
+        warnings.warn(
+            f"otb_torch.verl: sum_pi_squared arrives rounded to "
+            f"{_half_precision_statistics(call['sum_pi_squared'], call['response_mask'])} "
+            "— verl's actor computes it from half-precision logits as exp(lse(2z) − 2·lse(z)) in that precision, "
+            "tens of percent off where the softmax is peaked — so the check Σπ² ≥ π² (statistics from different "
+            "passes or shifted by one) is left out for such inputs; every other value check still runs. "
+            "install(sum_pi_squared=True) in the actor workers makes Σπ² accurate (docs/verl.md); it still arrives "
+            "rounded, so the rule stays off.", RuntimeWarning, stacklevel=3)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -381,6 +450,7 @@ class Installation:
     _replacements: list[_Replacement] = field(default_factory=list, repr=False)
     _class_patches: list[_ClassPatch] = field(default_factory=list, repr=False)
     _active: bool = field(default=True, repr=False)
+    _holders: int = field(default=1, repr=False)        # install() calls that returned it, less `with` exits
 
     @property
     def active(self) -> bool:
@@ -401,7 +471,13 @@ class Installation:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        self.uninstall()
+        """Leaving a ``with`` block gives back one :func:`install` call's hold: verl's objects return when the last
+        holder leaves — so an inner ``with install():`` (the same options, the same installation) does not undo an
+        outer one, nor a plain ``install()`` made earlier. :meth:`uninstall` and :func:`uninstall` undo it at once."""
+        with _LOCK:
+            self._holders -= 1
+            if self._holders <= 0:
+                _uninstall_locked(self)
 
 
 _LOCK = threading.RLock()
@@ -463,8 +539,10 @@ def install(variant: str = "verl", *, compile: bool = False, check_values: bool 
 
     Returns:
       The :class:`Installation` (a context manager: ``with otb_torch.verl.install(): ...`` uninstalls on exit).
-      Installing again with the same options returns the active installation unchanged; with different options it
-      raises ``RuntimeError`` (call :func:`uninstall` first).
+      Installing again with the same options returns the active installation, held once more: leaving a ``with``
+      block undoes it only when every :func:`install` call that returned it has left its block, so nested blocks
+      and a plain ``install()`` made earlier are not undone by an inner block (:func:`uninstall` undoes it at once);
+      with different options it raises ``RuntimeError`` (call :func:`uninstall` first).
 
     Raises:
       ValueError: unknown ``variant``; TypeError: a flag that is not a bool; ModuleNotFoundError: verl (or a package
@@ -480,6 +558,7 @@ def install(variant: str = "verl", *, compile: bool = False, check_values: bool 
     with _LOCK:
         if _ACTIVE is not None:
             if _ACTIVE.options() == options:
+                _ACTIVE._holders += 1
                 return _ACTIVE
             raise RuntimeError(f"otb_torch.verl is already installed with {_ACTIVE.options()}; call "
                                f"otb_torch.verl.uninstall() before installing with {options}")
