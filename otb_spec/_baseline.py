@@ -25,16 +25,13 @@ __all__: list[str] = []  # private module
 
 
 def validated_otb_inputs(rewards: Any, response_mask: Any, group_ids: Any, log_probs: Any, sum_pi_squared: Any,
-                         is_weights: Any, *, consistency: bool = True
-                         ) -> tuple[np.ndarray, np.ndarray, Segments, np.ndarray, np.ndarray | None]:
-    """Validate the verl-style arguments; return (rewards, mask, segments, token energy w, IS weights ρ or None).
-    ``consistency=False``: without the rule Σπ² ≥ π² (``_validation.token_statistics``)."""
+                         is_weights: Any) -> tuple[np.ndarray, np.ndarray, Segments, np.ndarray, np.ndarray | None]:
+    """Validate the verl-style arguments; return (rewards, mask, segments, token energy w, IS weights ρ or None)."""
     shape = check.batch_shape("rewards", rewards)
     rewards64 = check.float_array("rewards", rewards, shape=shape)
     mask = check.mask_array("response_mask", response_mask, shape, like="rewards")
     segments = group_segments(group_ids, shape[0])
-    log_probs64, spp64 = check.token_statistics(log_probs, sum_pi_squared, mask, shape, like="rewards",
-                                                consistency=consistency)
+    log_probs64, spp64 = check.token_statistics(log_probs, sum_pi_squared, mask, shape, like="rewards")
     weights = None if is_weights is None else importance_weights(is_weights, shape, like="rewards")
     return rewards64, mask, segments, _energy(log_probs64, spp64), weights
 

@@ -271,12 +271,16 @@ def test_verls_half_precision_sum_pi_squared_passes_the_value_checks(verl, estim
             run_compute_advantage(verl, batch, estimator)
         bad = copy.deepcopy(batch)
         bad.batch["token_level_rewards"][1, 0] = float("nan")
-        with pytest.raises(ValueError, match=r"rewards: contains NaN"):
+        with pytest.raises(ValueError, match=r"^token_level_rewards: contains NaN"):   # verl's names
             run_compute_advantage(verl, bad, estimator)
         unrounded = copy.deepcopy(batch)
         unrounded.batch["sum_pi_squared"] += 1e-7 * unrounded.batch["response_mask"]
         with pytest.raises(ValueError, match=r"sum_pi_squared: must be ≥ π²"):
             run_compute_advantage(verl, unrounded, estimator)
+    with otb_verl.install("leave_one_out"):
+        run_compute_advantage(verl, batch, estimator)
+        with pytest.raises(ValueError, match=r"^rewards: contains NaN"):                # the reference's names
+            run_compute_advantage(verl, bad, estimator)
     assert np.isfinite(advantages).all()
     np.testing.assert_array_equal(advantages, expected_advantages)
     np.testing.assert_array_equal(returns, expected_returns)

@@ -50,7 +50,7 @@ import torch
 
 import otb_torch
 from otb_spec import _validation as reference_checks
-from otb_spec._baseline import validated_otb_inputs
+from otb_spec.groups import group_segments
 from otb_torch._otb import leave_one_out_advantages
 
 __all__ = [
@@ -166,6 +166,7 @@ def _with_options(function: Callable, options: dict, label: str) -> Callable:
     with the value checks adapted to a Σπ² rounded to half precision (:func:`_half_precision_statistics`)."""
     signature = inspect.signature(function)
     estimator = {"sum_pi_squared", "response_mask"} <= set(signature.parameters)    # not the Σπ² function
+    names = _VERL_NAMES if label.endswith(":verl") else _REFERENCE_NAMES             # as the variant's errors say
 
     @functools.wraps(function)
     def bound(*args: Any, **kwargs: Any) -> Any:
@@ -176,7 +177,7 @@ def _with_options(function: Callable, options: dict, label: str) -> Callable:
             except TypeError:
                 call = None                                    # the function's own call raises the error
             if call is not None and _half_precision_statistics(call["sum_pi_squared"], call["response_mask"]):
-                _check_values_without_consistency(call)
+                _check_values_without_consistency(call, names)
                 merged["check_values"] = False
         return function(*args, **merged)
 
@@ -211,22 +212,39 @@ def _half_precision_statistics(sum_pi_squared: Any, response_mask: Any) -> str |
     return None
 
 
-def _check_values_without_consistency(call: dict) -> None:
-    """The reference's value checks of an estimator's inputs, all but Σπ² ≥ π², on the host; a warning once per
-    process that that rule is left out (:func:`_half_precision_statistics`)."""
+# the names the value checks give verl's arguments: verl's own under "verl", the reference's under "leave_one_out"
+_VERL_NAMES = dict(zip(_VERL_ARGUMENTS := ("token_level_rewards", "response_mask", "index", "old_log_probs",
+                                           "sum_pi_squared", "rollout_is_weights"), _VERL_ARGUMENTS))
+_REFERENCE_NAMES = dict(zip(_VERL_ARGUMENTS, ("rewards", "response_mask", "group_ids", "log_probs", "sum_pi_squared",
+                                              "is_weights")))
+
+
+def _check_values_without_consistency(call: dict, names: dict[str, str]) -> None:
+    """The reference's value checks of an estimator's inputs (``call``: argument → value, verl's names), all but
+    Σπ² ≥ π², on the host, each error naming the argument by ``names``; a warning once per process that the rule is
+    left out (:func:`_half_precision_statistics`)."""
     global _HALF_PRECISION_WARNED
 
-    def host(value: Any) -> Any:
+    def host(argument: str) -> Any:
+        value = call.get(argument)
+        if isinstance(value, otb_torch.Segments):
+            value = value.index
         if not isinstance(value, torch.Tensor):
             return value
         value = value.detach().cpu()
         return value.float().numpy() if value.dtype in (torch.bfloat16, torch.float16) else value.numpy()
 
-    index = call["index"]
-    index = index.index if isinstance(index, otb_torch.Segments) else index
-    validated_otb_inputs(host(call["token_level_rewards"]), host(call["response_mask"]), host(index),
-                         host(call["old_log_probs"]), host(call["sum_pi_squared"]),
-                         host(call.get("rollout_is_weights")), consistency=False)
+    rewards = names["token_level_rewards"]
+    shape = reference_checks.batch_shape(rewards, host("token_level_rewards"))
+    reference_checks.float_array(rewards, host("token_level_rewards"), shape=shape)
+    mask = reference_checks.mask_array(names["response_mask"], host("response_mask"), shape, like=rewards)
+    group_segments(host("index"), shape[0], name=names["index"])
+    reference_checks.token_statistics(host("old_log_probs"), host("sum_pi_squared"), mask, shape, like=rewards,
+                                      names=(names["old_log_probs"], names["sum_pi_squared"]), consistency=False)
+    if call.get("rollout_is_weights") is not None:
+        weights = reference_checks.float_array(names["rollout_is_weights"], host("rollout_is_weights"), shape=shape,
+                                               like=rewards)
+        reference_checks.nonnegative(names["rollout_is_weights"], weights)
     if not _HALF_PRECISION_WARNED:
         _HALF_PRECISION_WARNED = True
         warnings.warn(
