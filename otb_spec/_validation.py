@@ -147,7 +147,8 @@ def scalar(name: str, value: Any, *, minimum: float | None = None, maximum: floa
     """A finite real scalar, optionally bounded. Text is refused, not parsed: ``float("1e-8")`` would accept it."""
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: expected a real number, got a bool")
-    if isinstance(value, (str, bytes, bytearray, np.str_, np.bytes_)):
+    if isinstance(value, (str, bytes, bytearray, np.str_, np.bytes_)) or (
+            isinstance(value, np.ndarray) and value.dtype.kind in "USO"):
         raise TypeError(f"{name}: expected a real number, got text {value!r}")
     try:
         number = float(value)

@@ -504,7 +504,7 @@ def torch_vocabulary_blocks_token_statistics(hidden, weight, token_ids, temperat
     h = hidden.to(compute).reshape(-1, hidden.shape[-1])
     ids = token_ids.reshape(-1).to(torch.int64)
     tokens = h.shape[0]
-    maximum = torch.full((tokens,), -torch.inf, dtype=compute)
+    maximum = torch.full((tokens,), 0.0 if "running_max_starts_at_zero" in bugs else -torch.inf, dtype=compute)
     s1, tilt, s2, chosen = (torch.zeros(tokens, dtype=compute) for _ in range(4))
     for start in range(0, weight.shape[0], block):
         z = h @ weight[start:start + block].to(compute).T / temperature
@@ -691,6 +691,9 @@ BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
     "block_max_not_rescaled": ("fused-token-statistics", "verl",
                                _variant(torch_vocabulary_blocks_token_statistics, "block_max_not_rescaled"),
                                "vocabulary blocks of 8192 columns, each against its own maximum, never rescaled"),
+    "running_max_starts_at_zero": ("fused-token-statistics", "verl",
+                                   _variant(torch_vocabulary_blocks_token_statistics, "running_max_starts_at_zero"),
+                                   "the running maximum of the vocabulary blocks started at 0 instead of −∞"),
     "entropy_without_probabilities": ("fused-token-statistics", "verl",
                                       _variant(torch_unfused_token_statistics, "entropy_without_probabilities"),
                                       "the entropy as −Σ log π (the probabilities forgotten)"),

@@ -3,7 +3,10 @@ inputs, bfloat16 in the special cases), every realistic porting bug is rejected 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import re
 
 import pytest
 
@@ -35,6 +38,7 @@ def test_a_port_verls_trainer_could_not_call_is_checked_positionally_with_a_warn
     (signature,) = [r for r in report.results if r.layer == "signature"]
     assert signature.status == "warn" and "verl's trainer could not call this target" in signature.message, \
         report.to_text()
+
     def off_by_one_percent(*args, **kwargs):                                    # the values are still checked
         advantages, returns = function(*args, **kwargs)
         return advantages * 1.01, returns
@@ -75,10 +79,6 @@ def test_sum_pi_squared_ports_held_to_float32_with_working_dtype():
 def test_a_verl_convention_snippet_reproduces_a_failure_from_defaults():
     """A bug that shows only through the trainer's keyword call (the zero tail off by default): the report's snippet
     makes the same call — verl's keywords, the options left out at verl's defaults — and prints the same error."""
-    import contextlib
-    import io
-    import re
-
     kind, convention, function, _ = realistic_ports.BUGGY["zero_tail_off_by_default"]
     report = verify(function, kind, convention=convention, layers=("golden",))
     failure = next(r for r in report.failures if r.snippet and "handle_zero_tail=True" in r.case)

@@ -555,7 +555,8 @@ def test_an_infinite_reward_raises_naming_the_reward_function(bad, tmp_path):
                                      args=trl_tiny.config(str(tmp_path), max_steps=1,
                                                           reward_weights=[1.0, 1.0 if bad == "inf" else 2.0]),
                                      train_dataset=trl_tiny.dataset(), processing_class=trl_tiny.tokenizer())
-    message = (r"^reward function 'reward_huge' returned inf for completion 3 of the generation batch" if bad == "inf"
+    message = (r"^reward function 'reward_huge' returned inf \(in float32, TRL's reward dtype\) for completion 3 "
+               r"of the generation batch" if bad == "inf"
                else r"^reward_weights: the weighted sum of the rewards of completion 0 of the generation batch "
                     r"overflows float32")
     with pytest.raises(ValueError, match=message):

@@ -69,6 +69,7 @@ CASES = [
     ("NaN epsilon", dict(epsilon=float("nan")), ValueError, r"epsilon: must be finite"),
     ("text epsilon", dict(epsilon="1e-8"), TypeError, r"epsilon: expected a real number, got text '1e-8'"),
     ("bytes epsilon", dict(epsilon=b"1"), TypeError, r"epsilon: expected a real number, got text b'1'"),
+    ("array-of-text epsilon", dict(epsilon=np.array("1e-8")), TypeError, r"epsilon: expected a real number, got text"),
     ("string rewards", dict(rewards=np.array([["a"] * T] * B)), TypeError, r"rewards: expected real numbers"),
     ("complex rewards", dict(rewards=np.zeros((B, T), dtype=complex)), TypeError, r"rewards: expected real numbers"),
     ("None log_probs", dict(log_probs=None), TypeError, r"log_probs: expected an array, got None"),

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import copy
 import os
-import warnings
 import subprocess
 import sys
 import types
 import uuid
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -248,6 +248,13 @@ def _statistics_from_bf16_logits(verl, batch, seed: int, vocab: int = 4096, scal
         valid, verl.torch_functional.calculate_sum_pi_squared_from_logits(logits).float(), 0.0)
 
 
+_OTHER_VALUE_CHECKS = (
+    ("response_mask", 2.0, r"^response_mask: values must be exactly 0 or 1"),
+    ("old_log_probs", 0.5, r"^old_log_probs: must be ≤ 0 at valid positions"),
+    ("sum_pi_squared", 1.5, r"^sum_pi_squared: must lie in \[0, 1\] at valid positions"),
+)
+
+
 @pytest.mark.parametrize("estimator", list(ESTIMATORS))
 def test_verls_half_precision_sum_pi_squared_passes_the_value_checks(verl, estimator, monkeypatch):
     """verl's actor Σπ² from bf16 logits is tens of percent off on peaked softmaxes, so π² exceeds it far beyond the
@@ -273,6 +280,15 @@ def test_verls_half_precision_sum_pi_squared_passes_the_value_checks(verl, estim
         bad.batch["token_level_rewards"][1, 0] = float("nan")
         with pytest.raises(ValueError, match=r"^token_level_rewards: contains NaN"):   # verl's names
             run_compute_advantage(verl, bad, estimator)
+        for key, value, message in _OTHER_VALUE_CHECKS:                           # every other check still runs
+            broken = copy.deepcopy(batch)
+            row, column = map(int, torch.nonzero(broken.batch["response_mask"])[3])
+            broken.batch[key][row, column] = value
+            with pytest.raises(ValueError, match=message):
+                run_compute_advantage(verl, broken, estimator)
+        as_bfloat16 = copy.deepcopy(batch)                                        # a bfloat16 tensor, not cast
+        as_bfloat16.batch["sum_pi_squared"] = as_bfloat16.batch["sum_pi_squared"].to(torch.bfloat16)
+        run_compute_advantage(verl, as_bfloat16, estimator)
         unrounded = copy.deepcopy(batch)
         unrounded.batch["sum_pi_squared"] += 1e-7 * unrounded.batch["response_mask"]
         with pytest.raises(ValueError, match=r"sum_pi_squared: must be ≥ π²"):
@@ -441,7 +457,7 @@ def test_uninstall_restores_every_original_object(verl, monkeypatch):
     assert otb_verl.uninstall() is False                                    # nothing left to undo
 
 
-def test_context_manager_undoes_and_install_is_idempotent(verl):
+def test_context_manager_undoes_and_nested_installs_share_one_installation(verl):
     original = verl.core_algos.ADV_ESTIMATOR_REGISTRY["optimal_token_baseline"]
     with otb_verl.install() as installation:
         with pytest.raises(RuntimeError, match=r"already installed .* call otb_torch.verl.uninstall\(\)"):
@@ -467,6 +483,10 @@ def test_a_plain_install_outlives_a_later_with_block_until_uninstall(verl):
     otb_verl.install()                                                      # a third holder: uninstall() ignores holds
     assert otb_verl.uninstall() is True and not installation.active
     assert verl.core_algos.ADV_ESTIMATOR_REGISTRY["optimal_token_baseline"] is original
+    with otb_verl.install() as outer:                                      # a plain install() inside a block holds it
+        assert otb_verl.install() is outer
+    assert otb_verl.installed() is outer and outer.active
+    assert otb_verl.uninstall() is True
 
 
 def test_install_rejects_bad_options_and_foreign_patches(verl, monkeypatch):

@@ -546,7 +546,8 @@ def _check_rewards(rewards_per_func: torch.Tensor, names: list[str], weights: to
     infinite = torch.isinf(rewards_per_func)
     if bool(infinite.any()):
         row, column = (int(i) for i in torch.nonzero(infinite)[0])
-        raise ValueError(f"reward function {names[column]!r} returned {float(rewards_per_func[row, column])} for "
+        raise ValueError(f"reward function {names[column]!r} returned {float(rewards_per_func[row, column])} (in "
+                         f"{str(rewards_per_func.dtype).replace('torch.', '')}, TRL's reward dtype) for "
                          f"completion {row} of the generation batch (over all processes): rewards must be finite "
                          "(None marks a completion the function does not score)")
     total = (rewards_per_func * weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)

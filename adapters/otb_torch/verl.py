@@ -51,6 +51,7 @@ import torch
 import otb_torch
 from otb_spec import _validation as reference_checks
 from otb_spec.groups import group_segments
+from otb_torch import _checks, _otb
 from otb_torch._otb import leave_one_out_advantages
 
 __all__ = [
@@ -163,7 +164,7 @@ _ESTIMATORS = {
 
 def _with_options(function: Callable, options: dict, label: str) -> Callable:
     """``function`` with otb_torch's options bound as keyword defaults (an explicit keyword of the caller wins), and
-    with the value checks adapted to a Σπ² rounded to half precision (:func:`_half_precision_statistics`)."""
+    with the value checks adapted to a Σπ² rounded to half precision (:func:`_rounded_to_half_precision`)."""
     signature = inspect.signature(function)
     estimator = {"sum_pi_squared", "response_mask"} <= set(signature.parameters)    # not the Σπ² function
     names = _VERL_NAMES if label.endswith(":verl") else _REFERENCE_NAMES             # as the variant's errors say
@@ -176,7 +177,7 @@ def _with_options(function: Callable, options: dict, label: str) -> Callable:
                 call = signature.bind(*args, **merged).arguments
             except TypeError:
                 call = None                                    # the function's own call raises the error
-            if call is not None and _half_precision_statistics(call["sum_pi_squared"], call["response_mask"]):
+            if call is not None and _rounded_to_half_precision(call["sum_pi_squared"], call["response_mask"]):
                 _check_values_without_consistency(call, names)
                 merged["check_values"] = False
         return function(*args, **merged)
@@ -188,7 +189,7 @@ def _with_options(function: Callable, options: dict, label: str) -> Callable:
 _HALF_PRECISION_WARNED = False
 
 
-def _half_precision_statistics(sum_pi_squared: Any, response_mask: Any) -> str | None:
+def _rounded_to_half_precision(sum_pi_squared: Any, response_mask: Any) -> str | None:
     """The half precision ``sum_pi_squared`` was rounded to, or None: bfloat16 or float16 tensors, and float32 or
     float64 ones whose values at valid positions all survive a round trip through bfloat16 (float16) — what verl's
     trainer passes (``.float()`` of the actor's Σπ², ray_trainer.py:1322) after a bf16 (fp16) forward.
@@ -213,26 +214,21 @@ def _half_precision_statistics(sum_pi_squared: Any, response_mask: Any) -> str |
 
 
 # the names the value checks give verl's arguments: verl's own under "verl", the reference's under "leave_one_out"
-_VERL_NAMES = dict(zip(_VERL_ARGUMENTS := ("token_level_rewards", "response_mask", "index", "old_log_probs",
-                                           "sum_pi_squared", "rollout_is_weights"), _VERL_ARGUMENTS))
-_REFERENCE_NAMES = dict(zip(_VERL_ARGUMENTS, ("rewards", "response_mask", "group_ids", "log_probs", "sum_pi_squared",
-                                              "is_weights")))
+_VERL_NAMES = dict(zip(_otb._VERL_NAMES, _otb._VERL_NAMES))
+_REFERENCE_NAMES = dict(zip(_otb._VERL_NAMES, _otb._NAMES))
 
 
 def _check_values_without_consistency(call: dict, names: dict[str, str]) -> None:
     """The reference's value checks of an estimator's inputs (``call``: argument → value, verl's names), all but
     Σπ² ≥ π², on the host, each error naming the argument by ``names``; a warning once per process that the rule is
-    left out (:func:`_half_precision_statistics`)."""
+    left out (:func:`_rounded_to_half_precision`)."""
     global _HALF_PRECISION_WARNED
 
     def host(argument: str) -> Any:
         value = call.get(argument)
         if isinstance(value, otb_torch.Segments):
             value = value.index
-        if not isinstance(value, torch.Tensor):
-            return value
-        value = value.detach().cpu()
-        return value.float().numpy() if value.dtype in (torch.bfloat16, torch.float16) else value.numpy()
+        return _checks._host(value) if isinstance(value, torch.Tensor) else value     # as the kernel path's checks
 
     rewards = names["token_level_rewards"]
     shape = reference_checks.batch_shape(rewards, host("token_level_rewards"))
@@ -249,7 +245,7 @@ def _check_values_without_consistency(call: dict, names: dict[str, str]) -> None
         _HALF_PRECISION_WARNED = True
         warnings.warn(
             f"otb_torch.verl: sum_pi_squared arrives rounded to "
-            f"{_half_precision_statistics(call['sum_pi_squared'], call['response_mask'])} "
+            f"{_rounded_to_half_precision(call['sum_pi_squared'], call['response_mask'])} "
             "— verl's actor computes it from half-precision logits as exp(lse(2z) − 2·lse(z)) in that precision, "
             "tens of percent off where the softmax is peaked — so the check Σπ² ≥ π² (statistics from different "
             "passes or shifted by one) is left out for such inputs; every other value check still runs. "
@@ -541,9 +537,10 @@ def install(variant: str = "verl", *, compile: bool = False, check_values: bool 
         proofs/T3): :func:`compute_leave_one_out_token_baseline_advantage` and its multi-turn twin, under the same
         two names, so a verl config needs no other change.
       compile: fuse the computation with ``torch.compile`` (the first call compiles).
-      check_values: validate the inputs (one host synchronisation per call; bad input raises the reference's error
-        naming the argument — verl's names under ``"verl"``, the reference's under ``"leave_one_out"`` — instead of
-        producing NaN).
+      check_values: validate the inputs (one host synchronisation per call, one more to tell a Σπ² rounded to half
+        precision, which is then checked on the host without the rule Σπ² ≥ π² — docs/verl.md, *bf16 training*;
+        bad input raises the reference's error naming the argument — verl's names under ``"verl"``, the
+        reference's under ``"leave_one_out"`` — instead of producing NaN).
       sum_pi_squared: also give the actor's Σπ² (FSDP engine) from the port — call it this way in the actor workers:
         ``verl.utils.torch_functional.calculate_sum_pi_squared_from_logits`` becomes the port's memory-bounded ratio
         form S₂/S₁² accumulated in float32; and with fused kernels (``use_fused_kernels=True``, torch backend), which
