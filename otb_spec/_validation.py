@@ -248,13 +248,15 @@ def epsilon(value: Any) -> float:
 def raise_value_error(host: Any, *, rewards: tuple[str, Any] | None = None, mask: tuple[str, Any] | None = None,
                       log_probs: tuple[str, Any] | None = None, sum_pi_squared: tuple[str, Any] | None = None,
                       is_weights: tuple[str, Any] | None = None, others: list[tuple[str, Any]] | None = None,
-                      energies: list[tuple[str, Any]] | None = None, flagged: bool = True) -> None:
+                      energies: list[tuple[str, Any]] | None = None, flagged: bool = True,
+                      consistency: bool = True) -> None:
     """Raise the reference's error, naming the argument, for (name, array) pairs a port's device-side check flagged.
 
     ``host`` copies a port's array to a NumPy array. The rules run in the reference's order: finite values
     (``rewards``, ``others``, ``energies``), a 0/1 ``mask``, ``energies`` ≥ 0 at valid positions, the token
     statistics, ``is_weights`` ≥ 0. If none fires, the device and the host disagree: that is reported as such —
     unless ``flagged=False`` (the port asks for the exact check without a device flag), when it returns.
+    ``consistency=False``: without the rule Σπ² ≥ π² (:func:`token_statistics`).
     """
     others, energies = others or [], energies or []
     like = rewards[0] if rewards is not None else "the first argument"
@@ -270,7 +272,7 @@ def raise_value_error(host: Any, *, rewards: tuple[str, Any] | None = None, mask
         nonnegative_where(name, float_array(name, energy_host), where, energy_host.dtype)
     if log_probs is not None and sum_pi_squared is not None:
         token_statistics(host(log_probs[1]), host(sum_pi_squared[1]), mask_host, tuple(log_probs[1].shape),
-                         like=like, names=(log_probs[0], sum_pi_squared[0]))
+                         like=like, names=(log_probs[0], sum_pi_squared[0]), consistency=consistency)
     if is_weights is not None:
         nonnegative(is_weights[0], float_array(is_weights[0], host(is_weights[1])))
     if flagged:

@@ -113,8 +113,9 @@ def not_binary(mask: torch.Tensor) -> torch.Tensor:
 def problems(*, rewards: torch.Tensor | None = None, mask: torch.Tensor | None = None,
              log_probs: torch.Tensor | None = None, sum_pi_squared: torch.Tensor | None = None,
              is_weights: torch.Tensor | None = None, others: tuple[torch.Tensor, ...] = (),
-             energies: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
-    """A 0-dim bool tensor on the inputs' device: True if any value rule of the reference is violated.
+             energies: tuple[torch.Tensor, ...] = (), consistency: bool = True) -> torch.Tensor:
+    """A 0-dim bool tensor on the inputs' device: True if any value rule of the reference is violated (without
+    Σπ² ≥ π² where ``consistency`` is False).
 
     No synchronisation; the rules are evaluated in the inputs' precision (at least float32), which is exact enough
     for slacks of 1e-9 (float64) and 1e-2 (float32 and below). Rules that hold "at valid positions" are evaluated on
@@ -142,8 +143,9 @@ def problems(*, rewards: torch.Tensor | None = None, mask: torch.Tensor | None =
         flags.append(at_valid(lp).amax() > slack_lp)                                   # log π ≤ 0
         low, high = torch.aminmax(at_valid(spp))                                       # 0 ≤ Σπ² ≤ 1
         flags.append((low < -slack_spp) | (high > 1.0 + slack_spp))
-        own_minus_spp = torch.clamp(lp, max=0.0).mul_(2.0).exp_().sub_(spp)            # π² − Σπ² ≤ slack
-        flags.append(at_valid(own_minus_spp).amax() > slack_spp + 2 * slack_lp)
+        if consistency:
+            own_minus_spp = torch.clamp(lp, max=0.0).mul_(2.0).exp_().sub_(spp)        # π² − Σπ² ≤ slack
+            flags.append(at_valid(own_minus_spp).amax() > slack_spp + 2 * slack_lp)
     if not flags:
         return torch.zeros((), dtype=torch.bool)
     device = flags[0].device
@@ -159,28 +161,29 @@ def _host(value: torch.Tensor) -> np.ndarray:
 def check_values(enabled: bool, *, rewards: Named | None = None, mask: Named | None = None,
                  log_probs: Named | None = None, sum_pi_squared: Named | None = None,
                  is_weights: Named | None = None, others: list[Named] | None = None,
-                 energies: list[Named] | None = None, exact: bool = False) -> None:
+                 energies: list[Named] | None = None, exact: bool = False, consistency: bool = True) -> None:
     """One synchronisation; if any value rule is violated, raise the reference's error naming the argument.
 
     ``others`` must be finite; ``energies`` must also be ≥ 0 (up to the input-precision slack) at valid positions.
     ``exact=True`` skips the device pre-check and runs the reference's validators on host copies directly.
+    ``consistency=False`` leaves out the rule Σπ² ≥ π² (otb_torch.verl, for verl's half-precision Σπ²).
     """
     others, energies = others or [], energies or []
     if enabled and exact:
         reference_checks.raise_value_error(_host, rewards=rewards, mask=mask, log_probs=log_probs,
                                            sum_pi_squared=sum_pi_squared, is_weights=is_weights, others=others,
-                                           energies=energies, flagged=False)
+                                           energies=energies, flagged=False, consistency=consistency)
         return
     flag = problems(rewards=None if rewards is None else rewards[1], mask=None if mask is None else mask[1],
                     log_probs=None if log_probs is None else log_probs[1],
                     sum_pi_squared=None if sum_pi_squared is None else sum_pi_squared[1],
                     is_weights=None if is_weights is None else is_weights[1], others=tuple(v for _, v in others),
-                    energies=tuple(v for _, v in energies))
+                    energies=tuple(v for _, v in energies), consistency=consistency)
     if not enabled or not bool(flag):
         return
     reference_checks.raise_value_error(_host, rewards=rewards, mask=mask, log_probs=log_probs,
                                        sum_pi_squared=sum_pi_squared, is_weights=is_weights, others=others,
-                                       energies=energies)
+                                       energies=energies, consistency=consistency)
 
 
 epsilon = reference_checks.epsilon

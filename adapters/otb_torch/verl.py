@@ -50,7 +50,6 @@ import torch
 
 import otb_torch
 from otb_spec import _validation as reference_checks
-from otb_spec.groups import group_segments
 from otb_torch import _checks, _otb
 from otb_torch._otb import leave_one_out_advantages
 
@@ -177,8 +176,9 @@ def _with_options(function: Callable, options: dict, label: str) -> Callable:
                 call = signature.bind(*args, **merged).arguments
             except TypeError:
                 call = None                                    # the function's own call raises the error
-            if call is not None and _rounded_to_half_precision(call["sum_pi_squared"], call["response_mask"]):
-                _check_values_without_consistency(call, names)
+            rounded = None if call is None else _rounded_to_half_precision(call)
+            if rounded is not None:
+                _check_values_without_consistency(call, names, rounded)
                 merged["check_values"] = False
         return function(*args, **merged)
 
@@ -188,22 +188,33 @@ def _with_options(function: Callable, options: dict, label: str) -> Callable:
 
 _HALF_PRECISION_WARNED = False
 
+# the estimators' tensor arguments (verl's names), and the names their value checks give them: verl's own under
+# "verl", the reference's under "leave_one_out"
+_TENSORS = ("token_level_rewards", "response_mask", "old_log_probs", "sum_pi_squared", "rollout_is_weights")
+_VERL_NAMES = dict(zip(_otb._VERL_NAMES, _otb._VERL_NAMES))
+_REFERENCE_NAMES = dict(zip(_otb._VERL_NAMES, _otb._NAMES))
 
-def _rounded_to_half_precision(sum_pi_squared: Any, response_mask: Any) -> str | None:
-    """The half precision ``sum_pi_squared`` was rounded to, or None: bfloat16 or float16 tensors, and float32 or
-    float64 ones whose values at valid positions all survive a round trip through bfloat16 (float16) — what verl's
-    trainer passes (``.float()`` of the actor's Σπ², ray_trainer.py:1322) after a bf16 (fp16) forward.
+
+def _rounded_to_half_precision(call: dict) -> str | None:
+    """The half precision an estimator call's ``sum_pi_squared`` was rounded to, or None: bfloat16 or float16
+    tensors, and float32 or float64 ones whose values at valid positions all survive a round trip through bfloat16
+    (float16) — what verl's trainer passes (``.float()`` of the actor's Σπ², ray_trainer.py:1322) after a bf16
+    (fp16) forward. None too where the call's tensors do not all have the mask's shape: the estimator's own shape
+    checks then name what is wrong.
 
     verl's actor computes that Σπ² as exp(lse(2z) − 2·lse(z)) in the logits' precision: tens of percent off where
     the softmax is peaked (measured on bfloat16 logits ~N(0, 8²), V = 32768: up to 59 %, π² above Σπ² by up to 0.17,
     14 % of tokens beyond the check's float32 slack), far beyond the slack of the rule Σπ² ≥ π² — which exists to
     catch statistics taken from different forward passes or shifted by one, and cannot tell them from this error."""
-    if not isinstance(sum_pi_squared, torch.Tensor) or not sum_pi_squared.is_floating_point():
+    sum_pi_squared, response_mask = call["sum_pi_squared"], call["response_mask"]
+    tensors = [call[name] for name in _TENSORS if call.get(name) is not None]
+    if not isinstance(response_mask, torch.Tensor) or not all(
+            isinstance(value, torch.Tensor) and value.shape == response_mask.shape for value in tensors):
+        return None
+    if not sum_pi_squared.is_floating_point():
         return None
     if sum_pi_squared.dtype in (torch.bfloat16, torch.float16):
         return str(sum_pi_squared.dtype).replace("torch.", "")
-    if not isinstance(response_mask, torch.Tensor) or response_mask.shape != sum_pi_squared.shape:
-        return None                                        # the checks name what is wrong
     values = sum_pi_squared.detach()[response_mask.detach() != 0]
     if values.numel() == 0:
         return None
@@ -213,39 +224,23 @@ def _rounded_to_half_precision(sum_pi_squared: Any, response_mask: Any) -> str |
     return None
 
 
-# the names the value checks give verl's arguments: verl's own under "verl", the reference's under "leave_one_out"
-_VERL_NAMES = dict(zip(_otb._VERL_NAMES, _otb._VERL_NAMES))
-_REFERENCE_NAMES = dict(zip(_otb._VERL_NAMES, _otb._NAMES))
-
-
-def _check_values_without_consistency(call: dict, names: dict[str, str]) -> None:
-    """The reference's value checks of an estimator's inputs (``call``: argument → value, verl's names), all but
-    Σπ² ≥ π², on the host, each error naming the argument by ``names``; a warning once per process that the rule is
-    left out (:func:`_rounded_to_half_precision`)."""
+def _check_values_without_consistency(call: dict, names: dict[str, str], rounded: str) -> None:
+    """The value checks of an estimator's inputs (``call``: argument → value, verl's names) that the kernel path runs
+    (``otb_torch._checks.check_values``: one synchronisation; the reference's error, naming the argument by
+    ``names``), all but Σπ² ≥ π²; a warning once per process that the rule is left out, Σπ² being ``rounded`` to
+    half precision (:func:`_rounded_to_half_precision`)."""
     global _HALF_PRECISION_WARNED
-
-    def host(argument: str) -> Any:
-        value = call.get(argument)
-        if isinstance(value, otb_torch.Segments):
-            value = value.index
-        return _checks._host(value) if isinstance(value, torch.Tensor) else value     # as the kernel path's checks
-
-    rewards = names["token_level_rewards"]
-    shape = reference_checks.batch_shape(rewards, host("token_level_rewards"))
-    reference_checks.float_array(rewards, host("token_level_rewards"), shape=shape)
-    mask = reference_checks.mask_array(names["response_mask"], host("response_mask"), shape, like=rewards)
-    group_segments(host("index"), shape[0], name=names["index"])
-    reference_checks.token_statistics(host("old_log_probs"), host("sum_pi_squared"), mask, shape, like=rewards,
-                                      names=(names["old_log_probs"], names["sum_pi_squared"]), consistency=False)
-    if call.get("rollout_is_weights") is not None:
-        weights = reference_checks.float_array(names["rollout_is_weights"], host("rollout_is_weights"), shape=shape,
-                                               like=rewards)
-        reference_checks.nonnegative(names["rollout_is_weights"], weights)
+    weights = call.get("rollout_is_weights")
+    _checks.check_values(
+        True, rewards=(names["token_level_rewards"], call["token_level_rewards"]),
+        mask=(names["response_mask"], call["response_mask"]),
+        log_probs=(names["old_log_probs"], call["old_log_probs"]),
+        sum_pi_squared=(names["sum_pi_squared"], call["sum_pi_squared"]),
+        is_weights=None if weights is None else (names["rollout_is_weights"], weights), consistency=False)
     if not _HALF_PRECISION_WARNED:
         _HALF_PRECISION_WARNED = True
         warnings.warn(
-            f"otb_torch.verl: sum_pi_squared arrives rounded to "
-            f"{_rounded_to_half_precision(call['sum_pi_squared'], call['response_mask'])} "
+            f"otb_torch.verl: sum_pi_squared arrives rounded to {rounded} "
             "— verl's actor computes it from half-precision logits as exp(lse(2z) − 2·lse(z)) in that precision, "
             "tens of percent off where the softmax is peaked — so the check Σπ² ≥ π² (statistics from different "
             "passes or shifted by one) is left out for such inputs; every other value check still runs. "
@@ -538,7 +533,7 @@ def install(variant: str = "verl", *, compile: bool = False, check_values: bool 
         two names, so a verl config needs no other change.
       compile: fuse the computation with ``torch.compile`` (the first call compiles).
       check_values: validate the inputs (one host synchronisation per call, one more to tell a Σπ² rounded to half
-        precision, which is then checked on the host without the rule Σπ² ≥ π² — docs/verl.md, *bf16 training*;
+        precision, which is then checked without the rule Σπ² ≥ π² — docs/verl.md, *bf16 training*;
         bad input raises the reference's error naming the argument — verl's names under ``"verl"``, the
         reference's under ``"leave_one_out"`` — instead of producing NaN).
       sum_pi_squared: also give the actor's Σπ² (FSDP engine) from the port — call it this way in the actor workers:

@@ -155,7 +155,9 @@ def _verl(target: Callable, target_spec: str, kind: str, device: str) -> Subject
         host = np.array(array, dtype=np.float32 if dtype != "float64" else np.float64, copy=True)
         return torch.from_numpy(host).to(device=device, dtype=_torch_dtype(dtype))
 
-    by_keyword = kind == "sum-pi-squared" or _verl_keyword_problem(target) is None
+    keyword_problem = None if kind == "sum-pi-squared" else _verl_keyword_problem(target)
+    by_keyword = keyword_problem is None
+    positional_problem = _signature_check(target, 5, "rollout_is_weights")     # verl's order, the options as keywords
 
     def run(case: Case) -> Outcome:
         if kind == "sum-pi-squared":
@@ -228,16 +230,13 @@ def _verl(target: Callable, target_spec: str, kind: str, device: str) -> Subject
 
     def signature_problem(kind: str) -> str | None:
         if kind == "sum-pi-squared":
-            return _bind_problem(target, 1, {})
-        found = _verl_keyword_problem(target)
-        if found is None or _bind_problem(target, 5, dict(rollout_is_weights=None, **_VERL_DEFAULTS)) is None:
-            return None
-        return found
+            return positional_problem(kind)
+        return None if by_keyword or positional_problem(kind) is None else keyword_problem
 
     def signature_note(kind: str) -> str | None:
         if by_keyword:
             return None
-        return (f"verl's trainer could not call this target: {_verl_keyword_problem(target)}. Checked through "
+        return (f"verl's trainer could not call this target: {keyword_problem}. Checked through "
                 "positional calls in verl's order instead — f(token_level_rewards, response_mask, index, "
                 "old_log_probs, sum_pi_squared, rollout_is_weights=…, handle_zero_tail=…, epsilon=…), both options "
                 "always passed, so its own defaults are not checked; to register it as verl's estimator, give it "
