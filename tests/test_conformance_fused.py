@@ -47,8 +47,8 @@ def test_the_reference_is_accepted_values_only_and_the_report_says_so():
 
 
 def test_the_torch_port_is_accepted_with_float32s_bound():
-    """otb_torch's port upcasts half precision before its matmul: held to float32's working precision (stricter than
-    the default, the inputs' dtype), gradients by torch autograd, Σπ² checked."""
+    """otb_torch's port computes half-precision inputs' logits in float32: held to float32's working precision
+    (stricter than the default, the inputs' dtype), gradients by torch autograd, Σπ² checked."""
     pytest.importorskip("torch")
     report = verify("otb_torch:fused_linear_token_statistics", KIND, working_dtype="float32", **FAST)
     assert report.conformant, report.to_text()

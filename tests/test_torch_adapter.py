@@ -580,6 +580,16 @@ def test_sum_pi_squared_is_chunk_invariant_and_matches_the_plain_formula():
                                    rtol=4e-6)
 
 
+def test_the_default_logits_chunks_are_larger_on_cuda():
+    """4 MiB of float32 per chunk buffer on the CPU (at least one row); 32 MiB on CUDA, at least 64 rows (launch-bound
+    there: measured on an H100, see otb_torch._logits); an explicit chunk_size wins on either."""
+    from otb_torch._logits import _chunk_rows
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert _chunk_rows(32768, None, cpu) == 32 and _chunk_rows(10**7, None, cpu) == 1
+    assert _chunk_rows(32768, None, cuda) == 256 and _chunk_rows(152064, None, cuda) == 64
+    assert _chunk_rows(32768, 3, cuda) == 3
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # torch.compile
 

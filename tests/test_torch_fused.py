@@ -67,8 +67,8 @@ def _assert_matches_reference(case, dtype, stats, hidden, weight, *, use_log_pro
     gradients = otb.token_statistics_vjp(exact_hidden, exact_weight, case.token_ids, g_lp, g_h,
                                          temperature=case.temperature)
     compute = "float64" if dtype == torch.float64 else "float32"
-    # the port upcasts half-precision inputs and works in float32: its bound is float32's, plus the output rounding
-    # of the gradients to the inputs' dtype
+    # the port works in float32 on half-precision inputs (their products are exact in float32, whether it upcasts
+    # them or multiplies them into float32): its bound is float32's, plus the gradients' rounding to the inputs' dtype
     statistics, (bound_h, bound_w) = hidden_comparison_tolerances(
         exact_hidden, exact_weight, case.token_ids, temperature=case.temperature, log_probs_cotangent=g_lp,
         entropy_cotangent=g_h, input_dtype=compute, output_dtype=str(dtype).split(".")[1])
@@ -225,8 +225,11 @@ def _float32_matmuls():
 @pytest.mark.gpu
 @requires_cuda
 @settings(max_examples=40, deadline=None)
-@given(case=otb_st.lm_head_inputs(), dtype=st.sampled_from(["float32", "float64", "bfloat16"]), block=blocks)
+@given(case=otb_st.lm_head_inputs(), dtype=st.sampled_from(["float32", "float64", "bfloat16", "float16"]),
+       block=blocks)
 def test_cuda_values_and_gradients_equal_the_reference(case, dtype, block):
+    """bf16/fp16: the logits' blocks multiply the half-precision operands themselves into float32 (tensor cores,
+    where this torch has the matmuls' ``out_dtype``), under the same float32 bound as the upcast operands."""
     with _float32_matmuls():
         stats, hidden, weight = _run(case, DTYPES[dtype], chunk_size=block[0], vocab_chunk_size=block[1],
                                      device="cuda")
@@ -235,9 +238,32 @@ def test_cuda_values_and_gradients_equal_the_reference(case, dtype, block):
 
 @pytest.mark.gpu
 @requires_cuda
-def test_cuda_default_blocks_at_a_realistic_size_equal_the_reference():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_half_precision_operands_multiply_without_an_upcast_copy(dtype):
+    """Where torch has the float32-output matmul for half-precision operands (``aten::addmm.dtype_out``, CUDA), the
+    fused statistics use it — so the half-precision CUDA cases of the value tests run that path, not the upcast."""
+    hidden = torch.ones((3, 4), dtype=dtype, device="cuda")
+    weight = torch.ones((5, 4), dtype=dtype, device="cuda")
+    if not hasattr(torch.ops.aten.addmm, "dtype_out"):
+        pytest.skip(f"torch {torch.__version__} has no float32-output matmul for half-precision operands")
+    assert otb_torch._fused._half_products(hidden.device, hidden, weight)
+    assert not otb_torch._fused._half_products(hidden.device, hidden, weight.float())     # mixed dtypes: upcast
+
+
+def test_half_precision_operands_are_upcast_on_the_cpu():
+    """torch's matmul has no float32 output for half-precision operands on the CPU: the blocks multiply float32
+    copies there (the path every CPU test of half-precision inputs checks)."""
+    hidden = torch.ones((3, 4), dtype=torch.bfloat16)
+    assert not otb_torch._fused._half_products(hidden.device, hidden, torch.ones((5, 4), dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_default_blocks_at_a_realistic_size_equal_the_reference(dtype):
     """N·V = 1100 × 65600 > 2²⁶ (CUDA's block budget): several default blocks, vocabulary not a power of two, hidden
-    states N(0, 1) and weights N(0, 0.02²) (logits ~1, a trained model's scale), both exact in float32."""
+    states N(0, 1) and weights N(0, 0.02²) (logits ~1, a trained model's scale), both exact in float32 (in bfloat16,
+    rounded to it: the reference is given the rounded values)."""
     generator = np.random.default_rng(23)
     tokens, hidden_size, vocab = 1100, 64, 65600
     case = otb_st.LMHeadCase(
@@ -246,9 +272,9 @@ def test_cuda_default_blocks_at_a_realistic_size_equal_the_reference():
         token_ids=generator.integers(0, vocab, tokens), temperature=0.7,
         log_probs_cotangent=generator.standard_normal(tokens),
         entropy_cotangent=0.01 * generator.standard_normal(tokens))
-    rows, columns = otb_torch._fused._blocks(tokens, vocab, torch.device("cuda"), torch.float32, torch.float32,
+    rows, columns = otb_torch._fused._blocks(tokens, vocab, torch.device("cuda"), torch.float32, dtype,
                                              hidden_size, None, None)
     assert rows * columns < tokens * vocab                            # more than one block: the online rescaling runs
     with _float32_matmuls():
-        stats, hidden, weight = _run(case, torch.float32, device="cuda")
-    _assert_matches_reference(case, torch.float32, stats, hidden, weight)
+        stats, hidden, weight = _run(case, dtype, device="cuda")
+    _assert_matches_reference(case, dtype, stats, hidden, weight)

@@ -21,22 +21,26 @@ and one write of each row (z ← c·π in place).
 
 Memory (beyond inputs, outputs and the returned gradients): one [rows, columns] buffer in the compute dtype with the
 native kernel (2²² values = 16 MiB in float32 on CPU), two with torch ops (2 × 2²² = 32 MiB on CPU without the
-kernel or in float64; 2 × 2²⁶ = 512 MiB on CUDA), five per-token floats, two
-temporaries of 2¹⁸ values (1 MiB) in the backward pass's e_y term, and for half-precision inputs float32 copies of one
-vocabulary chunk of W and of one row block of h (and, in the backward pass, a float32 accumulator for ∂W, and for ∂h
-when the hidden states are half precision) — nothing that grows with N·V. The matmul library may add its own packing
+kernel or in float64; 2 × 2²⁶ = 512 MiB on CUDA), five per-token floats, two temporaries of 2¹⁸ values (1 MiB) in the
+backward pass's e_y term, and for half-precision inputs float32 copies of one vocabulary chunk of W and of one row
+block of h (on CUDA in the backward pass only) and, in the backward pass, a float32 accumulator for ∂W, and for ∂h
+when the hidden states are half precision — nothing that grows with N·V. The matmul library may add its own packing
 buffers (of the order of one block's operands); benchmarks/bench_fused.py measures the whole peak.
 
 bf16/fp16 inputs are accumulated in float32 (float64 inputs in float64); log π, entropy and Σπ² are returned in that
-precision, Σπ² detached (OTB uses it as a constant). The float32 matmuls follow torch's own settings
-(``torch.set_float32_matmul_precision``, ``torch.backends.cuda.matmul.allow_tf32``; "highest" and off by default):
-with TF32 or bf16 passes allowed, the float32 error bounds do not hold.
+precision, Σπ² detached (OTB uses it as a constant). On CUDA the blocks z = h·Wᵀ/τ (forward, and their recomputation in
+the backward pass) multiply the half-precision operands themselves into float32 (torch's matmul with ``out_dtype``,
+where this torch has it: tensor cores); a product of two bf16 or two fp16 numbers is exact in float32, and the tests
+hold these blocks to the same float32 bound as float32 copies (passed on an H100) — which is what the CPU multiplies,
+and CUDA in the backward's ∂h and ∂W products (the cotangent is float32: rounding it to bf16 would change the bound).
+The float32 matmuls follow torch's own settings (``torch.set_float32_matmul_precision``,
+``torch.backends.cuda.matmul.allow_tf32``; "highest" and off by default): with TF32 or bf16 passes allowed, the float32
+error bounds do not hold.
 
-On CUDA (measured once, H200, H = 4096, V = 152 064, N = 4096; benchmarks/results/gpu-check-2026-11-26-nvidia-h200.md):
-float32 inputs run at 1.05–1.10× the time of the matmuls alone; **bf16 inputs run 4.7× (forward) to 7.3× (forward +
-backward) slower than materialising the logits**, since each block is upcast to float32 before its matmuls (no
-tensor cores): with bf16 weights on a GPU, materialising the logits is faster where they fit, and what the fused
-kernel buys there is memory.
+On CUDA (an H100, H = 4096, V = 152 064, N = 4096; benchmarks/results/gpu-check-2026-11-26-nvidia-h100-80gb-hbm3.md):
+float32 inputs run at 1.05–1.13× the time of the matmuls alone; bf16 inputs forward at 0.82× the time of materialising
+the logits (0.054× of them in extra memory), forward + backward at 3.4× — the backward's two float32 matmuls are its
+floor (a float32 matmul of this size takes 0.10 s, the materialised forward + backward 0.072 s).
 """
 
 from __future__ import annotations
@@ -55,6 +59,39 @@ __all__ = ["fused_linear_token_statistics"]
 _BLOCK_ELEMENTS = {"cpu": 2**22, "cuda": 2**26}     # values per [rows, columns] buffer
 _WEIGHT_CHUNK_ELEMENTS = 2**24                     # float32 copy of a chunk of half-precision W (64 MiB)
 _GATHER_ELEMENTS = 2**18                           # [rows, H] temporaries of the backward's e_y term
+_HALF_PRECISION = (torch.bfloat16, torch.float16)
+_HALF_PRODUCTS: dict[tuple[str, int | None, torch.dtype], bool] = {}     # (device type, index, dtype) → usable
+
+
+def _half_products(device: torch.device, *operands: torch.Tensor) -> bool:
+    """True where z = h·Wᵀ/τ can run on bf16/fp16 operands themselves into a float32 block: CUDA, both operands of
+    one half dtype, and torch's matmul with ``out_dtype`` (CUDA only; probed once per device and dtype). Each product
+    of two bf16 (8-bit significand) or fp16 (11-bit) numbers is exact in float32 and the sums are float32's, so the
+    block obeys the same float32 bound as the upcast operands' matmul — on the GPU's tensor cores."""
+    kind = operands[0].dtype
+    if device.type != "cuda" or kind not in _HALF_PRECISION or any(t.dtype != kind for t in operands):
+        return False
+    key = (device.type, device.index, kind)
+    if key not in _HALF_PRODUCTS:
+        probe = torch.ones((2, 2), dtype=kind, device=device)
+        out = torch.empty((2, 2), dtype=torch.float32, device=device)
+        try:
+            torch.addmm(out, probe, probe.t(), beta=0, alpha=0.5, out_dtype=torch.float32, out=out)
+            _HALF_PRODUCTS[key] = bool((out == 1).all())
+        except (RuntimeError, NotImplementedError, TypeError):     # a torch without out_dtype on this device
+            _HALF_PRODUCTS[key] = False
+    return _HALF_PRODUCTS[key]
+
+
+def _block_logits(z: torch.Tensor, h: torch.Tensor, w_chunk: torch.Tensor, scale: float, *, half: bool,
+                  accumulate: bool = False) -> None:
+    """z ← h·Wᵀ·scale (+ z if ``accumulate``) in z's dtype: from the half-precision operands themselves where
+    ``half`` (see :func:`_half_products`), else from their copies in z's dtype (views when already in it)."""
+    beta = 1 if accumulate else 0
+    if half:
+        torch.addmm(z, h, w_chunk.t(), beta=beta, alpha=scale, out_dtype=z.dtype, out=z)
+    else:
+        z.addmm_(h.to(z.dtype), w_chunk.to(z.dtype).t(), beta=beta, alpha=scale)
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -134,17 +171,18 @@ class _FusedLinearStatistics(torch.autograd.Function):
         chosen = torch.zeros_like(s1)                    # z_y
         block = torch.empty(min(rows, n_rows) * columns, dtype=dtype, device=device)
         native = _native.fused_usable(device, dtype)
+        half = dtype == torch.float32 and _half_products(device, hidden, weight)
         exps = None if native else torch.empty_like(block)
         for start in range(0, vocab, columns):
             stop = min(start + columns, vocab)
             width = stop - start
-            w_chunk = weight[start:stop].to(dtype)
+            w_chunk = weight[start:stop] if half else weight[start:stop].to(dtype)
             local_ids = ids - start
             for first in range(0, n_rows, rows):
                 last = min(first + rows, n_rows)
                 count = last - first
                 z = block[:count * width].view(count, width)
-                z.addmm_(hidden[first:last].to(dtype), w_chunk.t(), beta=0, alpha=scale)     # z = h·Wᵀ/τ
+                _block_logits(z, hidden[first:last], w_chunk, scale, half=half)          # z = h·Wᵀ/τ
                 mine = local_ids[first:last]
                 inside = (mine >= 0) & (mine < width)
                 picked = z.gather(1, mine.clamp(0, width - 1)[:, None])[:, 0]
@@ -200,6 +238,7 @@ class _FusedLinearStatistics(torch.autograd.Function):
         d_weight = torch.zeros(weight.shape, dtype=dtype, device=device) if want_weight else None
         block = torch.empty(min(rows, n_rows) * columns, dtype=dtype, device=device)
         native = _native.fused_usable(device, dtype)
+        half = dtype == torch.float32 and _half_products(device, hidden, weight)     # the recomputed z only
         probs = None if native else torch.empty_like(block)
         if g_h is not None:
             offset = entropy * g_h if g_lp is None else g_lp + entropy * g_h     # c = g_lp + g_H·(log π + H)
@@ -210,20 +249,22 @@ class _FusedLinearStatistics(torch.autograd.Function):
         for start in range(0, vocab, columns):
             stop = min(start + columns, vocab)
             width = stop - start
-            w_chunk = weight[start:stop].to(dtype)
+            w_chunk = weight[start:stop].to(dtype)                             # a view unless W is half
+            w_logits = weight[start:stop] if half else w_chunk
             for first in range(0, n_rows, rows):
                 last = min(first + rows, n_rows)
                 count = last - first
                 z = block[:count * width].view(count, width)
                 h = hidden[first:last].to(dtype)                               # a view unless h is half
+                h_logits = hidden[first:last] if half else h
                 if native:                                                     # z ← c·π, one native pass
-                    z.addmm_(h, w_chunk.t(), beta=0, alpha=scale)              # h·Wᵀ/τ (− lse in the pass)
+                    _block_logits(z, h_logits, w_logits, scale, half=half)     # h·Wᵀ/τ (− lse in the pass)
                     _native.fused_cotangent(z, neg_lse[first:last], offset_rows[first:last],
                                             None if slope_rows is None else slope_rows[first:last])
                     product = z
                 else:
                     z.copy_(neg_lse[first:last, None].expand(count, width))
-                    z.addmm_(h, w_chunk.t(), alpha=scale)                     # log π_v = h·Wᵀ/τ − lse
+                    _block_logits(z, h_logits, w_logits, scale, half=half, accumulate=True)     # log π_v = h·Wᵀ/τ − lse
                     p = probs[:count * width].view(count, width)
                     torch.exp(z, out=p)
                     if g_h is None:

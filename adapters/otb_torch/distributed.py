@@ -374,7 +374,7 @@ def vocab_parallel_token_statistics(logits_shard: Any, token_ids: Any = None, *,
     # rows of partials: S₁, S₂, then U (entropy) unless only Σπ² is wanted, then c with ids
     parts = 2 + int(_entropy) + int(ids is not None)
     partials = torch.zeros((parts, rows), dtype=dtype, device=device)
-    step = _chunk_rows(width, chunk_size)
+    step = _chunk_rows(width, chunk_size, device)
     shifted = torch.empty((min(step, max(rows, 1)), width), dtype=dtype, device=device)
     exps = torch.empty_like(shifted)
     for start in range(0, rows, step):
