@@ -240,21 +240,42 @@ def test_cuda_values_and_gradients_equal_the_reference(case, dtype, block):
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_half_precision_operands_multiply_without_an_upcast_copy(dtype):
-    """Where torch has the float32-output matmul for half-precision operands (``aten::addmm.dtype_out``, CUDA), the
-    fused statistics use it — so the half-precision CUDA cases of the value tests run that path, not the upcast."""
+    """Where this torch's CUDA matmul takes half-precision operands into a float32 result (``out_dtype``), the fused
+    statistics use it — so the half-precision CUDA cases of the value tests run that path, not the upcast."""
     hidden = torch.ones((3, 4), dtype=dtype, device="cuda")
     weight = torch.ones((5, 4), dtype=dtype, device="cuda")
-    if not hasattr(torch.ops.aten.addmm, "dtype_out"):
-        pytest.skip(f"torch {torch.__version__} has no float32-output matmul for half-precision operands")
+    block = torch.empty((3, 5), dtype=torch.float32, device="cuda")
+    try:
+        torch.addmm(block, hidden, weight.t(), beta=0, out_dtype=torch.float32, out=block)
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        pytest.skip(f"torch {torch.__version__} has no float32-output CUDA matmul of {dtype} operands: {exc}")
     assert otb_torch._fused._half_products(hidden.device, hidden, weight)
     assert not otb_torch._fused._half_products(hidden.device, hidden, weight.float())     # mixed dtypes: upcast
 
 
-def test_half_precision_operands_are_upcast_on_the_cpu():
-    """torch's matmul has no float32 output for half-precision operands on the CPU: the blocks multiply float32
-    copies there (the path every CPU test of half-precision inputs checks)."""
+def test_half_precision_operands_are_upcast_on_the_cpu(monkeypatch):
+    """The half-precision products are CUDA's only: on the CPU (where torch 2.13 has no float32-output matmul of bf16
+    operands) the fused statistics multiply float32 copies — every CPU test of half-precision inputs checks that path —
+    and never probe torch for the other."""
+    asked = []
+    monkeypatch.setattr(otb_torch._fused, "_HALF_PRODUCTS", _Recording(asked))
     hidden = torch.ones((3, 4), dtype=torch.bfloat16)
-    assert not otb_torch._fused._half_products(hidden.device, hidden, torch.ones((5, 4), dtype=torch.bfloat16))
+    weight = torch.ones((5, 4), dtype=torch.bfloat16)
+    assert not otb_torch._fused._half_products(hidden.device, hidden, weight)
+    stats = otb_torch.fused_linear_token_statistics(hidden, weight, torch.tensor([0, 1, 4]))
+    assert stats.log_probs.dtype == torch.float32 and asked == []
+
+
+class _Recording(dict):
+    """A probe cache that records every key looked up in it."""
+
+    def __init__(self, asked: list):
+        super().__init__()
+        self.asked = asked
+
+    def __contains__(self, key):
+        self.asked.append(key)
+        return super().__contains__(key)
 
 
 @pytest.mark.gpu

@@ -20,12 +20,13 @@ each row read twice (maximum, then the three sums; the second read from cache) a
 and one write of each row (z ← c·π in place).
 
 Memory (beyond inputs, outputs and the returned gradients): one [rows, columns] buffer in the compute dtype with the
-native kernel (2²² values = 16 MiB in float32 on CPU), two with torch ops (2 × 2²² = 32 MiB on CPU without the
-kernel or in float64; 2 × 2²⁶ = 512 MiB on CUDA), five per-token floats, two temporaries of 2¹⁸ values (1 MiB) in the
-backward pass's e_y term, and for half-precision inputs float32 copies of one vocabulary chunk of W and of one row
-block of h (on CUDA in the backward pass only) and, in the backward pass, a float32 accumulator for ∂W, and for ∂h
-when the hidden states are half precision — nothing that grows with N·V. The matmul library may add its own packing
-buffers (of the order of one block's operands); benchmarks/bench_fused.py measures the whole peak.
+native kernel (2²² values = 16 MiB in float32 on CPU), two with torch ops (2 × 2²² = 32 MiB on CPU without the kernel or
+in float64; 2 × 2²⁶ = 512 MiB on CUDA), five per-token floats, two temporaries of 2¹⁸ values (1 MiB) in the backward
+pass's e_y term, and for half-precision inputs float32 copies of one vocabulary chunk of W and of one row block of h (on
+CUDA, where both are of one half dtype and torch has the matmul's ``out_dtype``, in the backward pass only) and, in the
+backward pass, a float32 accumulator for ∂W, and for ∂h when the hidden states are half precision — nothing that grows
+with N·V. The matmul library may add its own packing buffers (of the order of one block's operands);
+benchmarks/bench_fused.py measures the whole peak.
 
 bf16/fp16 inputs are accumulated in float32 (float64 inputs in float64); log π, entropy and Σπ² are returned in that
 precision, Σπ² detached (OTB uses it as a constant). On CUDA the blocks z = h·Wᵀ/τ (forward, and their recomputation in
@@ -66,8 +67,10 @@ _HALF_PRODUCTS: dict[tuple[str, int | None, torch.dtype], bool] = {}     # (devi
 def _half_products(device: torch.device, *operands: torch.Tensor) -> bool:
     """True where z = h·Wᵀ/τ can run on bf16/fp16 operands themselves into a float32 block: CUDA, both operands of
     one half dtype, and torch's matmul with ``out_dtype`` (CUDA only; probed once per device and dtype). Each product
-    of two bf16 (8-bit significand) or fp16 (11-bit) numbers is exact in float32 and the sums are float32's, so the
-    block obeys the same float32 bound as the upcast operands' matmul — on the GPU's tensor cores."""
+    of two bf16 (8-bit significand) or fp16 (11-bit) numbers is exact in float32 and the sums are accumulated in
+    float32 (tensor cores may truncate rather than round there): the tests hold these blocks to the same float32 bound
+    as the upcast operands' matmul, and it held on an H100. Probed with both forms the passes use: β = 0 into a
+    buffer, and β = 1 onto itself (the backward's z ← h·Wᵀ/τ − lse)."""
     kind = operands[0].dtype
     if device.type != "cuda" or kind not in _HALF_PRECISION or any(t.dtype != kind for t in operands):
         return False
@@ -77,6 +80,7 @@ def _half_products(device: torch.device, *operands: torch.Tensor) -> bool:
         out = torch.empty((2, 2), dtype=torch.float32, device=device)
         try:                     # whether the call dispatches; no read of its result (no host synchronisation)
             torch.addmm(out, probe, probe.t(), beta=0, alpha=0.5, out_dtype=torch.float32, out=out)
+            torch.addmm(out, probe, probe.t(), beta=1, alpha=0.5, out_dtype=torch.float32, out=out)
             _HALF_PRODUCTS[key] = True
         except (RuntimeError, NotImplementedError, TypeError):     # a torch without out_dtype on this device
             _HALF_PRODUCTS[key] = False

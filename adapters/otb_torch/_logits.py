@@ -33,8 +33,9 @@ __all__ = [
 _CHUNK_ELEMENTS = 2**20       # per buffer (4 MiB of float32): of 1–512 rows of 32768 logits, 8–64 were about as fast
 # On CUDA a chunk costs kernel launches, not cache misses: larger chunks, and at least 64 rows (a reduction over a few
 # rows of a long vocabulary leaves the GPU idle). Σπ² on an H100 (benchmarks/results/gpu-check-2026-11-26-nvidia-h100-
-# 80gb-hbm3.md): [4096, 32768] float32, 256 rows: 2.12 ms, 32 MiB, against 2.73 ms and 1 GiB for the plain formula
-# (32 rows: 7.65 ms); [4096, 152064] bf16, 64 rows: 13.4 ms, 37 MiB, against 14.2 ms and 7 GiB (32 rows: 15.6 ms).
+# 80gb-hbm3.md; check_values=False): [4096, 32768] float32, 256 rows: 2.12 ms, 32 MiB, against 2.73 ms and 1 GiB for the
+# plain formula (32 rows: 7.65 ms); [4096, 152064] bf16, 64 rows: 13.4 ms, 37 MiB, against 14.2 ms and 7 GiB (32 rows:
+# 15.6 ms).
 _CUDA_CHUNK_ELEMENTS = 2**23  # per buffer (32 MiB of float32)
 _CUDA_MIN_CHUNK_ROWS = 64
 

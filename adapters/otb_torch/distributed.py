@@ -288,7 +288,8 @@ def vocab_parallel_token_statistics(logits_shard: Any, token_ids: Any = None, *,
       group: the vocab-parallel (tensor-parallel) process group; None: the default group.
       vocab_start: v_k, this shard's first global token id; None: the sum of the lower ranks' V_k. Given, on every
         rank, the shards must tile [0, ΣV_k): a gap or an overlap raises ValueError on every rank.
-      chunk_size: rows per chunk buffer (default: about 1M logits).
+      chunk_size: rows per chunk buffer (default: about 2²⁰ logits; on CUDA 2²³, at least 64 rows — see
+        otb_torch._logits._chunk_rows).
       check_values: reject NaN/+inf logits, rows that are −inf on every rank, and ids outside [0, V) — on every rank.
       timeout: seconds each collective may take (None: the process group's timeout).
 
