@@ -16,6 +16,8 @@ differ by at most the sum of their bounds; the port's Σπ² is judged against t
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -162,6 +164,27 @@ def test_fused_forward_equals_verls_and_returns_sum_pi_squared(verl, model, temp
     bound = one.sum_pi_squared + hidden_statistics_tolerance(hidden, weight, labels, temperature=temperature,
                                                              dtype=np.float64).sum_pi_squared + rounding
     bound.assert_close(spp.numpy(), reference.sum_pi_squared, "Σπ² from the fused pass vs the reference")
+
+
+def test_the_fused_route_names_verls_arguments_in_its_errors(verl):
+    """Bad input to the port's FusedLinearForPPO gets the port's error, naming the argument as verl's forward calls it
+    (hidden_states, vocab_weights, input_ids), not as otb_torch's function does (hidden, weight, token_ids)."""
+    hidden, weight, ids = torch.randn(2, 5, 8), torch.randn(30, 8), torch.randint(0, 30, (2, 5))
+    with otb_verl.install(sum_pi_squared=True):
+        fused = verl.experimental.FusedLinearForPPO()
+        assert type(fused).__qualname__.startswith("otb_torch.verl.")
+        with pytest.raises(ValueError, match=r"^hidden_states: contains NaN"):
+            fused(hidden.index_put((torch.tensor(1), torch.tensor(2), torch.tensor(3)), torch.tensor(math.nan)),
+                  weight, ids)
+        with pytest.raises(ValueError, match=r"^vocab_weights: expected shape \[V, 8\] \(H = hidden_states"):
+            fused(hidden, weight[:, :7], ids)
+        with pytest.raises(ValueError, match=r"^input_ids: expected shape \(2, 5\) \(hidden_states without the "
+                                             r"hidden axis\)"):
+            fused(hidden, weight, ids[:, :4])
+        with pytest.raises(ValueError, match=r"^input_ids: must lie in \[0, 30\)"):
+            fused(hidden, weight, ids + 30)
+        with pytest.raises(ValueError, match=r"^temperature: "):
+            fused(hidden, weight, ids, temperature=-1.0)
 
 
 class _nothing:

@@ -40,6 +40,7 @@ import functools
 import importlib
 import inspect
 import os
+import re
 import sys
 import threading
 import warnings
@@ -284,6 +285,21 @@ def _logits_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, weight.dtype)
 
 
+_VERL_FUSED_ARGUMENTS = {"hidden": "hidden_states", "weight": "vocab_weights", "token_ids": "input_ids"}
+
+
+def _in_verls_names(exc: Exception) -> Exception:
+    """The same error, naming the argument as verl's ``FusedLinearForPPO.forward`` calls it (hidden_states,
+    vocab_weights, input_ids) where otb_torch's message names its own (hidden, weight, token_ids)."""
+    message = str(exc)
+    name, colon, rest = message.partition(": ")
+    if not colon or name not in _VERL_FUSED_ARGUMENTS:
+        return exc
+    for own, verls in _VERL_FUSED_ARGUMENTS.items():     # "H = hidden.shape[-1]", "… but hidden is on …"
+        rest = re.sub(rf"(?<!the )\b{own}\b(?=[ .])", verls, rest)
+    return type(exc)(f"{_VERL_FUSED_ARGUMENTS[name]}: {rest}")
+
+
 def _fused_linear_class(verl_class: type, check_values: bool) -> type:
     """A subclass of verl's ``FusedLinearForPPO`` whose torch backend is :func:`otb_torch.fused_linear_token_statistics`."""
 
@@ -300,8 +316,11 @@ def _fused_linear_class(verl_class: type, check_values: bool) -> type:
             liger = getattr(functional, "_LIGER_FUSED_LINEAR_SCALED_CROSS_ENTROPY", None)
             if self.impl_backend != "torch" and liger is not None:
                 return super().forward(hidden_states, vocab_weights, input_ids, temperature)
-            statistics = otb_torch.fused_linear_token_statistics(
-                hidden_states, vocab_weights, input_ids, temperature=temperature, check_values=check_values)
+            try:
+                statistics = otb_torch.fused_linear_token_statistics(
+                    hidden_states, vocab_weights, input_ids, temperature=temperature, check_values=check_values)
+            except (TypeError, ValueError) as exc:
+                raise _in_verls_names(exc) from exc
             _hand_over_sum_pi_squared(statistics.sum_pi_squared)
             return (statistics.log_probs.to(torch.float32),
                     statistics.entropy.to(_logits_dtype(hidden_states, vocab_weights)))
