@@ -1,12 +1,13 @@
 """The whole GPU check in one command: equivalence tests and benchmarks on CUDA (torch) and GPU (JAX), recorded.
 
-    python benchmarks/gpu_check.py [--out benchmarks/results] [--quick] [--skip 3,4] [--step-timeout 1200]
+    python benchmarks/gpu_check.py [--out benchmarks/results] [--quick] [--compile] [--skip 3,4] [--step-timeout 1200]
 
 Runs, on the machine's first GPU:
   1. python -m pytest -q -m gpu tests/ --ignore tests/test_adapters.py — the GPU-only tests (sync-free hot path,
      CUDA graphs, the fused LM-head statistics on CUDA and JAX-GPU, …)
   2. OTB_ADAPTERS=torch-cuda,jax-gpu python -m pytest -q tests/test_adapters.py   — the shared equivalence suite
   3. python benchmarks/bench_torch.py --device cuda            — vs the loop pattern and a device-to-device copy
+     (with ``--compile``: also the hot path with compile=True)
   4. python benchmarks/bench_jax.py --device gpu               — jit'd OTB and Σπ² at [4096, 152064] bf16 vs a copy,
      and the fused LM-head statistics (bf16, N = H = 4096) against the logits materialised
   5., 6. python benchmarks/bench_fused.py --device cuda …      — the fused LM-head statistics, float32, then bf16
@@ -14,8 +15,9 @@ and writes benchmarks/results/gpu-check-<date>-<gpu>.md with the device, the ver
 — rewritten after each step, so a run cut short (a lease that ends, a step past --step-timeout) keeps what it did.
 On an H200 (2026-11-26) steps 2–4 took 2.6, 1.6 and 0.3 minutes (step 4 before it measured the fused statistics:
 four more programs to compile, perhaps a minute more); the rest are estimates from that lease's partial runs — step 1
-about 1 minute, steps 5 and 6 about 2 each — and ``--quick`` (never run whole yet) about 6 minutes in
-all, plus the machine's start and the install. A second run the same day writes ``…-2.md`` (a resume with ``--skip``
+about 1 minute, steps 5 and 6 about 2 each — and ``--quick`` about 6 minutes in all, plus the machine's start and
+the install. On an H100 (2026-11-26) ``--quick`` ran whole in 449 s, install included: steps 1–6 took 86, 137, 36, 38,
+70 and 71 s. A second run the same day writes ``…-2.md`` (a resume with ``--skip``
 keeps the first record).
 Exit status: 0 when every step passed, 1 when a step failed or timed out, 2 when no GPU is visible (nothing was
 checked).
@@ -77,6 +79,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true",
                         help="benchmarks at one size each (256×8×4096; N = 4096, 2 repeats): about 6 minutes on an "
                              "H200 instead of 10, for a lease of 15 minutes of device time")
+    parser.add_argument("--compile", action="store_true",
+                        help="the torch benchmark also times the hot path with compile=True (torch.compile's fused "
+                             "kernels: the drop-ins' launch-bound gap to the memory floor); adds its compile time")
     args = parser.parse_args()
     skipped = args.skip
     code, smi = run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
@@ -102,7 +107,8 @@ def main() -> int:
         ("equivalence suite on the GPU adapters", [sys.executable, "-m", "pytest", "-q", "tests/test_adapters.py"],
          {"OTB_ADAPTERS": "torch-cuda,jax-gpu"}),
         ("torch benchmark", [sys.executable, "benchmarks/bench_torch.py", "--device", "cuda",
-                             *(["--sizes", "256x8x4096"] if args.quick else [])], None),
+                             *(["--sizes", "256x8x4096"] if args.quick else []),
+                             *(["--compile"] if args.compile else [])], None),
         ("JAX benchmark", [sys.executable, "benchmarks/bench_jax.py", "--device", "gpu"], None),
         *((f"fused LM-head statistics, {dtype}",
            [sys.executable, "benchmarks/bench_fused.py", "--device", "cuda", "--dtype", dtype, "--vocab", "152064",
