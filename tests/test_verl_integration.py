@@ -255,6 +255,35 @@ _OTHER_VALUE_CHECKS = (
 )
 
 
+@pytest.mark.parametrize("stride", [1, 37], ids=["contiguous", "strided"])
+def test_a_sum_pi_squared_is_rounded_only_if_every_valid_value_survives_the_round_trip(monkeypatch, stride):
+    """What counts as rounded to half precision: every value at a valid position survives a round trip, also where a
+    value that does not lies outside the sample tried first (then the whole test, in steps, decides); padding does
+    not count; NaN does not survive; no valid position is not rounded."""
+    monkeypatch.setattr(otb_verl, "_ROUND_TRIP_CHUNK", 1000)                        # several steps
+    monkeypatch.setattr(otb_verl, "_ROUND_TRIP_SAMPLE", 64)                         # every 80th value: column 0
+    generator = torch.Generator().manual_seed(3)
+    mask = torch.ones(64, 80 * stride)[:, ::stride]
+    mask[:, 70:] = 0
+    values = torch.rand(64, 80 * stride, generator=generator) * 0.5 + 0.1
+    bf16, fp16 = (values.to(half).float()[:, ::stride] for half in (torch.bfloat16, torch.float16))
+
+    def rounded(spp, response_mask=mask):
+        return otb_verl._rounded_to_half_precision(dict(sum_pi_squared=spp, response_mask=response_mask))
+
+    assert rounded(bf16) == "bfloat16" and rounded(fp16) == "float16" and rounded(values[:, ::stride]) is None
+    sample = max(1, mask.numel() // otb_verl._ROUND_TRIP_SAMPLE)
+    for position, expected in (((40, 3), None), ((40, 75), "bfloat16")):         # valid, then padding
+        assert (40 * 80 + position[1]) % sample != 0                                 # outside the sample
+        one = bf16.clone()
+        one[position] = 0.1234567
+        assert rounded(one) == expected, position
+    nan = bf16.clone()
+    nan[40, 3] = float("nan")
+    assert rounded(nan) is None
+    assert rounded(bf16, torch.zeros_like(mask)) is None
+
+
 @pytest.mark.parametrize("estimator", list(ESTIMATORS))
 def test_verls_half_precision_sum_pi_squared_passes_the_value_checks(verl, estimator, monkeypatch):
     """verl's actor Σπ² from bf16 logits is tens of percent off on peaked softmaxes, so π² exceeds it far beyond the
