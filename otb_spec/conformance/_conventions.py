@@ -248,6 +248,8 @@ def _verl(target: Callable, target_spec: str, kind: str, device: str) -> Subject
 
 _VERL_DEFAULTS = {"handle_zero_tail": True, "epsilon": 1e-8}    # compute_optimal_token_baseline_advantage's
 _VERL_POSITIONAL = ("token_level_rewards", "response_mask", "index", "old_log_probs", "sum_pi_squared")
+_VERL_KEYWORDS = ("token_level_rewards", "response_mask", "config", "index", "sum_pi_squared", "old_log_probs",
+                  "rollout_is_weights")                           # compute_advantage's adv_kwargs, in its order
 
 
 def _verl_defaults(case: Case) -> bool:
@@ -258,9 +260,7 @@ def _verl_defaults(case: Case) -> bool:
 def _verl_keywords(case: Case, inputs: dict, index: Any) -> dict:
     """The keyword arguments of verl 0.9.1's trainer (``compute_advantage``: ``adv_estimator_fn(**adv_kwargs)``), in
     its order, from ``inputs`` keyed by verl's names; the options only where they differ from verl's defaults."""
-    keywords = {"token_level_rewards": inputs["token_level_rewards"], "response_mask": inputs["response_mask"],
-                "config": None, "index": index, "sum_pi_squared": inputs["sum_pi_squared"],
-                "old_log_probs": inputs["old_log_probs"], "rollout_is_weights": inputs.get("rollout_is_weights")}
+    keywords = {name: index if name == "index" else inputs.get(name) for name in _VERL_KEYWORDS}    # config: None
     if not _verl_defaults(case):
         keywords.update(handle_zero_tail=case.handle_zero_tail, epsilon=case.epsilon)
     return keywords
@@ -268,9 +268,7 @@ def _verl_keywords(case: Case, inputs: dict, index: Any) -> dict:
 
 def _verl_keyword_problem(target: Callable) -> str | None:
     """None, or why ``target`` cannot take verl's trainer's keywords and the two options (an OTB kind)."""
-    keywords = dict.fromkeys(("token_level_rewards", "response_mask", "config", "index", "sum_pi_squared",
-                              "old_log_probs", "rollout_is_weights"), None)
-    found = _bind_problem(target, 0, dict(keywords, **_VERL_DEFAULTS))
+    found = _bind_problem(target, 0, dict(dict.fromkeys(_VERL_KEYWORDS), **_VERL_DEFAULTS))
     return found and (f"{found} — verl 0.9.1's trainer calls an advantage estimator by keyword, with verl's "
                       "argument names and config=… (compute_advantage in verl.trainer.ppo.ray_trainer)")
 
