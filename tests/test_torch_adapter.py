@@ -474,11 +474,9 @@ _CORRUPTIONS = [("token_level_rewards", 0, float("nan")), ("token_level_rewards"
                 ("response_mask", 1, 0.5), ("response_mask", 1, 2.0), ("response_mask", 1, float("nan"))]
 
 
-# the drop-in whose value checks run, and the names its errors use (verl's; the reference's for leave-one-out)
-_CHECKED = {"self-inclusive": ("compute_optimal_token_baseline_advantage", {}),
-            "leave-one-out": ("compute_multi_turn_leave_one_out_token_baseline_advantage",
-                              {"token_level_rewards": "rewards", "old_log_probs": "log_probs",
-                               "rollout_is_weights": "is_weights"})}
+# the drop-in whose value checks run; both name the arguments as verl does
+_CHECKED = {"self-inclusive": "compute_optimal_token_baseline_advantage",
+            "leave-one-out": "compute_multi_turn_leave_one_out_token_baseline_advantage"}
 
 
 @pytest.mark.parametrize("name, index, value", _CORRUPTIONS, ids=lambda x: str(x))
@@ -499,7 +497,7 @@ def test_fused_value_checks_raise_exactly_what_the_reference_rejects(monkeypatch
         monkeypatch.setattr(otb_torch._native, "usable", lambda *_: False)
     elif not otb_torch.native_kernel_status().available:
         pytest.skip(f"native kernel not available: {otb_torch.native_kernel_status().reason}")
-    function, renamed = _CHECKED[variant]
+    function = _CHECKED[variant]
     drop_in = getattr(otb_torch, function, None) or getattr(otb_torch.verl, function)
     inputs, options = _realistic_inputs("compute_optimal_token_baseline_advantage", "scattered-unequal",
                                         torch.float32)
@@ -522,12 +520,11 @@ def test_fused_value_checks_raise_exactly_what_the_reference_rejects(monkeypatch
     named[name] = named[name].clone()
     named[name][row, col] = value
     host = {key: value.numpy() for key, value in named.items() if key != "index"}
-    called = {key: renamed.get(key, key) for key in host}
     try:
-        reference_checks.raise_value_error(lambda array: array, rewards=(called["token_level_rewards"], host[
+        reference_checks.raise_value_error(lambda array: array, rewards=("token_level_rewards", host[
             "token_level_rewards"]), mask=("response_mask", host["response_mask"]), log_probs=(
-            called["old_log_probs"], host["old_log_probs"]), sum_pi_squared=("sum_pi_squared", host["sum_pi_squared"]),
-            is_weights=(called["rollout_is_weights"], host["rollout_is_weights"]))
+            "old_log_probs", host["old_log_probs"]), sum_pi_squared=("sum_pi_squared", host["sum_pi_squared"]),
+            is_weights=("rollout_is_weights", host["rollout_is_weights"]))
     except ValueError as error:
         expected = str(error)
     before = {key: value.clone() for key, value in named.items() if key != "index"}
@@ -537,7 +534,7 @@ def test_fused_value_checks_raise_exactly_what_the_reference_rejects(monkeypatch
         with pytest.raises(ValueError) as raised:
             drop_in(**named)
         assert str(raised.value) == expected
-        assert str(raised.value).startswith(called[name])
+        assert str(raised.value).startswith(name)
     for key, value in before.items():
         assert torch.allclose(value, named[key], rtol=0.0, atol=0.0, equal_nan=True), key      # inputs untouched
 

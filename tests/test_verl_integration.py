@@ -284,6 +284,23 @@ def test_a_sum_pi_squared_is_rounded_only_if_every_valid_value_survives_the_roun
     assert rounded(bf16, torch.zeros_like(mask)) is None
 
 
+@pytest.mark.parametrize("variant", otb_verl.VARIANTS)
+@pytest.mark.parametrize("check_values", [True, False])
+def test_an_empty_batch_gets_the_documented_error_through_the_installed_route(verl, variant, check_values):
+    """B = 0 or T = 0 through verl's registry with otb_torch installed: the shape error naming verl's argument
+    (docs/verl.md), whatever the variant and check_values — also where the half-precision test of Σπ² runs first."""
+    for shape, message in (((0, 6), r"^token_level_rewards: empty batch"),
+                           ((4, 0), r"^token_level_rewards: no positions")):
+        empty = torch.zeros(shape)
+        index = np.array([f"uid{row // 2}" for row in range(shape[0])], dtype=object)
+        with otb_verl.install(variant, check_values=check_values):
+            for estimator in ESTIMATORS:
+                function = verl.core_algos.get_adv_estimator_fn(estimator)
+                with pytest.raises(ValueError, match=message):
+                    function(token_level_rewards=empty, response_mask=empty, index=index, old_log_probs=empty,
+                             sum_pi_squared=empty)
+
+
 @pytest.mark.parametrize("estimator", list(ESTIMATORS))
 def test_verls_half_precision_sum_pi_squared_passes_the_value_checks(verl, estimator, monkeypatch):
     """verl's actor Σπ² from bf16 logits is tens of percent off on peaked softmaxes, so π² exceeds it far beyond the
@@ -324,7 +341,7 @@ def test_verls_half_precision_sum_pi_squared_passes_the_value_checks(verl, estim
             run_compute_advantage(verl, unrounded, estimator)
     with otb_verl.install("leave_one_out"):
         run_compute_advantage(verl, batch, estimator)
-        with pytest.raises(ValueError, match=r"^rewards: contains NaN"):                # the reference's names
+        with pytest.raises(ValueError, match=r"^token_level_rewards: contains NaN"):    # verl's names here too
             run_compute_advantage(verl, bad, estimator)
     assert np.isfinite(advantages).all()
     np.testing.assert_array_equal(advantages, expected_advantages)

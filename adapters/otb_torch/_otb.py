@@ -453,12 +453,13 @@ def leave_one_out_token_baseline(rewards: Any, response_mask: Any, group_ids: An
 
 def leave_one_out_advantages(rewards: Any, response_mask: Any, group_ids: Any, log_probs: Any, sum_pi_squared: Any,
                              is_weights: Any, *, align: str, epsilon: float, check_values: bool,
-                             compile: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                             compile: bool, names: tuple[str, ...] = _NAMES) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns) of :func:`leave_one_out_token_baseline` without forming the baselines: the
-    leave-one-out drop-ins with verl's signature (:mod:`otb_torch.verl`), which return only these two."""
+    leave-one-out drop-ins with verl's signature (:mod:`otb_torch.verl`), which return only these two; errors name
+    the arguments by ``names`` (verl's, :data:`_VERL_NAMES`, for the drop-ins)."""
     if align not in _ALIGNMENTS:
         raise ValueError(f"align: expected one of {_ALIGNMENTS}, got {align!r}")
-    result = _run(_NAMES, rewards, response_mask, group_ids, log_probs, sum_pi_squared, is_weights, check_values,
+    result = _run(names, rewards, response_mask, group_ids, log_probs, sum_pi_squared, is_weights, check_values,
                   align=align, leave_one_out=True, handle_zero_tail=False, epsilon=epsilon, need_baselines=False,
                   compile=compile)
     return result.advantages, result.returns

@@ -117,7 +117,7 @@ def _leave_one_out(align: str, token_level_rewards: torch.Tensor, response_mask:
     compile = reference_checks.flag("compile", kwargs.pop("compile", False))
     return leave_one_out_advantages(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
                                     rollout_is_weights, align=align, epsilon=epsilon, check_values=check_values,
-                                    compile=compile)
+                                    compile=compile, names=_otb._VERL_NAMES)
 
 
 def compute_leave_one_out_token_baseline_advantage(
@@ -167,7 +167,6 @@ def _with_options(function: Callable, options: dict, label: str) -> Callable:
     with the value checks adapted to a Σπ² rounded to half precision (:func:`_rounded_to_half_precision`)."""
     signature = inspect.signature(function)
     estimator = {"sum_pi_squared", "response_mask"} <= set(signature.parameters)    # not the Σπ² function
-    names = _VERL_NAMES if label.endswith(":verl") else _REFERENCE_NAMES             # as the variant's errors say
 
     @functools.wraps(function)
     def bound(*args: Any, **kwargs: Any) -> Any:
@@ -179,7 +178,7 @@ def _with_options(function: Callable, options: dict, label: str) -> Callable:
                 call = None                                    # the function's own call raises the error
             rounded = None if call is None else _rounded_to_half_precision(call)
             if rounded is not None:
-                _check_values_without_consistency(call, names, rounded)
+                _check_values_without_consistency(call, rounded)
                 merged["check_values"] = False
         return function(*args, **merged)
 
@@ -189,11 +188,8 @@ def _with_options(function: Callable, options: dict, label: str) -> Callable:
 
 _HALF_PRECISION_WARNED = False
 
-# the estimators' tensor arguments (verl's names), and the names their value checks give them: verl's own under
-# "verl", the reference's under "leave_one_out"
+# the estimators' tensor arguments, by verl's names, which their errors give them under both variants
 _TENSORS = ("token_level_rewards", "response_mask", "old_log_probs", "sum_pi_squared", "rollout_is_weights")
-_VERL_NAMES = dict(zip(_otb._VERL_NAMES, _otb._VERL_NAMES))
-_REFERENCE_NAMES = dict(zip(_otb._VERL_NAMES, _otb._NAMES))
 
 
 def _rounded_to_half_precision(call: dict) -> str | None:
@@ -239,7 +235,7 @@ def _round_trip_fails(values: torch.Tensor, mask: torch.Tensor, half: torch.dtyp
     (NaN counts as changed); None where the mask has no nonzero value. In steps of ``step`` values (None: at once),
     one synchronisation each, stopping at the first step that settles it."""
     valid_seen = False
-    step = values.numel() if step is None else step
+    step = max(1, values.numel() if step is None else step)                  # no values: no valid position
     for start in range(0, values.numel(), step):
         x, valid = values[start:start + step], mask[start:start + step] != 0
         changed, any_valid = torch.stack([((x.to(half).to(x.dtype) != x) & valid).any(), valid.any()]).tolist()
@@ -249,19 +245,19 @@ def _round_trip_fails(values: torch.Tensor, mask: torch.Tensor, half: torch.dtyp
     return None if not valid_seen else False
 
 
-def _check_values_without_consistency(call: dict, names: dict[str, str], rounded: str) -> None:
+def _check_values_without_consistency(call: dict, rounded: str) -> None:
     """The value checks of an estimator's inputs (``call``: argument → value, verl's names) that the kernel path runs
-    (``otb_torch._checks.check_values``: one synchronisation; the reference's error, naming the argument by
-    ``names``), all but Σπ² ≥ π²; a warning once per process that the rule is left out, Σπ² being ``rounded`` to
-    half precision (:func:`_rounded_to_half_precision`)."""
+    (``otb_torch._checks.check_values``: one synchronisation; the reference's error, naming the argument by verl's
+    name), all but Σπ² ≥ π²; a warning once per process that the rule is left out, Σπ² being ``rounded`` to half
+    precision (:func:`_rounded_to_half_precision`)."""
     global _HALF_PRECISION_WARNED
     weights = call.get("rollout_is_weights")
     _checks.check_values(
-        True, rewards=(names["token_level_rewards"], call["token_level_rewards"]),
-        mask=(names["response_mask"], call["response_mask"]),
-        log_probs=(names["old_log_probs"], call["old_log_probs"]),
-        sum_pi_squared=(names["sum_pi_squared"], call["sum_pi_squared"]),
-        is_weights=None if weights is None else (names["rollout_is_weights"], weights), consistency=False)
+        True, rewards=("token_level_rewards", call["token_level_rewards"]),
+        mask=("response_mask", call["response_mask"]),
+        log_probs=("old_log_probs", call["old_log_probs"]),
+        sum_pi_squared=("sum_pi_squared", call["sum_pi_squared"]),
+        is_weights=None if weights is None else ("rollout_is_weights", weights), consistency=False)
     if not _HALF_PRECISION_WARNED:
         _HALF_PRECISION_WARNED = True
         warnings.warn(
@@ -577,8 +573,8 @@ def install(variant: str = "verl", *, compile: bool = False, check_values: bool 
       compile: fuse the computation with ``torch.compile`` (the first call compiles).
       check_values: validate the inputs (one host synchronisation per call, one more to tell a Σπ² rounded to half
         precision, which is then checked without the rule Σπ² ≥ π² — docs/verl.md, *bf16 training*;
-        bad input raises the reference's error naming the argument — verl's names under ``"verl"``, the
-        reference's under ``"leave_one_out"`` — instead of producing NaN).
+        bad input raises the reference's error naming the argument by verl's name, under both variants, instead
+        of producing NaN).
       sum_pi_squared: also give the actor's Σπ² (FSDP engine) from the port — call it this way in the actor workers:
         ``verl.utils.torch_functional.calculate_sum_pi_squared_from_logits`` becomes the port's memory-bounded ratio
         form S₂/S₁² accumulated in float32; and with fused kernels (``use_fused_kernels=True``, torch backend), which
