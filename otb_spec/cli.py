@@ -112,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fused-token-statistics and sum-pi-squared: judge the target as working in at least "
                              "this precision (e.g. float32 for a kernel that widens bfloat16 inputs before its "
                              "matmul or its log-sum-exps; default: the inputs' dtype, as verl's FusedLinearForPPO and "
-                             "calculate_sum_pi_squared_from_logits)")
+                             "calculate_sum_pi_squared_from_logits); otb, tir-otb, loo-otb (float32 or float64): the "
+                             "target computes in this precision whatever its inputs (.float() on float64 inputs); "
+                             "default: as verl, float64 inputs in float64")
     verify.add_argument("--list", action="store_true", help="list conventions and kinds, then exit")
     verify.set_defaults(run=_run_verify)
 
@@ -295,7 +297,7 @@ def _run_verify(args: argparse.Namespace) -> int:
                    progress=progress, fail_fast=args.fail_fast)
     if args.adapter is not None:
         if args.working_dtype is not None:
-            raise ValueError("--working-dtype: only with TARGET and --kind fused-token-statistics or sum-pi-squared")
+            raise ValueError("--working-dtype: only with TARGET (not --adapter)")
         report = verify_adapter(args.adapter, kinds=tuple(args.kind) if args.kind else None, **options)
     else:
         report = verify(args.target, args.kind[0], convention=args.convention, device=args.device,

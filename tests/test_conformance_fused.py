@@ -154,8 +154,8 @@ def test_the_command_line_takes_the_kind_and_the_working_dtype(tmp_path):
     assert data["compared_outputs"] == ["log_probs", "entropy", "sum_pi_squared"]
     assert any("whichever is more precise" in note for note in data["notes"])
     status, out = _run_cli("verify", "otb_spec:optimal_token_baseline", "--kind", "otb", "--convention", "numpy",
-                           "--working-dtype", "float32")
-    assert status == 2 and "working_dtype: only for the fused-token-statistics and sum-pi-squared kinds" in out
+                           "--working-dtype", "bfloat16")
+    assert status == 2 and "working_dtype: float32 or float64 for the OTB kinds" in out
     with pytest.raises(TargetError, match="working_dtype: expected"):
         verify("otb_spec:token_statistics_from_hidden", KIND, convention="numpy", working_dtype="int8")
 

@@ -422,6 +422,92 @@ def test_a_verl_like_port_is_conformant_with_its_documented_deviation_and_fails_
     assert all("failed because of --strict" in r.message for r in strict.failures)
 
 
+def _leave_one_out_as_verl_divides(rewards, response_mask, group_ids, log_probs, sum_pi_squared, *, is_weights=None,
+                                   epsilon=1e-8, masked_by="product", stray_nan=False):
+    """A leave-one-out port written from the formula, dividing as verl does: B = (N − GᵢWᵢmᵢ)/(D − Wᵢmᵢ + ε) with no
+    rule for an empty denominator, so ε = 0 gives 0/0 = NaN wherever every other member's Wⱼmⱼ is 0 (singletons
+    included); masked positions zeroed by a product ((G − NaN)·0 = NaN) or by a selection. ``stray_nan``: also a NaN
+    where the denominator is not empty."""
+    r, m = np.asarray(rewards, np.float64), np.asarray(response_mask, np.float64)
+    returns = np.flip(np.cumsum(np.flip(r * m, 1), 1), 1)
+    w = 1 - 2 * np.exp(np.asarray(log_probs, np.float64)) + np.asarray(sum_pi_squared, np.float64)
+    if is_weights is not None:
+        w = w * np.asarray(is_weights, np.float64) ** 2
+    energy = np.cumsum(w * m, 1)
+    _, codes = np.unique([repr(g) for g in list(group_ids)], return_inverse=True)
+    codes = codes.reshape(-1)
+    numerator, denominator = np.zeros((codes.max() + 1, r.shape[1])), np.zeros((codes.max() + 1, r.shape[1]))
+    np.add.at(numerator, codes, returns * energy * m)
+    np.add.at(denominator, codes, energy * m)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        baseline = (numerator[codes] - returns * energy * m) / (denominator[codes] - energy * m + epsilon)
+    advantages = (returns - baseline) * m if masked_by == "product" else np.where(m != 0, returns - baseline, 0.0)
+    if stray_nan and epsilon == 0.0:
+        advantages[np.unravel_index(np.argmax(np.isfinite(advantages) & (m != 0)), m.shape)] = np.nan
+    dtype = np.asarray(rewards).dtype
+    return advantages.astype(dtype), returns.astype(dtype)
+
+
+@pytest.mark.parametrize("masked_by", ["product", "selection"])
+def test_a_leave_one_out_port_dividing_as_verl_does_is_conformant_with_the_epsilon_zero_deviation(masked_by):
+    """verl has no leave-one-out OTB, but a port dividing as verl does gets 0/0 = NaN at ε = 0 where the other members'
+    energies are all 0: the documented deviation epsilon-zero-nan, recognised whether the port zeroes masked positions
+    by a product (NaN there too) or by a selection (NaN at valid positions only); a NaN anywhere else still fails."""
+    def port(*args, **kwargs):
+        return _leave_one_out_as_verl_divides(*args, masked_by=masked_by, **kwargs)
+
+    report = verify(port, "loo-otb", convention="numpy", **FAST)
+    assert report.conformant and report.observed_deviations == ["epsilon-zero-nan"], report.to_text()
+    assert all("epsilon-0" in result.id or "worked-example" in result.id for result in report.deviations)
+    assert verify(port, "loo-otb", convention="numpy", strict=True, **FAST).verdict == "NOT CONFORMANT"
+
+    def stray(*args, **kwargs):
+        return _leave_one_out_as_verl_divides(*args, masked_by=masked_by, stray_nan=True, **kwargs)
+
+    failed = verify(stray, "loo-otb", convention="numpy", layers=("golden",))
+    assert not failed.conformant and failed.failures, failed.to_text()
+    assert all("epsilon-0" in result.id or "worked-example" in result.id for result in failed.failures)
+
+
+def _float32_whatever_the_inputs(rewards, response_mask, group_ids, log_probs, sum_pi_squared, *, is_weights=None,
+                                 handle_zero_tail=True, epsilon=1e-8, sums=np.float32):
+    """A self-inclusive port that calls ``.float()`` first: the returns and energies of the inputs rounded to float32,
+    summed in ``sums``, then the baseline (otb_spec.token_baseline); float32 outputs."""
+    def narrow(value):
+        return None if value is None else np.asarray(value, dtype=np.float64).astype(np.float32)
+
+    r, m, lp, spp, rho = (narrow(value) for value in (rewards, response_mask, log_probs, sum_pi_squared, is_weights))
+    returns = np.flip(np.cumsum(np.flip(r * m, 1), 1, dtype=sums), 1).astype(np.float32)
+    w = (1 - 2 * np.exp(lp) + spp) * (1 if rho is None else rho * rho)
+    energy = np.cumsum(w * m, 1, dtype=sums).astype(np.float32)
+    result = otb_spec.token_baseline(returns, energy, m, group_ids, handle_zero_tail=handle_zero_tail,
+                                     epsilon=epsilon)
+    return result.advantages.astype(np.float32), result.returns.astype(np.float32)
+
+
+def test_a_port_computing_in_float32_whatever_its_inputs_is_held_to_float32_only_when_it_says_so():
+    """A port that narrows float64 inputs to float32 is less precise than verl (which computes float64 inputs in
+    float64): by default its float64 checks fail and the structure layer says how to declare it; with
+    working_dtype="float32" it is judged by float32's bound and conforms — while the same port summing in float16
+    still fails, and a float64 port still conforms."""
+    default = verify(_float32_whatever_the_inputs, "otb", convention="numpy", **FAST)
+    assert not default.conformant
+    dtypes = next(result for result in default.results if result.id == "otb/structure/dtypes")
+    assert dtypes.status == "fail" and "--working-dtype float32" in dtypes.message
+    declared = verify(_float32_whatever_the_inputs, "otb", convention="numpy", working_dtype="float32", **FAST)
+    assert declared.conformant, declared.to_text()
+    assert any("working_dtype='float32'" in note for note in declared.notes)
+
+    def float16_sums(*args, **kwargs):
+        return _float32_whatever_the_inputs(*args, sums=np.float16, **kwargs)
+
+    assert not verify(float16_sums, "otb", convention="numpy", working_dtype="float32", **FAST).conformant
+    assert verify("otb_spec:optimal_token_baseline", "otb", convention="numpy", working_dtype="float32",
+                  **FAST).conformant
+    with pytest.raises(TargetError, match="working_dtype: float32 or float64 for the OTB kinds"):
+        verify("otb_spec:optimal_token_baseline", "otb", convention="numpy", working_dtype="float16")
+
+
 def test_a_documented_deviation_excuses_nothing_else_in_the_same_case():
     def verl_like_and_shifted(*args, **options):
         advantages, returns = _verl_like(*args, **options)

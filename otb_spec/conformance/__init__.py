@@ -135,11 +135,11 @@ def _subject(target: Callable | str, kind: str, convention: str, device: str,
     chosen = CONVENTIONS[convention]
     if kind not in chosen.kinds:
         raise TargetError(f"kind: the {convention} convention has no {kind!r} (it has {', '.join(chosen.kinds)})")
-    if working_dtype is not None and kind not in _WORKING_KINDS:
-        raise TargetError(f"working_dtype: only for the {' and '.join(_WORKING_KINDS)} kinds (the OTB kinds' bounds "
-                          "take the inputs' dtype)")
     if working_dtype is not None and working_dtype not in ("float64", "float32", "float16", "bfloat16"):
         raise TargetError(f"working_dtype: expected float64, float32, float16 or bfloat16, got {working_dtype!r}")
+    if working_dtype is not None and kind not in _WORKING_KINDS and working_dtype not in ("float64", "float32"):
+        raise TargetError(f"working_dtype: float32 or float64 for the OTB kinds (a port computing its sums in "
+                          f"{working_dtype} is not held to a bound: docs/tolerances.md), got {working_dtype!r}")
     if isinstance(target, str):
         spec, function = target, load_target(target)
     elif callable(target):
@@ -161,6 +161,8 @@ def _subject(target: Callable | str, kind: str, convention: str, device: str,
         raise TargetError(f"convention {convention!r}: {exc}") from exc
     if kind in _WORKING_KINDS:
         subject = _with_working_bound(subject, kind, working_dtype)
+    elif working_dtype is not None:
+        subject = _with_narrowing(subject, working_dtype)
     return subject, spec
 
 
@@ -192,6 +194,23 @@ def _with_working_bound(subject: Subject, kind: str, working_dtype: str | None) 
     return replace(subject, working_dtype=working, notes=subject.notes + (bound,))
 
 
+def _with_narrowing(subject: Subject, working_dtype: str) -> Subject:
+    """An OTB subject that computes in ``working_dtype`` whatever its inputs (a port that calls ``.float()``): inputs
+    more precise than that are judged as if rounded to it, summed in it and returned in it (docs/conformance.md)."""
+    limit = machine_epsilon(working_dtype)
+
+    def narrowed(dtype: str) -> str:
+        return dtype if machine_epsilon(dtype) >= limit else working_dtype
+
+    def compute(dtype: str) -> str:
+        return narrowed(subject.compute_dtype(dtype))
+
+    bound = (f"bound:       otb_spec.tolerances.otb_comparison_tolerance, working_dtype={working_dtype!r}: a target "
+             f"that computes in {working_dtype} whatever its inputs — inputs more precise than that judged as "
+             f"rounded to {working_dtype}, summed in it and returned in it")
+    return replace(subject, working_dtype=narrowed, compute_dtype=compute, notes=subject.notes + (bound,))
+
+
 def verify(target: Callable | str, kind: str, *, convention: str = "verl", device: str = "cpu",
            max_examples: int = 100, seed: int = 0, layers: Iterable[str] = LAYERS,
            skips: Iterable[tuple[str, str]] = (), shrink_budget: int = SHRINK_BUDGET, strict: bool = False,
@@ -216,11 +235,13 @@ def verify(target: Callable | str, kind: str, *, convention: str = "verl", devic
         check, and the remaining checks are not run.
       progress: called with a short label before each check (the command line shows it on a terminal).
       fail_fast: stop at the first failing check.
-      working_dtype: fused-token-statistics and sum-pi-squared only — hold the target to the bound of a program
+      working_dtype: fused-token-statistics and sum-pi-squared — hold the target to the bound of a program
         working in at least this precision (e.g. ``"float32"`` for a kernel that widens bfloat16 inputs before its
         matmul, or a Σπ² that widens bfloat16 logits before its log-sum-exps); default: the inputs' dtype (verl's
         ``FusedLinearForPPO`` forms its logits in the inputs' dtype; its Σπ² rounds its log-sum-exps to the logits'
-        dtype). The report says which.
+        dtype). The OTB kinds (``"float32"`` or ``"float64"``): the target computes in this precision whatever its
+        inputs (``.float()`` on float64 inputs): they are judged as rounded to it, summed in it, and may come back
+        in it; default: as verl, which computes float64 inputs in float64. The report says which.
     Raises:
       TargetError: the target cannot be loaded, or the convention does not offer ``kind`` or ``device``.
     """

@@ -182,14 +182,15 @@ class Case:
         token and per gradient element (:func:`otb_spec.tolerances.hidden_statistics_tolerance` and
         :func:`~otb_spec.tolerances.hidden_gradient_tolerance`) for an implementation whose working precision — the
         precision of its logits and per-token values — is ``working_dtype`` (default the case's dtype: verl forms
-        its logits in the inputs' dtype)."""
+        its logits in the inputs' dtype); OTB kinds: the inputs as the implementation takes them, ``working_dtype``
+        where it rounds them to that (default the case's dtype)."""
         compute = compute_dtype or compute_dtype_for(self.dtype)
         out = output_dtype or self.dtype
         if self.kind == FUSED:
             rounding = output_rounding(out)
             return {name: bound + rounding
                     for name, bound in self._fused_bounds(working_dtype or self.dtype, compute).items()}
-        working = (working_dtype or self.dtype) if self.kind == "sum-pi-squared" else self.dtype
+        working = (working_dtype or self.dtype) if self.kind != FUSED else self.dtype
         key = ("tolerances", out, compute, working)
         if key not in self._cache:
             if self.kind == "sum-pi-squared":
@@ -204,7 +205,7 @@ class Case:
                     self.rewards, self.response_mask, self.group_ids, self.log_probs, self.sum_pi_squared,
                     is_weights=self.is_weights, align=align, leave_one_out=self.kind == "loo-otb",
                     handle_zero_tail=self.handle_zero_tail and self.kind != "loo-otb", epsilon=self.epsilon,
-                    compute_dtype=compute, output_dtype=out, input_dtype=self.dtype)
+                    compute_dtype=compute, output_dtype=out, input_dtype=working)
                 self._cache[key] = {"advantages": advantages, "returns": returns}
         return self._cache[key]
 
@@ -324,7 +325,9 @@ def _otb_golden(kind: str) -> list[Case]:
                 "'epsilon-zero-nan' (docs/verl-differences.md #3): reported, not failed, unless --strict"
                 if kind != "loo-otb" else
                 "ε = 0 and an empty denominator: otb-spec defines the baseline as 0 (the value 0/ε gives for every "
-                "ε > 0); verl has no leave-one-out estimator")
+                "ε > 0); verl has no leave-one-out estimator, but a port dividing as verl does gets 0/0 = NaN here — "
+                "the documented deviation 'epsilon-zero-nan' (docs/verl-differences.md #3): reported, not failed, "
+                "unless --strict")
     cases.append(replace(cases[-1], name="zero energy with ε = 0 (defined as baseline 0)", epsilon=0.0, note=verl_nan))
     lp, spp = _policy_statistics((3, 5), 8)
     cases.append(Case(kind, "ε = 0 and positions no member reaches (defined as baseline 0)", "float64",

@@ -39,8 +39,8 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from otb_spec.conformance._cases import (GENERATED_PROFILES, Case, generated_cases, golden_cases, robustness_cases,
-                                         special_cases)
+from otb_spec.conformance._cases import (_OTB_KINDS, GENERATED_PROFILES, Case, generated_cases, golden_cases,
+                                         robustness_cases, special_cases)
 from otb_spec.conformance._conventions import Outcome, Subject
 from otb_spec.conformance._deviations import RAISES, Deviation, deviations_for
 from otb_spec.tolerances import machine_epsilon
@@ -398,12 +398,29 @@ def _matching_deviation(session: _Session, case: Case, outcome: Outcome | None,
         if model == RAISES:
             continue
         judged = deviation.judged_as(case) if deviation.judged_as is not None else None
+        expected = _nan_where_taken(model, case.expected(), outcome.outputs) if deviation.nan_optional else model
         comparisons = compare(case, outcome.outputs, output_dtypes=outcome.output_dtypes,
-                              compute_dtype=judged or session.subject.compute_dtype(case.dtype), expected=model,
+                              compute_dtype=judged or session.subject.compute_dtype(case.dtype), expected=expected,
                               working_dtype=judged or session.subject.working_dtype(case.dtype))
         if all(c.ok for c in comparisons):
             return deviation, comparisons
     return None
+
+
+def _nan_where_taken(model: dict, reference: dict, outputs: dict) -> dict:
+    """A model whose NaN are optional, made definite for these outputs: NaN where the model allows it and the output
+    took it, the reference's value at the model's other NaN (the model's values elsewhere)."""
+    definite = {}
+    for name, allowed in model.items():
+        allowed = np.asarray(allowed, dtype=np.float64)
+        try:
+            got = np.asarray(outputs.get(name), dtype=np.float64)
+        except (TypeError, ValueError):
+            got = None
+        taken = np.isnan(allowed) & np.isnan(got) if got is not None and got.shape == allowed.shape else \
+            np.isnan(allowed)
+        definite[name] = np.where(taken, np.nan, np.where(np.isnan(allowed), reference[name], allowed))
+    return definite
 
 
 def _value_check(session: _Session, case: Case, check_id: str, layer: str, snippet: bool = True,
@@ -523,8 +540,12 @@ def _structure_checks(session: _Session, kind: str, deviations: tuple[Deviation,
             if tuple(value.shape) != tuple(shape):
                 problems["shapes"].append(f"{dtype}: {name} has shape {tuple(value.shape)}, expected {tuple(shape)}")
             got_dtype = first.output_dtypes.get(name, "?")
-            if _precision_rank(got_dtype) < _precision_rank(dtype):
+            # a declared narrowing (an OTB target computing in float32 whatever its inputs) may return its precision
+            if _precision_rank(got_dtype) < min(_precision_rank(dtype), _precision_rank(subject.working_dtype(dtype))):
                 text = f"{dtype} inputs: {name} returned as {got_dtype} (less precise)"
+                if kind in _OTB_KINDS and got_dtype == "float32" and dtype == "float64":
+                    text += (" — a target computing in float32 whatever its inputs is judged by float32's bound with "
+                             "--working-dtype float32 (working_dtype='float32')")
                 explained = next((d for d in deviations if d.structure is not None
                                   and d.structure("dtypes", case, name, got_dtype)), None)
                 if explained is None:

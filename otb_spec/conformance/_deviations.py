@@ -11,7 +11,8 @@ makes it a failure. Anything else wrong in the same case still fails: the model 
 Two categories (docs/verl-differences.md lists both with their case ids):
 
 * **by definition** — ``epsilon-zero-nan``: ε = 0 and a zero denominator Σᵢ Wᵢmᵢ at a position: verl computes 0/0 = NaN,
-  the reference defines the baseline as 0 (as 0/ε = 0 for every ε > 0).
+  the reference defines the baseline as 0 (as 0/ε = 0 for every ε > 0). Leave-one-out too (verl has none): a port
+  that divides Σ_{j≠i} GⱼWⱼmⱼ by Σ_{j≠i} Wⱼmⱼ + ε as verl divides gets 0/0 there, singleton groups included.
 * **known verl defect** — ``half-precision-lengths``: with bfloat16 (or float16) inputs verl computes the response
   lengths as ``response_mask.sum(-1)`` in that dtype, which rounds lengths above 256 (float16: 2048). The single-turn
   zero tail then follows the rounded lengths (wrong member, wrong start, or a tie that hides it); the multi-turn
@@ -59,6 +60,8 @@ class Deviation:
         accumulation precision is that dtype (a precision deviation), instead of the subject's own.
       structure: ``(check, case, output, returned dtype) → bool`` or None: the deviation explains this finding of the
         structure layer (e.g. ``"dtypes"``: an output less precise than the inputs).
+      nan_optional: where the model has NaN, the output may be NaN or the reference's value, position by position
+        (NaN anywhere else still fails); else the model's NaN must be matched by NaN.
     """
 
     id: str
@@ -73,6 +76,7 @@ class Deviation:
     model: Callable[[Case], Any]
     judged_as: Callable[[Case], str] | None = None
     structure: Callable[[str, Case, str, str], bool] | None = None
+    nan_optional: bool = False
 
     def to_dict(self) -> dict:
         return {"id": self.id, "category": self.category, "title": self.title, "verl": self.verl,
@@ -100,13 +104,33 @@ def _empty_denominators(case: Case) -> np.ndarray:
     return grid.scatter(nan_grid.astype(np.float64)) > 0      # valid tokens whose compacted position is 0/0
 
 
+def _empty_leave_one_out_denominators(case: Case) -> np.ndarray:
+    """[B, T] True where member i's leave-one-out denominator Σ_{j≠i} Wⱼmⱼ (position-aligned, over the other members
+    of its group) is exactly 0: every other member's energy is 0 there or it is not valid there (a singleton: always).
+    The terms are ≥ 0, so the sum is 0 exactly where every term is — counted, not summed, so that no rounding
+    decides it."""
+    rewards, mask, segments, energy, weights = validated_otb_inputs(case.rewards, case.response_mask, case.group_ids,
+                                                                   case.log_probs, case.sum_pi_squared,
+                                                                   case.is_weights)
+    nonzero = ((cumulative_energy(energy, mask, weights) * mask) != 0.0).astype(np.int64)
+    return segment_sums(nonzero, segments)[segments.index] - nonzero == 0
+
+
+def _nan_positions(case: Case) -> np.ndarray:
+    return _empty_leave_one_out_denominators(case) if case.kind == "loo-otb" else _empty_denominators(case)
+
+
 def _epsilon_zero_applies(case: Case) -> bool:
-    return case.kind in ("otb", "tir-otb") and case.epsilon == 0.0 and bool(_empty_denominators(case).any())
+    return case.kind in ("otb", "tir-otb", "loo-otb") and case.epsilon == 0.0 and bool(_nan_positions(case).any())
 
 
 def _epsilon_zero_model(case: Case) -> dict[str, np.ndarray]:
+    """NaN where the denominator is 0/0: verl's at every position of the member's row ((G − NaN)·0 is NaN at masked
+    positions; multi-turn: its valid tokens, nothing else is scattered back). Matched with ``nan_optional``: a port
+    may give NaN at any of these positions and the reference's value at the others (one that zeroes masked
+    positions by selection, one whose leave-one-out skips positions no other member reaches)."""
     expected = case.expected()
-    return {"advantages": np.where(_empty_denominators(case), np.nan, expected["advantages"]),
+    return {"advantages": np.where(_nan_positions(case), np.nan, expected["advantages"]),
             "returns": expected["returns"]}
 
 
@@ -175,11 +199,13 @@ DEVIATIONS: tuple[Deviation, ...] = (
         title="ε = 0 and an empty denominator: verl's baseline is 0/0 = NaN",
         verl="divides Σᵢ GᵢWᵢmᵢ by Σᵢ Wᵢmᵢ + ε; with ε = 0 and every Wᵢmᵢ = 0 at a position (a deterministic policy so "
              "far, or a position no member reaches) the baseline is 0/0 = NaN, and so is the advantage — single-turn "
-             "also at masked positions, since (G − NaN)·0 is NaN",
+             "also at masked positions, since (G − NaN)·0 is NaN (a port that zeroes them by selection instead: at "
+             "valid positions only). verl has no leave-one-out OTB; a leave-one-out port dividing the same way gets "
+             "0/0 where every other member's Wⱼmⱼ is 0, singleton groups included",
         reference="defines the baseline as 0 there, the value 0/ε gives for every ε > 0; advantages stay finite",
         why="a defined value instead of a silent NaN; identical to verl for every ε > 0 (verl's default is 1e-8)",
-        doc="docs/verl-differences.md #3", kinds=("otb", "tir-otb"),
-        applies=_epsilon_zero_applies, model=_epsilon_zero_model),
+        doc="docs/verl-differences.md #3", kinds=("otb", "tir-otb", "loo-otb"),
+        applies=_epsilon_zero_applies, model=_epsilon_zero_model, nan_optional=True),
     Deviation(
         id="half-precision-lengths", category="known verl defect",
         title="bfloat16/float16 inputs: verl rounds response lengths, so the zero tail lands in the wrong place",
@@ -209,7 +235,7 @@ DEVIATIONS: tuple[Deviation, ...] = (
 
 
 def deviations_for(kind: str) -> tuple[Deviation, ...]:
-    """The documented deviations that concern ``kind`` (none for loo-otb and sum-pi-squared: verl has no
-    leave-one-out OTB, and its Σπ² is within the tolerance of a correct implementation; for fused token statistics the
-    float64-in-float32 cast of ``FusedLinearForPPO``)."""
+    """The documented deviations that concern ``kind`` (for loo-otb only ε = 0's 0/0, as a port dividing as verl
+    does gets it; none for sum-pi-squared: verl's Σπ² is within the tolerance of a correct implementation; for fused
+    token statistics the float64-in-float32 cast of ``FusedLinearForPPO``)."""
     return tuple(deviation for deviation in DEVIATIONS if kind in deviation.kinds)
