@@ -502,7 +502,79 @@ def test_a_missing_rank_times_out_instead_of_hanging(pool):
         argument["timeout"] = 2.0
     outcomes = pool.run("distributed_token_baseline", "world", arguments[:3] + [None])
     for _, kind, message in _errors(outcomes, range(3)):
-        assert kind in ("RuntimeError", "DistBackendError"), message
+        assert kind == "RuntimeError" and "within timeout=2.0 s" in message, message     # the bound, named
+
+
+def _four_ranks(batch):
+    arguments, _ = _split_arguments(batch, group_segments(batch.group_ids).index, 3,
+                                    [np.array([0, 1]), np.array([2, 3]), np.array([4, 5]), np.array([6, 7])], [], 1,
+                                    align="position", leave_one_out=False, epsilon=1e-8)
+    return arguments
+
+
+@pytest.mark.parametrize("function", ["distributed_token_baseline", "vocab_parallel_token_statistics"])
+def test_a_rank_skipping_the_value_checks_raises_on_every_rank(pool, function):
+    """check_values=False on one rank, with a NaN there: that rank would pass NaN into the others' sums — so the flag
+    must agree over the ranks, and every rank raises naming it (it did return NaN on the checking ranks before)."""
+    if function == "distributed_token_baseline":
+        arguments = _four_ranks(_fixed_batch())
+        arguments[1]["rewards"] = arguments[1]["rewards"].copy()
+        arguments[1]["rewards"][0, 0] = np.nan
+        arguments[1]["check_values"] = False
+    else:
+        pieces = _vocab_split(np.random.default_rng(0).normal(size=(2, 3, 8)), 4, [2, 4, 6])
+        arguments = [dict(logits_shard=piece, token_ids=np.zeros((2, 3), np.int64)) for piece in pieces]
+        arguments[1]["logits_shard"] = pieces[1].copy()
+        arguments[1]["logits_shard"][0, 0, 0] = np.nan
+        arguments[1]["check_values"] = False
+    for _, kind, message in _errors(pool.run(function, "world", arguments), range(4)):
+        assert kind == "ValueError" and message.startswith("check_values: differs between ranks"), message
+        assert "rank 1: False" in message and "rank 0: True" in message, message
+
+
+def test_a_bad_timeout_on_one_rank_raises_on_every_rank_at_once(pool):
+    """timeout=-1 on one rank: that rank's error names the argument, the others say which rank rejected its inputs —
+    after the handshake, not after their own timeout, and the group stays usable (the next call succeeds)."""
+    arguments = _four_ranks(_fixed_batch())
+    for argument in arguments:
+        argument["timeout"] = 60.0
+    arguments[2]["timeout"] = -1
+    errors = dict((rank, (kind, message)) for rank, kind, message in
+                  _errors(pool.run("distributed_token_baseline", "world", arguments), range(4)))
+    assert errors[2][0] == "ValueError" and errors[2][1].startswith("timeout: expected a positive number"), errors[2]
+    for rank in (0, 1, 3):
+        assert errors[rank][0] == "ValueError" and "rank 2 rejected its inputs" in errors[rank][1], errors[rank]
+    arguments[2]["timeout"] = 60.0
+    for rank, (status, payload) in enumerate(pool.run("distributed_token_baseline", "world", arguments)):
+        assert status == "ok", (rank, payload)
+
+
+@pytest.mark.parametrize("option, values, shown", [
+    ("epsilon", (1e-8, 1e-3), ("rank 0: 1e-08", "rank 3: 0.001")),
+    ("align", ("position", "valid_token"), ("rank 0: 'position'", "rank 3: 'valid_token'")),
+    ("leave_one_out", (False, True), ("rank 0: False", "rank 3: True")),
+])
+def test_options_that_differ_between_ranks_are_shown_as_passed(pool, option, values, shown):
+    arguments = _four_ranks(_fixed_batch())
+    for argument in arguments:
+        argument[option] = values[0]
+        argument.pop("handle_zero_tail", None)
+    arguments[3][option] = values[1]
+    for _, kind, message in _errors(pool.run("distributed_token_baseline", "world", arguments), range(4)):
+        assert kind == "ValueError" and message.startswith(f"{option}: differs between ranks"), message
+        assert all(text in message for text in shown), message
+
+
+def test_a_type_error_on_one_rank_is_a_type_error_on_every_rank(pool):
+    """Float group ids on rank 1: its own error is the reference's TypeError, and the other ranks raise the same type
+    (naming rank 1), so that one except clause serves every rank."""
+    arguments = _four_ranks(_fixed_batch())
+    arguments[1]["group_ids"] = np.asarray(arguments[1]["group_ids"], dtype=np.float64)
+    errors = dict((rank, (kind, message)) for rank, kind, message in
+                  _errors(pool.run("distributed_token_baseline", "world", arguments), range(4)))
+    assert errors[1][0] == "TypeError" and errors[1][1].startswith("group_ids"), errors[1]
+    for rank in (0, 2, 3):
+        assert errors[rank][0] == "TypeError" and "rank 1 rejected its inputs" in errors[rank][1], errors[rank]
 
 
 def test_global_group_ids(pool):

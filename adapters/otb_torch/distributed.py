@@ -10,22 +10,22 @@ within :mod:`otb_spec.tolerances` (tests/test_torch_distributed.py runs them on 
   memory is O(rows), not O(shard).
 * :func:`distributed_token_baseline` — a batch whose prompt groups are split over the ranks of ``group`` (data
   parallel) and, optionally, whose rows are cut along T over the ranks of ``context_group`` (context parallel): every
-  rank gets exactly the advantages, returns and baselines one process would compute for its rows — self-inclusive
+  rank gets the advantages, returns and baselines one process would compute for its rows — self-inclusive
   (single- and multi-turn, zero tail included) or leave-one-out, with rollout IS weights.
 * :func:`context_parallel_returns_and_energy` — Gₜ and Wₜ of row pieces cut along T.
 * :func:`global_group_ids` — dense global group ids from per-rank ids of any kind (verl's uid strings).
 
 Bad input raises on every rank instead of hanging: every rank validates its inputs, then the first collective (a
 fixed-size all-gather) carries each rank's function, verdict, context group and layout, so a rank with bad values, or
-shapes, options, context groups or ids that disagree with the others', makes every rank raise a ``ValueError`` naming
-the argument (the offending rank raises the reference's own message). On CPU, ``distributed_token_baseline`` runs
+shapes, options (``check_values`` included), context groups or ids that disagree with the others', makes every rank
+raise: disagreements a ``ValueError`` naming the argument and each rank's value; bad input on one rank the reference's
+own error there, and one of the same type naming that rank on the others. On CPU, ``distributed_token_baseline`` runs
 otb_torch's native kernel (:mod:`otb_torch._native`): its first sweep runs while the handshake travels, with the value
 checks inside it, and the values' verdict, the group statistics and the grid travel in one SUM all-reduce (two
 collectives per call; three with a context group — two where the context group is every rank of ``group`` and
-``align="position"``: each rank then holds every row, and its grid cells are complete, so the verdict rides with the
-row totals and nothing is summed; one in a group of one rank). A SUM over two ranks of CPU tensors is one exchange
-between them (``isend`` + ``irecv`` of the whole tensor, then an add: :func:`_all_reduce`) instead of gloo's ring of
-two rounds.
+``align="position"``: each rank then holds every row, and its grid cells are complete, so the verdict rides with the row
+totals and nothing is summed; one in a group of one rank). A SUM over two ranks of CPU tensors is one exchange between
+them (``isend`` + ``irecv`` of the whole tensor, then an add: :func:`_all_reduce`) instead of gloo's ring of two rounds.
 Collectives wait at most ``timeout`` seconds when given (else the process group's timeout). Tested on gloo; on NCCL
 one rank only, on a GPU (docs/distributed.md).
 """
@@ -35,7 +35,7 @@ from __future__ import annotations
 import datetime
 import math
 import struct
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -73,9 +73,18 @@ _MAGIC = 0x07B5
 
 
 def _wait(work: Any, timeout: float | None) -> None:
+    """Wait for ``work``; with a ``timeout``, a collective that fails or does not finish within it raises a
+    RuntimeError naming the bound (gloo's own says only "Operation timed out!"), the backend's error chained."""
     if timeout is None:
         work.wait()
-    elif not work.wait(timeout=datetime.timedelta(seconds=timeout)):
+        return
+    try:
+        finished = work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        raise RuntimeError(f"otb_torch.distributed: a collective failed or did not finish within timeout={timeout} s "
+                           f"({type(exc).__name__}: {exc}); a rank may not have called, and the process group is "
+                           "unusable now") from exc
+    if not finished:
         raise RuntimeError(f"otb_torch.distributed: a collective did not finish within timeout={timeout} s")
 
 
@@ -150,6 +159,20 @@ _FIELDS = 12                                           # every handshake has the
 _HEADER = 7                                            # magic, function, failed, rank, context group (3)
 _FUNCTIONS = {"vocab_parallel_token_statistics": 1, "context_parallel_returns_and_energy": 2,
               "distributed_token_baseline": 3}
+_FAILURES = {ValueError: 1, TypeError: 2}              # a rank's rejection, by the type of its error
+
+
+def _flag_field(value: Any) -> int:
+    """A boolean option as a handshake field: 0 or 1 (−1: not a bool, which that rank's own check rejects)."""
+    return int(value) if isinstance(value, bool) else -1
+
+
+def _shown_flag(field: int) -> Any:
+    return bool(field) if field >= 0 else "not a bool"
+
+
+def _shown_float(field: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", field))[0]
 
 
 def _context_key(context_group: Any) -> list[int]:
@@ -185,7 +208,8 @@ class _Verdicts:
     def __init__(self, what: str, fields: list[int], failure: BaseException | None, group: Any,
                  timeout: float | None, device: torch.device, context_group: Any = None, *, wait: bool = True):
         assert len(fields) <= _FIELDS
-        local = torch.tensor([_MAGIC, _FUNCTIONS[what], 1 if failure is not None else 0, dist.get_rank()]
+        local = torch.tensor([_MAGIC, _FUNCTIONS[what], _FAILURES.get(type(failure), 1) if failure is not None else 0,
+                              dist.get_rank()]
                              + _context_key(context_group) + fields + [0] * (_FIELDS - len(fields)),
                              dtype=torch.int64, device=device)
         self._gathered = torch.empty(dist.get_world_size(group) * local.numel(), dtype=torch.int64, device=device)
@@ -204,20 +228,24 @@ class _Verdicts:
             raise self._failure
         if any(row[0] != _MAGIC or row[1] != _FUNCTIONS[what] for row in self.table):
             raise ValueError(f"{what}: the ranks of the process group are not all calling the same function")
-        failed = [row[3] for row in self.table if row[2]]
-        if failed:
-            raise ValueError(f"{what}: rank {failed[0]} rejected its inputs (its own error names the argument); "
-                             "nothing was computed on any rank")
+        failed = [row for row in self.table if row[2]]
+        if failed:                          # the type of the first offending rank's error (its reference's)
+            raise {code: kind for kind, code in _FAILURES.items()}.get(failed[0][2], ValueError)(
+                f"{what}: rank {failed[0][3]} rejected its inputs (its own error names the argument); nothing was "
+                "computed on any rank")
         return self
 
     def column(self, k: int) -> list[int]:
         return [row[_HEADER + k] for row in self.table]
 
-    def require_equal(self, k: int, name: str, ranks: list[int] | None = None) -> None:
+    def require_equal(self, k: int, name: str, ranks: list[int] | None = None,
+                      shown_as: Callable[[int], Any] = lambda value: value) -> None:
+        """Raise (every rank alike) unless field ``k`` is the same on every rank (of ``ranks``); the message shows
+        each rank's value through ``shown_as`` (the option as the caller passed it)."""
         rows = self.table if ranks is None else [row for row in self.table if row[3] in ranks]
         values = {row[_HEADER + k] for row in rows}
         if len(values) > 1:
-            shown = ", ".join(f"rank {row[3]}: {row[_HEADER + k]}" for row in rows)
+            shown = ", ".join(f"rank {row[3]}: {shown_as(row[_HEADER + k])!r}" for row in rows)
             raise ValueError(f"{name}: differs between ranks ({shown}); it must be the same on every rank"
                              + ("" if ranks is None else " of a context group"))
 
@@ -299,10 +327,11 @@ def vocab_parallel_token_statistics(logits_shard: Any, token_ids: Any = None, *,
     Collectives: one all-gather of 19 integers per rank (shapes, dtype, vocab offsets), one MAX all-reduce of
     rows + 2 values, one SUM all-reduce of 2–4 values per row.
     """
-    timeout = _timeout(timeout)
-    failure, z, ids = None, None, None
+    failure, z, ids, waits = None, None, None, None
     lead: tuple[int, ...] = ()
     try:
+        waits = timeout = _timeout(timeout)
+        check_values = check.flag("check_values", check_values)
         z = _logits("logits_shard", logits_shard)
         lead = tuple(z.shape[:-1])
         if token_ids is not None:
@@ -323,13 +352,15 @@ def vocab_parallel_token_statistics(logits_shard: Any, token_ids: Any = None, *,
     dtype_code = {torch.float64: 2, torch.float32: 1}.get(_compute_dtype(z), 0) if z is not None else 0
     verdicts = _Verdicts("vocab_parallel_token_statistics",
                          [len(lead), rows, hash(lead) & 0x7FFFFFFF, width, ids is not None, dtype_code,
-                          -1 if vocab_start is None else vocab_start], failure, group, timeout,
-                         _handshake_device(z if z is not None else logits_shard, group))
+                          -1 if vocab_start is None else vocab_start, _flag_field(check_values)], failure, group,
+                         waits, _handshake_device(z if z is not None else logits_shard, group))
     verdicts.require_equal(0, "logits_shard (number of leading dimensions)")
     verdicts.require_equal(1, "logits_shard (number of positions)")
     verdicts.require_equal(2, "logits_shard (leading shape)")
-    verdicts.require_equal(4, "token_ids (given on some ranks only)")
-    verdicts.require_equal(5, "logits_shard (dtype: float64 on some ranks only)")
+    verdicts.require_equal(4, "token_ids (given on some ranks only)", shown_as=bool)
+    verdicts.require_equal(5, "logits_shard (dtype: float64 on some ranks only)",
+                           shown_as=lambda code: {2: "float64", 1: "float32"}.get(code, "not floating"))
+    verdicts.require_equal(7, "check_values", shown_as=_shown_flag)
     widths, starts = verdicts.column(3), verdicts.column(6)
     if len(set(start < 0 for start in starts)) > 1:
         raise ValueError("vocab_start: given on some ranks only")
@@ -542,17 +573,20 @@ def context_parallel_returns_and_energy(rewards: Any, response_mask: Any, log_pr
     One all-gather of 19 integers (the handshake) and one all-gather of the [3, B] row totals (Σmr, Σmρ²w, Σm):
     P_c·3·B float64 values per rank, whatever T.
     """
-    timeout = _timeout(timeout)
-    failure, local = None, None
+    failure, local, waits = None, None, None
     try:
+        waits = timeout = _timeout(timeout)
+        check_values = check.flag("check_values", check_values)
         local = _validated(rewards, response_mask, log_probs, sum_pi_squared, is_weights, None, None, check_values)
     except (TypeError, ValueError) as exc:
         failure = exc
     shape = (0, 0) if local is None else tuple(local.rewards.shape)
     verdicts = _Verdicts("context_parallel_returns_and_energy",
-                         [shape[0], shape[1], local is not None and local.is_weights is not None], failure,
-                         context_group, timeout, _handshake_device(rewards, context_group), context_group)
-    verdicts.require_equal(2, "is_weights (given on some ranks only)")
+                         [shape[0], shape[1], local is not None and local.is_weights is not None,
+                          _flag_field(check_values)], failure, context_group, waits,
+                         _handshake_device(rewards, context_group), context_group)
+    verdicts.require_equal(2, "is_weights (given on some ranks only)", shown_as=bool)
+    verdicts.require_equal(3, "check_values", shown_as=_shown_flag)
     columns_before, _, _ = _layout(verdicts, 0, 1, None)
     assert local is not None
     dtype = check.accumulation_dtype(local.rewards, local.log_probs, local.sum_pi_squared, local.is_weights)
@@ -567,7 +601,7 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
                                leave_one_out: bool = False, handle_zero_tail: bool | None = None,
                                epsilon: float = 1e-8, group: Any = None, context_group: Any = None,
                                check_values: bool = True, timeout: float | None = None) -> AdvantageResult:
-    """OTB for a batch split over ranks: this rank's rows get exactly what one process would compute on the batch.
+    """OTB for a batch split over ranks: this rank's rows get what one process would compute on the whole batch.
 
     Data parallel: the members of a prompt group may sit on any ranks of ``group`` (any order, unequal groups, a rank
     without valid tokens). Context parallel (optional): ranks of ``context_group`` (a subset of ``group``) hold
@@ -601,10 +635,10 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
     Returns:
       :class:`otb_torch.AdvantageResult` for this rank's rows and columns, in the rewards' dtype.
     """
-    timeout = _timeout(timeout)
-    failure, local, native, dtype = None, None, None, torch.float32
+    failure, local, native, dtype, waits = None, None, None, torch.float32, None
     options = [0, 0, 0, 0]
     try:
+        waits = timeout = _timeout(timeout)
         if align not in _ALIGNMENTS:
             raise ValueError(f"align: expected one of {_ALIGNMENTS}, got {align!r}")
         leave_one_out = check.flag("leave_one_out", leave_one_out)
@@ -628,8 +662,8 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
     verdicts = _Verdicts("distributed_token_baseline",
                          options + [groups, int(dtype == torch.float64),
                                     int(local is not None and local.is_weights is not None),
-                                    shape[0], shape[1], fingerprint], failure, group, timeout,
-                         _handshake_device(rewards, group), context_group, wait=not native)
+                                    shape[0], shape[1], fingerprint, _flag_field(check_values)], failure, group,
+                         waits, _handshake_device(rewards, group), context_group, wait=not native)
     start = None
     if native:                            # the first sweep while the handshake travels; its verdict rides later
         assert local is not None
@@ -637,10 +671,13 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
                                     check_values=check_values, context=context_group is not None,
                                     ranks=dist.get_world_size(group))
         verdicts.finish()
+    shown = (lambda index: _ALIGNMENTS[index], _shown_flag, _shown_flag, _shown_float, int,
+             lambda wide: "float64" if wide else "float32", bool)
     for field, name in enumerate(("align", "leave_one_out", "handle_zero_tail", "epsilon", "num_groups",
                                   "the accumulation dtype (float64 inputs on some ranks only)",
                                   "is_weights (given on some ranks only)")):
-        verdicts.require_equal(field, name)
+        verdicts.require_equal(field, name, shown_as=shown[field])
+    verdicts.require_equal(10, "check_values", shown_as=_shown_flag)
     columns_before, width, context_groups = _layout(verdicts, 7, 8, 9)
     assert local is not None and local.ids is not None
     # every rank of ``group`` holds every row (one context group of all of them, or a group of one): by position, the
