@@ -469,39 +469,44 @@ def test_a_leave_one_out_port_dividing_as_verl_does_is_conformant_with_the_epsil
     assert all("epsilon-0" in result.id or "worked-example" in result.id for result in failed.failures)
 
 
-def _float32_whatever_the_inputs(rewards, response_mask, group_ids, log_probs, sum_pi_squared, *, is_weights=None,
-                                 handle_zero_tail=True, epsilon=1e-8, sums=np.float32):
-    """A self-inclusive port that calls ``.float()`` first: the returns and energies of the inputs rounded to float32,
-    summed in ``sums``, then the baseline (otb_spec.token_baseline); float32 outputs."""
-    def narrow(value):
-        return None if value is None else np.asarray(value, dtype=np.float64).astype(np.float32)
+def _computing_in(dtype_name: str):
+    """verl's drop-in (otb_torch's) behind ``.to(dtype)`` of every floating input — a port that calls ``.float()``
+    first (float32), or one that rounds its inputs to float16 — returning what it computed."""
+    import torch
+    import otb_torch
 
-    r, m, lp, spp, rho = (narrow(value) for value in (rewards, response_mask, log_probs, sum_pi_squared, is_weights))
-    returns = np.flip(np.cumsum(np.flip(r * m, 1), 1, dtype=sums), 1).astype(np.float32)
-    w = (1 - 2 * np.exp(lp) + spp) * (1 if rho is None else rho * rho)
-    energy = np.cumsum(w * m, 1, dtype=sums).astype(np.float32)
-    result = otb_spec.token_baseline(returns, energy, m, group_ids, handle_zero_tail=handle_zero_tail,
-                                     epsilon=epsilon)
-    return result.advantages.astype(np.float32), result.returns.astype(np.float32)
+    dtype = getattr(torch, dtype_name)
+
+    def port(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, rollout_is_weights=None,
+             handle_zero_tail=True, epsilon=1e-8, **kwargs):
+        def narrow(value):
+            return None if value is None else value.to(dtype)
+
+        advantages, returns = otb_torch.compute_optimal_token_baseline_advantage(
+            narrow(token_level_rewards), response_mask, index, narrow(old_log_probs), narrow(sum_pi_squared),
+            narrow(rollout_is_weights), handle_zero_tail=handle_zero_tail, epsilon=epsilon)
+        return advantages.to(dtype), returns.to(dtype)
+
+    return port
 
 
 def test_a_port_computing_in_float32_whatever_its_inputs_is_held_to_float32_only_when_it_says_so():
     """A port that narrows float64 inputs to float32 is less precise than verl (which computes float64 inputs in
     float64): by default its float64 checks fail and the structure layer says how to declare it; with
-    working_dtype="float32" it is judged by float32's bound and conforms — while the same port summing in float16
-    still fails, and a float64 port still conforms."""
-    default = verify(_float32_whatever_the_inputs, "otb", convention="numpy", **FAST)
+    working_dtype="float32" it is judged by float32's bound and conforms, float32 outputs of float64 inputs accepted —
+    while a port rounding its inputs to float16 still fails, and a float64 port still conforms."""
+    pytest.importorskip("torch")
+    port = _computing_in("float32")
+    default = verify(port, "otb", **FAST)
     assert not default.conformant
     dtypes = next(result for result in default.results if result.id == "otb/structure/dtypes")
     assert dtypes.status == "fail" and "--working-dtype float32" in dtypes.message
-    declared = verify(_float32_whatever_the_inputs, "otb", convention="numpy", working_dtype="float32", **FAST)
+    declared = verify(port, "otb", working_dtype="float32", **FAST)
     assert declared.conformant, declared.to_text()
     assert any("working_dtype='float32'" in note for note in declared.notes)
-
-    def float16_sums(*args, **kwargs):
-        return _float32_whatever_the_inputs(*args, sums=np.float16, **kwargs)
-
-    assert not verify(float16_sums, "otb", convention="numpy", working_dtype="float32", **FAST).conformant
+    dtypes = next(result for result in declared.results if result.id == "otb/structure/dtypes")
+    assert dtypes.status != "fail" and "float64 inputs" not in dtypes.message, dtypes.message    # bfloat16's noted
+    assert not verify(_computing_in("float16"), "otb", working_dtype="float32", **FAST).conformant
     assert verify("otb_spec:optimal_token_baseline", "otb", convention="numpy", working_dtype="float32",
                   **FAST).conformant
     with pytest.raises(TargetError, match="working_dtype: float32 or float64 for the OTB kinds"):

@@ -73,17 +73,22 @@ _MAGIC = 0x07B5
 
 
 def _wait(work: Any, timeout: float | None) -> None:
-    """Wait for ``work``; with a ``timeout``, a collective that fails or does not finish within it raises a
-    RuntimeError naming the bound (gloo's own says only "Operation timed out!"), the backend's error chained."""
+    """Wait for ``work``; with a ``timeout``, a collective that fails or does not finish within it raises an error of
+    the backend's type (a RuntimeError) naming the bound — gloo's own says only "Operation timed out!" — with the
+    backend's error chained. Without one, the process group's timeout and the backend's error."""
     if timeout is None:
         work.wait()
         return
     try:
         finished = work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as exc:
-        raise RuntimeError(f"otb_torch.distributed: a collective failed or did not finish within timeout={timeout} s "
-                           f"({type(exc).__name__}: {exc}); a rank may not have called, and the process group is "
-                           "unusable now") from exc
+        message = (f"otb_torch.distributed: a collective failed or did not finish within timeout={timeout} s "
+                   f"({type(exc).__name__}: {exc}); a rank may not have called, and the process group is unusable now")
+        try:
+            named = type(exc)(message)          # the backend's type (DistBackendError), for the caller's except
+        except Exception:
+            named = RuntimeError(message)
+        raise named from exc
     if not finished:
         raise RuntimeError(f"otb_torch.distributed: a collective did not finish within timeout={timeout} s")
 
@@ -948,13 +953,15 @@ def global_group_ids(ids: Any, *, group: Any = None, device: Any = None) -> tupl
     except ValueError as exc:
         failure = exc
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (None if failure is None else str(failure), distinct), group=group)
+    dist.all_gather_object(gathered, (None if failure is None else (type(failure) is TypeError, str(failure)),
+                                      distinct), group=group)
     if failure is not None:
         raise failure
-    rejected = [rank for rank, (message, _) in enumerate(gathered) if message is not None]
-    if rejected:
-        raise ValueError(f"global_group_ids: rank {rejected[0]} of the group rejected its ids "
-                         f"({gathered[rejected[0]][0]}); nothing was numbered")
+    rejected = [rank for rank, (verdict, _) in enumerate(gathered) if verdict is not None]
+    if rejected:                                 # the offending rank's type of error, as the handshakes do
+        typed, message = gathered[rejected[0]][0]
+        raise (TypeError if typed else ValueError)(f"global_group_ids: rank {rejected[0]} of the group rejected its "
+                                                   f"ids ({message}); nothing was numbered")
     table: dict[Any, int] = {}
     for _, part in gathered:
         for value in part:

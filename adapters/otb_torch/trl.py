@@ -30,7 +30,7 @@ How TRL 1.16.0 is entered (line numbers of the installed ``trl/trainer/grpo_trai
   No LM-head pass is added in the first two cases.
 * With several processes, the rows of a prompt group sit on different processes (TRL slices the gathered batch with
   ``process_slice``, :2812–2818): :func:`otb_torch.distributed.distributed_token_baseline` over the default process
-  group (accelerate's) gives every process exactly the advantages one process would compute for its rows.
+  group (accelerate's) gives every process the advantages one process would compute for its rows, within rounding.
 
 ``import otb_torch`` never imports this module; importing it needs trl (``pip install "otb-spec[trl]"``).
 """

@@ -161,7 +161,7 @@ def _subject(target: Callable | str, kind: str, convention: str, device: str,
         raise TargetError(f"convention {convention!r}: {exc}") from exc
     if kind in _WORKING_KINDS:
         subject = _with_working_bound(subject, kind, working_dtype)
-    elif working_dtype is not None:
+    elif working_dtype == "float32":                  # OTB kinds: "float64" is the default, verl's
         subject = _with_narrowing(subject, working_dtype)
     return subject, spec
 
@@ -239,9 +239,9 @@ def verify(target: Callable | str, kind: str, *, convention: str = "verl", devic
         working in at least this precision (e.g. ``"float32"`` for a kernel that widens bfloat16 inputs before its
         matmul, or a Σπ² that widens bfloat16 logits before its log-sum-exps); default: the inputs' dtype (verl's
         ``FusedLinearForPPO`` forms its logits in the inputs' dtype; its Σπ² rounds its log-sum-exps to the logits'
-        dtype). The OTB kinds (``"float32"`` or ``"float64"``): the target computes in this precision whatever its
-        inputs (``.float()`` on float64 inputs): they are judged as rounded to it, summed in it, and may come back
-        in it; default: as verl, which computes float64 inputs in float64. The report says which.
+        dtype). The OTB kinds: ``"float32"`` — the target computes in float32 whatever its inputs (``.float()`` on
+        float64 inputs): they are judged as rounded to it, summed in it, and may come back in it; ``"float64"`` or
+        None — as verl, which computes float64 inputs in float64. The report says which.
     Raises:
       TargetError: the target cannot be loaded, or the convention does not offer ``kind`` or ``device``.
     """

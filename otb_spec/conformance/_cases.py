@@ -190,7 +190,7 @@ class Case:
             rounding = output_rounding(out)
             return {name: bound + rounding
                     for name, bound in self._fused_bounds(working_dtype or self.dtype, compute).items()}
-        working = (working_dtype or self.dtype) if self.kind != FUSED else self.dtype
+        working = working_dtype or self.dtype
         key = ("tolerances", out, compute, working)
         if key not in self._cache:
             if self.kind == "sum-pi-squared":

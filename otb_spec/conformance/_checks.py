@@ -205,7 +205,8 @@ def compare(case: Case, outputs: dict[str, Any], *, output_dtypes: dict[str, str
         otherwise.
       expected: compare with these outputs instead of the reference's (a documented deviation's model); NaN there
         is matched only by NaN.
-      working_dtype: fused kind: the precision of the implementation's logits and per-token values (default the
+      working_dtype: the implementation's working precision (``Case.tolerances``: for the fused kind its logits and
+        per-token values, for Σπ² its log-sum-exps, for the OTB kinds the inputs as it rounds them; default the
         case's dtype).
     """
     expected = case.expected() if expected is None else expected
@@ -541,7 +542,8 @@ def _structure_checks(session: _Session, kind: str, deviations: tuple[Deviation,
                 problems["shapes"].append(f"{dtype}: {name} has shape {tuple(value.shape)}, expected {tuple(shape)}")
             got_dtype = first.output_dtypes.get(name, "?")
             # a declared narrowing (an OTB target computing in float32 whatever its inputs) may return its precision
-            if _precision_rank(got_dtype) < min(_precision_rank(dtype), _precision_rank(subject.working_dtype(dtype))):
+            promised = min((dtype, subject.working_dtype(dtype)), key=_precision_rank)
+            if _precision_rank(got_dtype) < _precision_rank(promised):
                 text = f"{dtype} inputs: {name} returned as {got_dtype} (less precise)"
                 if kind in _OTB_KINDS and got_dtype == "float32" and dtype == "float64":
                     text += (" — a target computing in float32 whatever its inputs is judged by float32's bound with "
@@ -552,7 +554,7 @@ def _structure_checks(session: _Session, kind: str, deviations: tuple[Deviation,
                     problems["dtypes"].append(text)
                 else:
                     documented["dtypes"].append((text, explained))
-            elif subject.dtype_rule == "same" and got_dtype != dtype:
+            elif subject.dtype_rule == "same" and got_dtype != dtype and got_dtype != promised:
                 notes["dtypes"].append(f"{dtype} inputs: {name} returned as {got_dtype} (more precise than the input; "
                                        "verl returns the input's dtype)")
             again = second.outputs.get(name)

@@ -125,9 +125,9 @@ def _epsilon_zero_applies(case: Case) -> bool:
 
 
 def _epsilon_zero_model(case: Case) -> dict[str, np.ndarray]:
-    """NaN where the denominator is 0/0: verl's at every position of the member's row ((G − NaN)·0 is NaN at masked
-    positions; multi-turn: its valid tokens, nothing else is scattered back). Matched with ``nan_optional``: a port
-    may give NaN at any of these positions and the reference's value at the others (one that zeroes masked
+    """NaN where the denominator is 0/0: verl's at each such position of the member's row, masked ones included ((G −
+    NaN)·0 is NaN; multi-turn: at valid tokens only, nothing else is scattered back). Matched with ``nan_optional``: a
+    port may give NaN at any of these positions and the reference's value at the others (one that zeroes masked
     positions by selection, one whose leave-one-out skips positions no other member reaches)."""
     expected = case.expected()
     return {"advantages": np.where(_nan_positions(case), np.nan, expected["advantages"]),
