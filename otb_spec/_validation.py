@@ -193,18 +193,19 @@ def token_statistics(
     log_probs64 = float_array(lp_name, log_probs_raw, shape=shape, like=like)
     spp64 = float_array(spp_name, spp_raw, shape=shape, like=like)
     valid = np.ones(shape, dtype=bool) if mask is None else mask > 0
+    where = "at valid positions" if mask is not None else "at every position (no mask here)"
     slack_lp = input_range_slack(log_probs_raw.dtype)
     slack_spp = input_range_slack(spp_raw.dtype)
     _check_where(lp_name, log_probs64, valid & (log_probs64 > slack_lp),
-                 f"must be ≤ 0 at valid positions (a log-probability; slack {slack_lp:g})")
+                 f"must be ≤ 0 {where} (a log-probability; slack {slack_lp:g})")
     _check_where(spp_name, spp64, valid & ((spp64 < -slack_spp) | (spp64 > 1.0 + slack_spp)),
-                 f"must lie in [0, 1] at valid positions (Σ_v π_v²; slack {slack_spp:g})")
+                 f"must lie in [0, 1] {where} (Σ_v π_v²; slack {slack_spp:g})")
     own = np.exp(2.0 * np.minimum(log_probs64, 0.0))
     inconsistent = valid & (spp64 < own - (slack_spp + 2.0 * slack_lp)) & consistency
     if inconsistent.any():
         first = tuple(int(i) for i in np.argwhere(inconsistent)[0])
         raise ValueError(
-            f"{spp_name}: must be ≥ π² = exp(2·{lp_name}) at valid positions (Σ_v π_v² contains the sampled "
+            f"{spp_name}: must be ≥ π² = exp(2·{lp_name}) {where} (Σ_v π_v² contains the sampled "
             f"token's own π²); at index {first} {spp_name} = {shown(spp64[first])} < π² = {shown(own[first])}. "
             f"Were {lp_name} and {spp_name} taken from different forward passes or shifted by one position? "
             f"(Or were float32 statistics cast to float64? The slack follows the dtype the arrays arrive in — "

@@ -19,8 +19,8 @@ import pytest
 import otb_spec
 from otb_spec.cli import main
 from otb_spec.conformance import (CONVENTIONS, KINDS, LAYERS, Case, Outcome, Subject, TargetError,
-                                  assert_matches_reference, compare, find_case, golden_cases, load_target,
-                                  read_skip_file, special_cases, verify, verify_adapter)
+                                  assert_matches_reference, compare, find_case, generated_cases, golden_cases,
+                                  load_target, read_skip_file, special_cases, verify, verify_adapter)
 from otb_spec.conformance._checks import run_checks
 from otb_spec.conformance._subjects import _numpy_dtype
 
@@ -511,6 +511,14 @@ def test_a_port_computing_in_float32_whatever_its_inputs_is_held_to_float32_only
                   **FAST).conformant
     with pytest.raises(TargetError, match="working_dtype: float32 or float64 for the OTB kinds"):
         verify("otb_spec:optimal_token_baseline", "otb", convention="numpy", working_dtype="float16")
+
+
+@pytest.mark.parametrize("dtypes", ["float32", ("float33",), (), None])
+def test_generated_cases_name_bad_dtypes_when_built(dtypes):
+    """A string (drawn letter by letter before), an unknown name or nothing: a ValueError naming the argument when the
+    strategy is built, not a failure deep inside a comparison."""
+    with pytest.raises(ValueError, match=r"^dtypes: expected a non-empty tuple of float64, float32, bfloat16, float16"):
+        generated_cases("otb", dtypes=dtypes)
 
 
 def test_a_documented_deviation_excuses_nothing_else_in_the_same_case():

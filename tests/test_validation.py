@@ -117,6 +117,16 @@ def test_leave_one_out_rejects_a_zero_tail_request():
         otb.token_baseline(np.zeros((B, T)), np.ones((B, T)), np.ones((B, T)), [0, 0, 1], align="turn")
 
 
+def test_token_statistics_without_a_mask_say_every_position():
+    """token_energy has no mask: its errors say the rule holds at every position, not "at valid positions"."""
+    from otb_spec.proxy import token_energy
+
+    with pytest.raises(ValueError, match=r"^log_probs: must be ≤ 0 at every position \(no mask here\)"):
+        token_energy(np.full((2, 3), 0.5), np.full((2, 3), 0.5))
+    with pytest.raises(ValueError, match=r"^sum_pi_squared: must be ≥ π² = exp\(2·log_probs\) at every position"):
+        token_energy(np.zeros((2, 3)), np.zeros((2, 3)))
+
+
 def test_energy_and_norm_arguments_must_be_nonnegative():
     with pytest.raises(ValueError, match=r"realized_energy: must be ≥ 0 at valid positions"):
         otb.token_baseline(np.zeros((B, T)), -np.ones((B, T)), np.ones((B, T)), [0, 0, 1])

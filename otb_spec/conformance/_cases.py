@@ -43,6 +43,9 @@ _OTB_KINDS = ("otb", "tir-otb", "loo-otb")
 _FUSED_OUTPUTS = ("log_probs", "entropy", "sum_pi_squared", "grad_hidden", "grad_weight")
 
 
+_DTYPES = ("float64", "float32", "bfloat16", "float16")      # what a case can be delivered in
+
+
 def compute_dtype_for(input_dtype: str) -> str:
     """The precision a correct implementation accumulates in: float64 for float64 inputs, float32 otherwise."""
     return "float64" if input_dtype == "float64" else "float32"
@@ -75,6 +78,10 @@ class Case:
       kind: one of :data:`KINDS`.
       name: short description (for reports).
       dtype: the dtype the implementation receives: ``"float64"``, ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        The arrays hold values exact in that dtype, stored as float32 for ``"bfloat16"`` and ``"float16"`` (NumPy
+        has no bfloat16): cast them to ``dtype`` before calling, e.g. ``torch.tensor(case.rewards,
+        dtype=getattr(torch, case.dtype))`` — else the implementation runs in float32 and its half-precision path
+        goes untested.
       rewards, response_mask, log_probs, sum_pi_squared, is_weights: [B, T] arrays (OTB kinds; is_weights optional).
       group_ids: [B] ids (object array of strings, ints or other hashables).
       handle_zero_tail, epsilon: OTB options.
@@ -321,13 +328,13 @@ def _otb_golden(kind: str) -> list[Case]:
     cases.append(Case(kind, "deterministic policy: zero energy, ε decides", "float64",
                       np.array([[0, 0, 1.0], [0, 0, 0], [0, 0, 2.0]]), ones, _ids("d", "d", "d"), np.zeros((3, 3)),
                       ones))
-    verl_nan = ("verl 0.9.1 divides 0/0 = NaN here; otb-spec defines the baseline as 0 — the documented deviation "
-                "'epsilon-zero-nan' (docs/verl-differences.md #3): reported, not failed, unless --strict"
+    deviation = ("the documented deviation 'epsilon-zero-nan' (docs/verl-differences.md #3): verify and otb_verify "
+                 "report it, not fail it, unless strict; assert_matches_reference compares with the reference alone")
+    verl_nan = (f"verl 0.9.1 divides 0/0 = NaN here; otb-spec defines the baseline as 0 — {deviation}"
                 if kind != "loo-otb" else
                 "ε = 0 and an empty denominator: otb-spec defines the baseline as 0 (the value 0/ε gives for every "
-                "ε > 0); verl has no leave-one-out estimator, but a port dividing as verl does gets 0/0 = NaN here — "
-                "the documented deviation 'epsilon-zero-nan' (docs/verl-differences.md #3): reported, not failed, "
-                "unless --strict")
+                f"ε > 0); verl has no leave-one-out estimator, but a port dividing as verl does gets 0/0 = NaN here — "
+                f"{deviation}")
     cases.append(replace(cases[-1], name="zero energy with ε = 0 (defined as baseline 0)", epsilon=0.0, note=verl_nan))
     lp, spp = _policy_statistics((3, 5), 8)
     cases.append(Case(kind, "ε = 0 and positions no member reaches (defined as baseline 0)", "float64",
@@ -543,6 +550,9 @@ def generated_cases(kind: str, *, profile: str = "general", dtypes: tuple[str, .
         raise ValueError(f"kind: expected one of {', '.join(KINDS)}, got {kind!r}")
     if profile not in GENERATED_PROFILES[kind]:
         raise ValueError(f"profile: expected one of {', '.join(GENERATED_PROFILES[kind])}, got {profile!r}")
+    if isinstance(dtypes, str) or not isinstance(dtypes, (tuple, list)) or not dtypes or any(
+            dtype not in _DTYPES for dtype in dtypes):
+        raise ValueError(f"dtypes: expected a non-empty tuple of {', '.join(_DTYPES)}, got {dtypes!r}")
     if kind == FUSED:
         return _fused_generated(profile, dtypes, fixed_shapes)
     if kind == "sum-pi-squared":
