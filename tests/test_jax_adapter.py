@@ -178,3 +178,40 @@ def test_gpu_matches_cpu():
     cpu = otb_jax.optimal_token_baseline(arrays["rewards"], arrays["response_mask"], ids, count, arrays["log_probs"],
                                          arrays["sum_pi_squared"])
     np.testing.assert_allclose(np.asarray(result.advantages), np.asarray(cpu.advantages), rtol=1e-5, atol=1e-5)
+
+
+def test_token_ids_outside_the_vocabulary_give_nan_under_jit_not_another_tokens_log_prob():
+    """Traced (or unchecked) ids outside [0, V): log π = NaN there, as the fused function gives — a negative id used
+    to wrap around to token V − 1's log π, a wrong number with no error; concrete ids are rejected by name."""
+    import jax.numpy as jnp
+
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(2, 4)), dtype=jnp.float32)
+    statistics = jax.jit(lambda z, ids: otb_jax.token_statistics_from_logits(z, ids).log_probs)
+    for bad in (-1, 4):
+        got = np.asarray(statistics(logits, jnp.asarray([1, bad])))
+        expected = otb.token_statistics_from_logits(np.asarray(logits, np.float64), np.array([1, 2])).log_probs
+        assert np.isnan(got[1]) and abs(got[0] - expected[0]) < 1e-6, (bad, got)
+        unchecked = otb_jax.token_statistics_from_logits(logits, jnp.asarray([1, bad]), check_values=False)
+        assert np.isnan(np.asarray(unchecked.log_probs)[1])
+        with pytest.raises(ValueError, match=r"^token_ids: must lie in \[0, 4\)"):
+            otb_jax.token_statistics_from_logits(logits, jnp.asarray([1, bad]))
+
+
+@pytest.mark.parametrize("option", ["epsilon", "handle_zero_tail"])
+def test_a_traced_option_is_named_as_needing_to_be_static(option):
+    batch = example_batch()
+    arguments = (batch.rewards, batch.response_mask, np.asarray([0, 1, 0, 1, 0, 1]), batch.log_probs,
+                 batch.sum_pi_squared)
+    value = 0.0 if option == "epsilon" else True
+
+    def call(traced):
+        return otb_jax.optimal_token_baseline(*arguments[:3], 2, *arguments[3:], **{option: traced}).advantages
+
+    with pytest.raises(TypeError, match=rf"^{option}: expected a static Python value, got a traced one"):
+        jax.jit(call)(value)
+
+
+def test_the_vocabulary_chunk_may_be_a_numpy_integer():
+    logits = np.random.default_rng(1).normal(size=(3, 10)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(otb_jax.sum_pi_squared(logits, vocab_chunk=np.int64(4))),
+                               np.asarray(otb_jax.sum_pi_squared(logits, vocab_chunk=4)), rtol=0, atol=0)

@@ -99,9 +99,26 @@ def output_dtype(reference: jax.Array) -> str:
     return dtype.name if dtype.kind == "f" or dtype.name == "bfloat16" else "float32"
 
 
-epsilon = reference_checks.epsilon
-flag = reference_checks.flag
-zero_tail = reference_checks.zero_tail
+def _static(name: str, value: Any) -> None:
+    """An option the computation branches on must be a Python value, not one traced by jax.jit."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"{name}: expected a static Python value, got a traced one — under jax.jit, pass {name} with "
+                        "static_argnames (or close over it)")
+
+
+def epsilon(value: Any) -> float:
+    _static("epsilon", value)
+    return reference_checks.epsilon(value)
+
+
+def flag(name: str, value: Any) -> bool:
+    _static(name, value)
+    return reference_checks.flag(name, value)
+
+
+def zero_tail(handle_zero_tail: Any, leave_one_out: bool) -> bool:
+    _static("handle_zero_tail", handle_zero_tail)
+    return reference_checks.zero_tail(handle_zero_tail, leave_one_out)
 
 
 def _slack(value: jax.Array) -> float:

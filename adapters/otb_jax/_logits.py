@@ -80,10 +80,10 @@ def sum_pi_squared(logits: Any, *, vocab_chunk: int | None = None, check_values:
       vocab_chunk: stream the vocabulary in chunks of this size (online log-sum-exp) — bounded temporaries.
       check_values: reject NaN, +inf and all −inf rows (for concrete arrays).
     """
-    if vocab_chunk is not None and (isinstance(vocab_chunk, bool) or not isinstance(vocab_chunk, int)
+    if vocab_chunk is not None and (isinstance(vocab_chunk, bool) or not isinstance(vocab_chunk, (int, np.integer))
                                     or vocab_chunk < 1):
         raise ValueError(f"vocab_chunk: expected a positive integer or None, got {vocab_chunk!r}")
-    return _sum_pi_squared(_logits("logits", logits, check_values), vocab_chunk)
+    return _sum_pi_squared(_logits("logits", logits, check_values), None if vocab_chunk is None else int(vocab_chunk))
 
 
 class TokenStatistics(NamedTuple):
@@ -106,13 +106,16 @@ def _statistics(z: jax.Array, ids: jax.Array | None):
     spp = jnp.sum(a * a, axis=-1) / jnp.square(total)
     entropy = log_total - jnp.sum(a * jnp.where(jnp.isinf(shifted), 0, shifted), axis=-1) / total
     log_probs = None
-    if ids is not None:
-        log_probs = (jnp.take_along_axis(shifted, ids[..., None], axis=-1)[..., 0] - log_total).astype(out)
+    if ids is not None:       # ids outside [0, V) (traced, or unchecked): NaN — a negative one would wrap around
+        in_range = (ids >= 0) & (ids < z.shape[-1])
+        chosen = jnp.take_along_axis(shifted, jnp.clip(ids, 0, z.shape[-1] - 1)[..., None], axis=-1)[..., 0]
+        log_probs = jnp.where(in_range, chosen - log_total, jnp.nan).astype(out)
     return log_probs, entropy.astype(out), spp.astype(out)
 
 
 def token_statistics_from_logits(logits: Any, token_ids: Any = None, *, check_values: bool = True) -> TokenStatistics:
-    """log π(y), entropy and Σπ² in one pass; the port of :func:`otb_spec.token_statistics_from_logits`."""
+    """log π(y), entropy and Σπ² in one pass; the port of :func:`otb_spec.token_statistics_from_logits`. Token ids
+    outside [0, V) raise for concrete arrays (``check_values``); traced ones, or unchecked, give log π = NaN there."""
     z = _logits("logits", logits, check_values)
     ids = None
     if token_ids is not None:
