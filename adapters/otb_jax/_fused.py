@@ -260,8 +260,9 @@ def fused_linear_token_statistics(hidden: Any, weight: Any, token_ids: Any, *, t
         a half-precision W within 64 MiB.
       check_values: reject NaN/±inf in hidden or weight, ids outside [0, V) and τ ≤ 0 — for concrete arrays only
         (one synchronisation). Inside a trace (your ``jit``, ``vmap``, ``grad``) values are unknown and not checked:
-        NaN or ±inf inputs propagate, and an id outside [0, V) gives log π = NaN. Shapes and dtypes are always
-        checked.
+        NaN or ±inf inputs propagate, an id outside [0, V) gives log π = NaN, a traced τ = 0 gives NaN statistics
+        and a traced τ < 0 the statistics of softmax(z/τ) as computed (finite: check τ before tracing it). Shapes
+        and dtypes are always checked.
 
     Returns:
       :class:`TokenStatistics` (log_probs, entropy, sum_pi_squared), each [...] in float32 (float64 for float64
