@@ -240,6 +240,8 @@ def _run_lab(args: argparse.Namespace) -> int:
 
     from otb_spec.lab import GROUP_SIZES, format_report, plot_variance, run_lab
 
+    if args.json:
+        _require_writable("--json", args.json)
     sizes = tuple(sorted(set(args.group_size))) if args.group_size else GROUP_SIZES
     if any(n < 1 for n in sizes):
         raise ValueError(f"--group-size: must be ≥ 1, got {sizes}")
@@ -266,6 +268,14 @@ def _run_lab(args: argparse.Namespace) -> int:
     return 0
 
 
+def _require_writable(option: str, path: str) -> None:
+    """Refuse, before any work, an output path whose folder does not exist or cannot be written (exit 2)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError(f"{option}: cannot write {path!r} (" + ("a folder" if os.path.isdir(path) else
+                         f"no writable folder {folder!r}") + ")")
+
+
 def _run_verify(args: argparse.Namespace) -> int:
     from otb_spec.conformance import (CONVENTIONS, DEFAULT_TIMEOUT, LAYERS, SHRINK_BUDGET, read_skip_file, verify,
                                       verify_adapter)
@@ -285,6 +295,8 @@ def _run_verify(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-examples: must be ≥ 1, got {args.max_examples}")
     if args.timeout is not None and not args.timeout >= 0:
         raise ValueError(f"--timeout: must be ≥ 0 seconds (0: no limit), got {args.timeout}")
+    if args.json:
+        _require_writable("--json", args.json)
     progress = None
     if not args.no_progress and sys.stderr.isatty():
         def progress(label: str) -> None:

@@ -716,3 +716,59 @@ def test_cli_verify_strict_and_timeout_options():
     assert status == 0 and out.splitlines()[0] == "CONFORMANT"
     status, _, err = _run_cli("verify", "otb_spec:optimal_token_baseline", "--kind", "otb", "--timeout", "-1")
     assert status == 2 and "--timeout" in err
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the command line as a user meets it (an audit of the CLI)
+
+
+def test_a_file_target_imports_its_neighbours_and_its_package(tmp_path, monkeypatch):
+    """`otb-spec verify my_trainer/advantages.py:my_otb` where the file imports a module beside it (as `python
+    my_trainer/advantages.py` would), or is in a package and imports relatively; and `my_trainer.advantages:my_otb`
+    from the current folder (as `python -m`)."""
+    package = tmp_path / "my_trainer"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "helpers.py").write_text("from otb_spec import optimal_token_baseline as core\n")
+    (package / "beside.py").write_text(
+        "import helpers\n\ndef my_otb(*args, **kwargs):\n    result = helpers.core(*args, **kwargs)\n"
+        "    return result.advantages, result.returns\n")
+    (package / "relative.py").write_text(
+        "from .helpers import core\n\ndef my_otb(*args, **kwargs):\n    result = core(*args, **kwargs)\n"
+        "    return result.advantages, result.returns\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))                   # what load_target adds is undone
+    for target in ("my_trainer/beside.py:my_otb", "my_trainer/relative.py:my_otb", "my_trainer.relative:my_otb"):
+        status, out, err = _run_cli("verify", target, "--kind", "otb", "--convention", "numpy", "--layer", "golden",
+                                    "--no-progress")
+        assert status == 0 and out.startswith("CONFORMANT"), (target, out[:300], err)
+
+
+def test_an_unwritable_json_path_is_refused_before_any_check(tmp_path):
+    status, out, err = _run_cli("verify", "otb_spec:optimal_token_baseline", "--kind", "otb", "--convention", "numpy",
+                                "--json", str(tmp_path / "missing" / "report.json"), "--no-progress")
+    assert status == 2 and out == "" and "--json: cannot write" in err, (out[:200], err)
+
+
+def test_structure_checks_are_skipped_not_passed_when_the_target_never_returns():
+    def raises(*args, **kwargs):
+        raise RuntimeError("not implemented yet")
+
+    report = verify(raises, "otb", convention="numpy", layers=("structure",))
+    statuses = {result.id.rsplit("/", 1)[1]: result.status for result in report.results}
+    assert statuses.pop("runs") == "fail" and set(statuses.values()) == {"skip"}, statuses
+    assert not report.conformant
+
+
+def test_adapter_errors_are_usage_errors(monkeypatch):
+    with pytest.raises(TargetError, match=r"^kind: the adapter protocol checks otb, tir-otb, loo-otb, "
+                                          r"sum-pi-squared, not fused-token-statistics"):
+        verify_adapter("numpy-reference", kinds=("fused-token-statistics",))
+    import otb_spec.adapters
+
+    def broken(name, **options):
+        raise SyntaxError("invalid syntax (adapter.py, line 46)")
+
+    monkeypatch.setattr(otb_spec.adapters, "load_adapter", broken)
+    with pytest.raises(TargetError, match=r"^--adapter: loading 'fw-cpu' failed: SyntaxError"):
+        verify_adapter("fw-cpu")

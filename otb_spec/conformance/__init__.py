@@ -93,6 +93,28 @@ class TargetError(ValueError):
     """The target cannot be loaded or used (a usage error: exit status 2 on the command line)."""
 
 
+def _on_path(folder: str) -> None:
+    """Make ``folder``'s modules importable, as Python does for the script it runs (kept: a target may import at
+    call time)."""
+    if folder not in sys.path and os.path.abspath(folder) not in map(os.path.abspath, sys.path):
+        sys.path.insert(0, folder)
+
+
+def _package_of(path: str) -> tuple[str, str | None]:
+    """(the folder above the outermost package holding the file ``path``, the file's dotted module name), or
+    (its folder, None) for a file outside any package (no ``__init__.py`` beside it)."""
+    folder, name = os.path.split(path)
+    parts = [os.path.splitext(name)[0]]
+    if not os.path.isfile(os.path.join(folder, "__init__.py")):
+        return folder, None
+    while os.path.isfile(os.path.join(folder, "__init__.py")):
+        folder, package = os.path.split(folder)
+        parts.insert(0, package)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return folder, ".".join(parts)
+
+
 def load_target(spec: str) -> Callable:
     """Load ``"package.module:callable"`` or ``"path/to/file.py:callable"`` (``callable`` may be dotted,
     e.g. ``Class.method``). Raises :class:`TargetError` saying what is wrong."""
@@ -102,16 +124,28 @@ def load_target(spec: str) -> Callable:
     if module_name.endswith(".py"):
         if not os.path.isfile(module_name):
             raise TargetError(f"TARGET: no file {module_name!r}")
-        unique = f"otb_spec_target_{abs(hash(os.path.abspath(module_name)))}"
-        location = importlib.util.spec_from_file_location(unique, module_name)
-        module = importlib.util.module_from_spec(location)
-        sys.modules[unique] = module
-        try:
-            location.loader.exec_module(module)
-        except Exception as exc:
-            del sys.modules[unique]
-            raise TargetError(f"TARGET: importing {module_name} failed: {type(exc).__name__}: {exc}") from exc
+        path = os.path.abspath(module_name)
+        package_root, dotted = _package_of(path)
+        _on_path(os.path.dirname(path))          # as `python file.py` runs it: its folder's modules import
+        if dotted is not None:          # a module of a package: imported by its dotted name (relative imports work)
+            _on_path(package_root)
+            try:
+                module = importlib.import_module(dotted)
+            except Exception as exc:
+                raise TargetError(f"TARGET: importing {module_name} (as {dotted}) failed: {type(exc).__name__}: "
+                                  f"{exc}") from exc
+        else:
+            unique = f"otb_spec_target_{abs(hash(path))}"
+            location = importlib.util.spec_from_file_location(unique, module_name)
+            module = importlib.util.module_from_spec(location)
+            sys.modules[unique] = module
+            try:
+                location.loader.exec_module(module)
+            except Exception as exc:
+                del sys.modules[unique]
+                raise TargetError(f"TARGET: importing {module_name} failed: {type(exc).__name__}: {exc}") from exc
     else:
+        _on_path(os.getcwd())           # as `python -m`: modules of the current folder import
         try:
             module = importlib.import_module(module_name)
         except Exception as exc:
@@ -271,11 +305,16 @@ def verify_adapter(adapter: Any, *, kinds: Iterable[str] | None = None, max_exam
             adapter = load_adapter(adapter, **options)
         except (ValueError, TypeError, ImportError) as exc:
             raise TargetError(f"--adapter: {exc}") from exc
+        except Exception as exc:                # the adapter's own module is broken (a SyntaxError, …)
+            raise TargetError(f"--adapter: loading {adapter!r} failed: {type(exc).__name__}: {exc}") from exc
     subject = adapter_subject(adapter)
     chosen = tuple(kinds) if kinds is not None else subject.kinds
     unknown = [kind for kind in chosen if kind not in KINDS]
     if unknown:
         raise TargetError(f"kind: expected some of {', '.join(KINDS)}, got {', '.join(unknown)}")
+    missing = [kind for kind in chosen if kind not in subject.kinds]
+    if missing:
+        raise TargetError(f"kind: the adapter protocol checks {', '.join(subject.kinds)}, not {', '.join(missing)}")
     results: list[CheckResult] = []
     for kind in chosen:
         results += run_checks(subject, kind, max_examples=max_examples, seed=seed, layers=layers, skips=skips,

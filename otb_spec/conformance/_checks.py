@@ -510,12 +510,14 @@ def _structure_checks(session: _Session, kind: str, deviations: tuple[Deviation,
     documented: dict[str, list[tuple[str, Deviation]]] = {name: [] for name in names}   # explained by a deviation
     snippets: dict[str, str] = {}
     details: dict[str, tuple[str, str]] = {}
+    returned = 0                                      # dtypes whose two calls returned: the other checks' evidence
     for dtype in dtypes:
         case = base.with_dtype(dtype)
         session.tell(f"{kind} structure {dtype}")
         try:
             first = session.run(case)
             second = session.run(case)
+            returned += 1
         except Exception as exc:
             problems["runs"].append(f"{dtype}: {'timed out' if isinstance(exc, TargetTimeout) else 'raised'} "
                                     f"{type(exc).__name__}: {exc}")
@@ -578,6 +580,11 @@ def _structure_checks(session: _Session, kind: str, deviations: tuple[Deviation,
     results = []
     for name in names:
         found, noted, explained = problems[name], notes[name], documented[name]
+        if name != "runs" and not returned:          # nothing came back: nothing to judge, not a pass
+            results.append(CheckResult(f"{kind}/structure/{name}", "structure", kind, "skip",
+                                       f"not checked: the target returned on no input ({titles[name]})",
+                                       case=base.describe()))
+            continue
         status = "fail" if found else ("warn" if noted else "pass")
         result = CheckResult(f"{kind}/structure/{name}", "structure", kind, status,
                              "; ".join(found or noted) if (found or noted) else titles[name], case=base.describe(),

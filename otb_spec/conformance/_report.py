@@ -234,7 +234,8 @@ class Report:
         elif self.failures:
             lines.append(f"RESULT: NOT CONFORMANT — {len(self.failures)} of {checks} checks failed ({self.seconds:.1f} s)")
         else:
-            lines.append("RESULT: NOT CONFORMANT — no value check ran (every one was skipped)")
+            lines.append("RESULT: NOT CONFORMANT — no value check passed: a verdict needs a golden, special or "
+                         "generated check, and the layers run had none (or every one was skipped)")
         return "\n".join(lines)
 
     def _deviation_lines(self, verbose: bool) -> list[str]:
