@@ -772,3 +772,12 @@ def test_adapter_errors_are_usage_errors(monkeypatch):
     monkeypatch.setattr(otb_spec.adapters, "load_adapter", broken)
     with pytest.raises(TargetError, match=r"^--adapter: loading 'fw-cpu' failed: SyntaxError"):
         verify_adapter("fw-cpu")
+
+
+def test_a_skip_pattern_that_matches_nothing_is_warned_about():
+    skips = [("otb/golden/worked-example*", "known"), ("otb/goldne/*", "a typo"), ("tir-otb/*", "another kind")]
+    report = verify("otb_spec:optimal_token_baseline", "otb", convention="numpy", layers=("golden",), skips=skips)
+    warnings = [result.message for result in report.warnings]
+    assert report.conformant and len(warnings) == 1, warnings
+    assert "'otb/goldne/*' (a typo) matched no check" in warnings[0]
+    assert any(result.status == "skip" and "known" in result.message for result in report.results)

@@ -777,11 +777,25 @@ def run_checks(subject: Subject, kind: str, *, max_examples: int = 100, seed: in
     deviations = deviations_for(kind)
     results: list[CheckResult] = []
 
+    matched: set[str] = set()
+
     def skipped(check_id: str, layer: str) -> bool:
         reason = _skip_reason(check_id, skips)
         if reason is not None:
+            matched.update(pattern for pattern, _ in skips if fnmatch.fnmatchcase(check_id, pattern))
             results.append(CheckResult(check_id, layer, kind, "skip", f"skipped: {reason}"))
         return reason is not None
+
+    def unmatched_skips() -> list[CheckResult]:
+        """A warning for each skip pattern of this kind that matched no check of the complete run (a typo skips
+        nothing, silently)."""
+        if stop():
+            return []
+        return [CheckResult(f"{kind}/skip-file", "signature", kind, "warn",
+                            f"the skip pattern {pattern!r} ({reason}) matched no check of this run: a typo? "
+                            "(--verbose lists the check ids)")
+                for pattern, reason in skips
+                if pattern not in matched and fnmatch.fnmatchcase(kind, pattern.split("/", 1)[0])]
 
     if "signature" in layers and not skipped(f"{kind}/signature", "signature"):
         problem = subject.signature_problem(kind)
@@ -827,4 +841,4 @@ def run_checks(subject: Subject, kind: str, *, max_examples: int = 100, seed: in
                 results.append(_robustness_check(session, case, check_id))
             else:
                 results.append(_value_check(session, case, check_id, layer, deviations=deviations))
-    return results
+    return results + unmatched_skips()
