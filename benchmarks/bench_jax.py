@@ -86,14 +86,20 @@ def bench_otb(args: argparse.Namespace, device, rng: np.random.Generator) -> Non
     if args.device == "cpu":
         reference = timed(lambda: otb.optimal_token_baseline(rewards, mask, ids, log_probs, spp).advantages,
                           max(1, args.repeats // 2))
-        print(f"  otb_spec NumPy reference (float64) {reference * 1e3:9.2f} ms   → jit is {reference / jit_time:.1f}× "
-              "faster")
+        print(f"  otb_spec NumPy reference (float64) {reference * 1e3:9.2f} ms   "
+              f"→ jit {_relative(reference, jit_time)}")
     else:
         moved = 6 * rows * args.positions
         source = jax.device_put(np.zeros(moved, np.float32), device)
         copy = timed(lambda: source + 0.0, args.repeats)
         print(f"  device-to-device copy of the same bytes {copy * 1e3:.2f} ms → OTB takes {jit_time / copy:.1f}× the "
               "copy")
+
+
+def _relative(baseline: float, measured: float) -> str:
+    """"is N× faster" or "is N× slower" than ``baseline`` — never a speed-up below 1."""
+    return (f"is {baseline / measured:.1f}× faster" if measured <= baseline else
+            f"is {measured / baseline:.1f}× slower")
 
 
 def bench_sum_pi_squared(args: argparse.Namespace, device, rng: np.random.Generator, vocab: int) -> None:
@@ -104,8 +110,8 @@ def bench_sum_pi_squared(args: argparse.Namespace, device, rng: np.random.Genera
     if args.device == "cpu":
         host = np.asarray(logits.astype(jnp.float32))
         reference = timed(lambda: otb.sum_pi_squared(host), 1)
-        print(f"  otb_spec NumPy reference (float64)  {reference * 1e3:8.2f} ms   → jit is {reference / spp_time:.1f}× "
-              "faster")
+        print(f"  otb_spec NumPy reference (float64)  {reference * 1e3:8.2f} ms   "
+              f"→ jit {_relative(reference, spp_time)}")
     else:
         copy = timed(lambda: logits + jnp.bfloat16(0), args.repeats)
         print(f"  device-to-device copy of the logits {copy * 1e3:8.2f} ms → Σπ² takes {spp_time / copy:.1f}× the copy")

@@ -8,6 +8,8 @@ bound at valid tokens, and the share of valid tokens that are checked (finite bo
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 
 from bench_reference import make_batch
@@ -15,6 +17,8 @@ from otb_spec.tolerances import otb_tolerance
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print(f"{'T':>6s} {'median':>10s} {'p99':>10s} {'max':>10s} {'checked':>8s}   float32 bound on |ΔA|, groups of 8")
     for positions in (64, 512, 4096):
         batch = make_batch(256, positions, 8)

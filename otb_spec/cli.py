@@ -39,6 +39,17 @@ _BATCH_KEYS = ("rewards", "response_mask", "group_ids", "log_probs", "sum_pi_squ
                "cumulative_score_sq_norms", "sequence_score_sq_norms")
 
 
+def _seed(text: str) -> int:
+    """A seed argument: a non-negative integer (argparse names the option in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for documentation and tests)."""
     parser = argparse.ArgumentParser(
@@ -64,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     lab = commands.add_parser("lab", help="Monte Carlo lab: bias and variance of every estimator vs group size")
     lab.add_argument("--quick", action="store_true", help="small samples and T = 60 for the long regime (seconds)")
-    lab.add_argument("--seed", type=int, default=0, help="seed of every random draw (default 0)")
+    lab.add_argument("--seed", type=_seed, default=0, help="seed of every random draw (default 0)")
     lab.add_argument("--regime", action="append", choices=["random", "confidence", "long"],
                      help="run only these regimes (repeatable; default: all three)")
     lab.add_argument("--group-size", action="append", type=int, metavar="N",
@@ -91,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--device", default="cpu", help="where inputs go: cpu or cuda (default cpu)")
     verify.add_argument("--max-examples", type=int, default=100, metavar="N",
                         help="Hypothesis examples per generated profile (default 100)")
-    verify.add_argument("--seed", type=int, default=0, help="Hypothesis seed; the same seed replays (default 0)")
+    verify.add_argument("--seed", type=_seed, default=0, help="Hypothesis seed; the same seed replays (default 0)")
     verify.add_argument("--shrink-budget", type=int, default=None, metavar="N",
                         help="further runs spent shrinking a failing generated case (default 200; 0: none)")
     verify.add_argument("--layer", action="append", metavar="LAYER",
@@ -122,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "and print which checks catch each (needs torch)")
     mutants.add_argument("--max-examples", type=int, default=100, metavar="N",
                          help="Hypothesis examples per generated profile (default 100)")
-    mutants.add_argument("--seed", type=int, default=0, help="Hypothesis seed (default 0)")
+    mutants.add_argument("--seed", type=_seed, default=0, help="Hypothesis seed (default 0)")
     mutants.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     mutants.set_defaults(run=_run_mutants)
 
@@ -134,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="Hypothesis-generated cases per profile and kind (default 10)")
     vectors.add_argument("--no-special", action="store_true",
                          help="leave out the large special cases (T = 4096, V = 65536; tens of MB)")
-    vectors.add_argument("--seed", type=int, default=0, help="Hypothesis seed of the generated cases (default 0)")
+    vectors.add_argument("--seed", type=_seed, default=0, help="Hypothesis seed of the generated cases (default 0)")
     vectors.set_defaults(run=_run_vectors)
 
     experiment = commands.add_parser(
@@ -147,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  "from it (default experiment-output)")
     experiment.add_argument("--setup", action="append", choices=["main", "long"],
                             help="set-ups (repeatable; default both: main, then long)")
-    experiment.add_argument("--seed", type=int, action="append", metavar="S",
+    experiment.add_argument("--seed", type=_seed, action="append", metavar="S",
                             help="seeds (repeatable; default the set-up's pre-registered seeds)")
     experiment.add_argument("--arm", action="append", metavar="NAME",
                             help="arms (repeatable; default all: gm32 otb4 loo4 gm4 rloo4)")
@@ -218,7 +229,7 @@ def _run_compute(args: argparse.Namespace) -> int:
     with np.load(args.batch, allow_pickle=True) as data:
         missing = [key for key in _BATCH_KEYS[:3] if key not in data]
         if missing:
-            raise KeyError(f"{args.batch} lacks required array(s) {', '.join(missing)}")
+            raise ValueError(f"{args.batch} lacks required array(s) {', '.join(missing)}")
         unknown = sorted(set(data.files) - set(_BATCH_KEYS))
         if unknown:
             raise ValueError(f"{args.batch}: unknown array(s) {', '.join(unknown)}; expected names among "
@@ -248,7 +259,9 @@ def _run_lab(args: argparse.Namespace) -> int:
     result = run_lab(quick=args.quick, seed=args.seed, group_sizes=sizes,
                      regime_names=tuple(args.regime) if args.regime else None,
                      progress=None if args.no_progress else sys.stderr)
-    command = "otb-spec lab" + (" --quick" if args.quick else "") + (f" --seed {args.seed}" if args.seed else "")
+    command = ("otb-spec lab" + (" --quick" if args.quick else "") + (f" --seed {args.seed}" if args.seed else "")
+               + "".join(f" --regime {name}" for name in args.regime or ())
+               + "".join(f" --group-size {n}" for n in args.group_size or ()))
     print(format_report(result, command))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
@@ -341,7 +354,8 @@ def _exit_if_a_target_is_still_running(status: int) -> None:
 def _run_mutants(args: argparse.Namespace) -> int:
     from otb_spec.conformance.mutants import kill_table
 
-    table = kill_table(max_examples=args.max_examples, seed=args.seed, progress=sys.stderr)
+    table = kill_table(max_examples=args.max_examples, seed=args.seed,
+                       progress=sys.stderr if sys.stderr.isatty() else None)
     print(table.to_markdown() if args.markdown else table.to_text())
     return 0 if table.all_killed and table.controls_pass else 1
 
