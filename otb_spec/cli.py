@@ -385,6 +385,8 @@ def _run_experiment(args: argparse.Namespace) -> int:
     if args.samples is not None:
         changes["samples_override"] = args.samples
     configs = [dataclasses.replace(config, **changes) for config in setups]
+    if args.report_only and not os.path.isdir(args.out):
+        raise ValueError(f"--out: no folder {args.out!r} to report on (--report-only reads an earlier run's results)")
     results = run_all(configs, args.out, progress=not args.no_progress, train=not args.report_only)
     for name, summary in results.items():
         for key, entry in summary["arms"].items():

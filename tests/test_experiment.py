@@ -88,6 +88,13 @@ def test_report_only_summarizes_without_training(tmp_path):
     assert "PARTIAL" in (out / "report.md").read_text()
 
 
+def test_report_only_on_a_missing_folder_is_a_usage_error(tmp_path, capsys):
+    from otb_spec.cli import main
+
+    assert main(["experiment", "--quick", "--report-only", "--out", str(tmp_path / "typo")]) == 2
+    assert "--out: no folder" in capsys.readouterr().err and not (tmp_path / "typo").exists()
+
+
 def test_every_arm_of_a_seed_sees_the_same_prompts(tmp_path, monkeypatch):
     seen: dict[str, list] = {}
     original = experiment.train_step

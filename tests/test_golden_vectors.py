@@ -149,6 +149,12 @@ def test_cli_vectors_writes_a_directory(tmp_path):
     files = glob.glob(str(tmp_path / "v" / "sum-pi-squared" / "*.json"))
     assert len(files) == len(golden_cases("sum-pi-squared")) + 3
     assert main(["vectors", "--out", str(tmp_path / "w"), "--generated", "-1"]) == 2
+    keep = tmp_path / "v" / "sum-pi-squared" / "mine.txt"                   # not ours: left alone
+    keep.write_text("notes")
+    assert main(["vectors", "--out", str(tmp_path / "v"), "--kind", "sum-pi-squared", "--generated", "0",
+                 "--no-special"]) == 0                                      # a second run, fewer cases
+    files = glob.glob(str(tmp_path / "v" / "sum-pi-squared" / "*.json"))
+    assert len(files) == len(golden_cases("sum-pi-squared")) and keep.exists()   # no stale case of the first run
 
 
 @pytest.mark.slow

@@ -191,11 +191,30 @@ def _richness(case: Case) -> tuple:
             mask.size)
 
 
+def _remove_previous(directory: str) -> None:
+    """Remove the case files an earlier run's manifest in ``directory`` lists (only those: our own outputs), so that
+    the folder holds exactly the cases of the new manifest."""
+    try:
+        with open(os.path.join(directory, "manifest.json"), encoding="utf-8") as handle:
+            previous = json.load(handle)
+    except (OSError, ValueError):
+        return
+    if not isinstance(previous, dict) or previous.get("schema") != "otb-spec-vectors":
+        return
+    root = os.path.realpath(directory)
+    for entry in previous.get("cases", []):
+        for key in ("json", "npz"):
+            name = entry.get(key) if isinstance(entry, dict) else None
+            path = os.path.realpath(os.path.join(directory, name)) if isinstance(name, str) else None
+            if path is not None and path.startswith(root + os.sep) and os.path.isfile(path):
+                os.remove(path)
+
+
 def write_vectors(directory: str, *, kinds: tuple[str, ...] = VECTOR_KINDS, generated: int = 10, special: bool = True,
                   seed: int = 0) -> dict:
     """Write golden (float64, float32), ``generated`` Hypothesis cases per profile (seeded) and, with ``special``,
-    the special cases of every kind in ``kinds`` to ``directory``. Returns the manifest (also written as
-    ``manifest.json``)."""
+    the special cases of every kind in ``kinds`` to ``directory``, first removing the case files an earlier run's
+    manifest there lists. Returns the manifest (also written as ``manifest.json``)."""
     unknown = [kind for kind in kinds if kind not in VECTOR_KINDS]
     if unknown:
         raise ValueError(f"kinds: unknown {', '.join(unknown)}; expected some of {', '.join(VECTOR_KINDS)} (the "
@@ -203,6 +222,7 @@ def write_vectors(directory: str, *, kinds: tuple[str, ...] = VECTOR_KINDS, gene
     if not isinstance(generated, int) or generated < 0:
         raise ValueError(f"generated: expected a non-negative integer, got {generated!r}")
     os.makedirs(directory, exist_ok=True)
+    _remove_previous(directory)
     entries = []
     for kind in kinds:
         batches = [("golden", golden_cases(kind))]
