@@ -492,24 +492,21 @@ def test_disagreeing_ranks_raise_on_every_rank(pool, problem):
         assert message.startswith(names[problem]) or "rejected its inputs" in message, message
 
 
-def test_a_missing_rank_times_out_instead_of_hanging(pool):
-    """Rank 3 never calls: the others must fail within their timeout (then the pool is restarted)."""
-    batch = _fixed_batch()
-    arguments, _ = _split_arguments(batch, group_segments(batch.group_ids).index, 3,
-                                    [np.array([0, 1]), np.array([2, 3]), np.array([4, 5]), np.array([6, 7])], [], 1,
-                                    align="position", leave_one_out=False, epsilon=1e-8)
-    for argument in arguments:
-        argument["timeout"] = 2.0
-    outcomes = pool.run("distributed_token_baseline", "world", arguments[:3] + [None])
-    for _, kind, message in _errors(outcomes, range(3)):
-        assert kind in ("RuntimeError", "DistBackendError") and "within timeout=2.0 s" in message, message
-
-
 def _four_ranks(batch):
     arguments, _ = _split_arguments(batch, group_segments(batch.group_ids).index, 3,
                                     [np.array([0, 1]), np.array([2, 3]), np.array([4, 5]), np.array([6, 7])], [], 1,
                                     align="position", leave_one_out=False, epsilon=1e-8)
     return arguments
+
+
+def test_a_missing_rank_times_out_instead_of_hanging(pool):
+    """Rank 3 never calls: the others must fail within their timeout (then the pool is restarted)."""
+    arguments = _four_ranks(_fixed_batch())
+    for argument in arguments:
+        argument["timeout"] = 2.0
+    outcomes = pool.run("distributed_token_baseline", "world", arguments[:3] + [None])
+    for _, kind, message in _errors(outcomes, range(3)):
+        assert kind in ("RuntimeError", "DistBackendError") and "within timeout=2.0 s" in message, message
 
 
 @pytest.mark.parametrize("function", ["distributed_token_baseline", "vocab_parallel_token_statistics"])

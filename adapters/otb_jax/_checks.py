@@ -101,7 +101,7 @@ def output_dtype(reference: jax.Array) -> str:
 
 def _static(name: str, value: Any) -> None:
     """An option the computation branches on must be a Python value, not one traced by jax.jit."""
-    if isinstance(value, jax.core.Tracer):
+    if is_traced(value):
         raise TypeError(f"{name}: expected a static Python value, got a traced one — under jax.jit, pass {name} with "
                         "static_argnames (or close over it)")
 

@@ -165,6 +165,7 @@ _HEADER = 7                                            # magic, function, failed
 _FUNCTIONS = {"vocab_parallel_token_statistics": 1, "context_parallel_returns_and_energy": 2,
               "distributed_token_baseline": 3}
 _FAILURES = {ValueError: 1, TypeError: 2}              # a rank's rejection, by the type of its error
+_FAILURE_TYPES = {code: kind for kind, code in _FAILURES.items()}
 
 
 def _flag_field(value: Any) -> int:
@@ -235,7 +236,7 @@ class _Verdicts:
             raise ValueError(f"{what}: the ranks of the process group are not all calling the same function")
         failed = [row for row in self.table if row[2]]
         if failed:                          # the type of the first offending rank's error (its reference's)
-            raise {code: kind for kind, code in _FAILURES.items()}.get(failed[0][2], ValueError)(
+            raise _FAILURE_TYPES.get(failed[0][2], ValueError)(
                 f"{what}: rank {failed[0][3]} rejected its inputs (its own error names the argument); nothing was "
                 "computed on any rank")
         return self
@@ -953,14 +954,14 @@ def global_group_ids(ids: Any, *, group: Any = None, device: Any = None) -> tupl
     except ValueError as exc:
         failure = exc
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (None if failure is None else (type(failure) is TypeError, str(failure)),
+    dist.all_gather_object(gathered, (None if failure is None else (_FAILURES.get(type(failure), 1), str(failure)),
                                       distinct), group=group)
     if failure is not None:
         raise failure
     rejected = [rank for rank, (verdict, _) in enumerate(gathered) if verdict is not None]
     if rejected:                                 # the offending rank's type of error, as the handshakes do
-        typed, message = gathered[rejected[0]][0]
-        raise (TypeError if typed else ValueError)(f"global_group_ids: rank {rejected[0]} of the group rejected its "
+        code, message = gathered[rejected[0]][0]
+        raise _FAILURE_TYPES.get(code, ValueError)(f"global_group_ids: rank {rejected[0]} of the group rejected its "
                                                    f"ids ({message}); nothing was numbered")
     table: dict[Any, int] = {}
     for _, part in gathered:
