@@ -80,6 +80,29 @@ def test_inside_a_callers_jit_values_are_not_checked_but_results_agree():
                                                arrays["sum_pi_squared"])), np.asarray(eager), rtol=1e-6, atol=1e-6)
 
 
+def test_inside_a_callers_jit_closed_over_concrete_arrays_are_not_checked_either():
+    """Arrays bound into the traced function (a closure, functools.partial) are concrete, but the value checks'
+    reductions on them are traced: they go unchecked, as traced arguments do, instead of a TracerBoolConversionError
+    (every function with a value check; the results agree with the eager call's)."""
+    import jax.numpy as jnp
+
+    _, arrays, ids, count = _inputs()
+    rng = np.random.default_rng(4)
+    logits = jnp.asarray(rng.normal(size=(3, 8)), jnp.float32)
+    hidden, weight = jnp.asarray(rng.normal(size=(3, 4)), jnp.float32), jnp.asarray(rng.normal(size=(8, 4)))
+    token_ids = jnp.asarray([0, 7, 3])
+    calls = {
+        "otb": lambda: otb_jax.optimal_token_baseline(arrays["rewards"], arrays["response_mask"], ids, count,
+                                                      arrays["log_probs"], arrays["sum_pi_squared"]).advantages,
+        "Σπ²": lambda: otb_jax.sum_pi_squared(logits),
+        "statistics": lambda: otb_jax.token_statistics_from_logits(logits, token_ids).log_probs,
+        "fused": lambda: otb_jax.fused_linear_token_statistics(hidden, weight, token_ids).log_probs,
+    }
+    for name, call in calls.items():
+        np.testing.assert_allclose(np.asarray(jax.jit(call)()), np.asarray(call()), rtol=1e-6, atol=1e-6,
+                                   err_msg=name)
+
+
 @pytest.mark.parametrize("function", ["optimal_token_baseline", "multi_turn_optimal_token_baseline",
                                       "leave_one_out_token_baseline"])
 def test_under_jit_a_too_small_segment_count_gives_nan_rows_not_wrong_numbers(function):

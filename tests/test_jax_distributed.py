@@ -111,6 +111,22 @@ def test_vocab_parallel_statistics_equal_one_process(data, size, with_ids):
         proxy.assert_close(np.asarray(result.log_probs), expected.log_probs, "log π(y)")
 
 
+def test_vocab_parallel_ids_on_no_block_give_nan_and_narrow_ids_are_their_values():
+    """An id on no device's block (outside [0, V), unchecked or under jit) gives log π = NaN, not −log S₁; uint8 ids
+    with V = 320 are read as their values, checked or not."""
+    mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("vocab",))
+    logits = np.random.default_rng(3).normal(size=(2, 320)).astype(np.float32)
+    wide = np.array([200, 7])
+    expected = jax_distributed.vocab_parallel_token_statistics(logits, wide, mesh=mesh, vocab_axis="vocab")
+    narrow = jax_distributed.vocab_parallel_token_statistics(logits, wide.astype(np.uint8), mesh=mesh,
+                                                            vocab_axis="vocab")
+    np.testing.assert_array_equal(np.asarray(narrow.log_probs), np.asarray(expected.log_probs))
+    outside = jax_distributed.vocab_parallel_token_statistics(logits, np.array([320, -1]), mesh=mesh,
+                                                             vocab_axis="vocab", check_values=False)
+    assert np.isnan(np.asarray(outside.log_probs)).all()
+    np.testing.assert_array_equal(np.asarray(outside.entropy), np.asarray(expected.entropy))
+
+
 def test_bad_input_is_named():
     mesh, data_axis, _ = _mesh("data4")
     ones = np.ones((6, 3))

@@ -245,6 +245,9 @@ def _arguments(**change):
     (dict(temperature=jnp.ones(2)), ValueError, "temperature: expected a scalar"),
     (dict(chunk_size=0), ValueError, "chunk_size: expected a positive integer"),
     (dict(vocab_chunk_size=2.5), ValueError, "vocab_chunk_size: expected a positive integer"),
+    (dict(temperature=1e-40), ValueError, "temperature: τ = 1e-40 is too small for float32 logits"),
+    (dict(temperature=jnp.asarray(1e-45)), ValueError, "temperature: τ = .* is too small for float32 logits"),
+    (dict(hidden=jnp.full((2, 4), 1e38)), ValueError, "hidden: with weight and temperature, the logits h·Wᵀ/τ over"),
 ])
 def test_bad_input_raises_naming_the_argument(change, error, match):
     arguments, options = _arguments(**change)
@@ -265,6 +268,51 @@ def test_inside_a_trace_values_are_unknown_and_an_id_outside_the_vocabulary_give
     out = statistics(jnp.asarray([1, 6]))
     assert np.isnan(float(out.log_probs[1])) and np.isfinite(float(out.log_probs[0]))
     np.testing.assert_allclose(np.asarray(out.entropy), np.log(6.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype, vocab, token", [(jnp.uint8, 300, 200), (jnp.int16, 40_000, 30_000),
+                                                  (jnp.uint16, 300, 299)])
+def test_narrow_integer_token_ids_are_read_as_their_values(dtype, vocab, token):
+    """Comparing ids with V in their own dtype would wrap V (300 is 44 in uint8): valid ids rejected when checked,
+    NaN when not; both functions, checked and under jit."""
+    rng = np.random.default_rng(5)
+    hidden = jnp.asarray(rng.normal(size=(3, 4)), jnp.float32)
+    weight = jnp.asarray(rng.normal(size=(vocab, 4)), jnp.float32)
+    wide = jnp.asarray([1, 2, token], jnp.int32)
+    expected = otb_jax.fused_linear_token_statistics(hidden, weight, wide).log_probs
+    narrow = wide.astype(dtype)
+    for got in (otb_jax.fused_linear_token_statistics(hidden, weight, narrow).log_probs,
+                jax.jit(lambda ids: otb_jax.fused_linear_token_statistics(hidden, weight, ids).log_probs)(narrow)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    logits = hidden @ weight.T
+    from_logits = otb_jax.token_statistics_from_logits(logits, wide).log_probs
+    for got in (otb_jax.token_statistics_from_logits(logits, narrow).log_probs,
+                jax.jit(lambda ids: otb_jax.token_statistics_from_logits(logits, ids).log_probs)(narrow)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(from_logits))
+
+
+def test_overflowing_logits_are_nan_without_the_value_check():
+    """The documented value where the check is off (or inside a trace): NaN statistics, not a finite number."""
+    out = otb_jax.fused_linear_token_statistics(jnp.full((2, 4), 1e38), jnp.ones((6, 4)), jnp.asarray([0, 5]),
+                                                check_values=False)
+    assert np.isnan(np.asarray(out.entropy)).all() and np.isnan(np.asarray(out.log_probs)).all()
+
+
+@pytest.mark.parametrize("chunk_size", [None, 512, 2048])
+def test_a_row_chunk_keeps_the_block_within_its_budget(chunk_size):
+    """chunk_size alone sets the rows of a block; the columns follow the budget (as otb_torch sizes them) instead of
+    staying V: XLA's planned temporaries at N = 2048, V = 32 768, H = 64 stay a few blocks of 16 MiB, far below the
+    256 MiB of the float32 logits (chunk_size = 2048 with V columns planned 512 MiB)."""
+    n, vocab, width = 2048, 32_768, 64
+    compiled = jax.jit(lambda h, w, ids: otb_jax.fused_linear_token_statistics(h, w, ids, chunk_size=chunk_size)
+                       ).lower(jax.ShapeDtypeStruct((n, width), jnp.float32),
+                               jax.ShapeDtypeStruct((vocab, width), jnp.float32),
+                               jax.ShapeDtypeStruct((n,), jnp.int32)).compile()
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        pytest.skip("this backend reports no memory analysis")
+    block = 2**22 * 4
+    assert analysis.temp_size_in_bytes <= 4 * block, analysis.temp_size_in_bytes / 2**20
 
 
 # ----------------------------------------------------------------------------------------------------------------------

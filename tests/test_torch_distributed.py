@@ -278,6 +278,27 @@ def test_vocab_parallel_statistics_equal_one_process(pool, data, layout, dtype, 
             assert result.log_probs is None
 
 
+def test_vocab_parallel_unchecked_ids_outside_the_vocabulary_give_nan(pool):
+    """check_values=False: an id on no rank's shard gives log π = NaN on every rank (not −log S₁, a finite number);
+    narrow integer ids (uint8 with V = 300) are read as their values; the other statistics are unchanged."""
+    logits = np.random.default_rng(3).normal(size=(2, 300))
+    pieces = _vocab_split(logits, 2, [170])
+    ids = np.array([200, 7], dtype=np.uint8)
+    outcomes = _run_on_layout(pool, "vocab_parallel_token_statistics", "two",
+                              [dict(logits_shard=p, token_ids=ids) for p in pieces])
+    expected = otb.token_statistics_from_logits(logits, ids.astype(np.int64))
+    for status, result in outcomes:
+        assert status == "ok", result
+        np.testing.assert_allclose(result.log_probs, expected.log_probs, rtol=1e-13)
+    outside = np.array([300, -1])
+    outcomes = _run_on_layout(pool, "vocab_parallel_token_statistics", "two",
+                              [dict(logits_shard=p, token_ids=outside, check_values=False) for p in pieces])
+    for status, result in outcomes:
+        assert status == "ok", result
+        assert np.isnan(result.log_probs).all()
+        np.testing.assert_allclose(result.entropy, expected.entropy, rtol=1e-13)
+
+
 def test_vocab_parallel_sum_pi_squared_rows_excluded_on_some_shards(pool):
     """A row whose logits are −inf on one shard (excluded tokens) but not on all: that shard contributes nothing."""
     logits = np.array([[0.0, 1.0, -np.inf, -np.inf, 2.0, 0.5], [-np.inf, -np.inf, 3.0, -1.0, -np.inf, -np.inf]])

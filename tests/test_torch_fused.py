@@ -181,6 +181,9 @@ def test_inputs_are_not_modified_and_empty_batches_work():
     (dict(temperature=float("inf")), "temperature: must be finite"),
     (dict(chunk_size=0), "chunk_size: expected a positive integer"),
     (dict(vocab_chunk_size=2.5), "vocab_chunk_size: expected a positive integer"),
+    (dict(temperature=1e-40), "temperature: τ = 1e-40 is too small for torch.float32 logits"),
+    (dict(temperature=torch.tensor(0.5, requires_grad=True)), "temperature: a tensor that requires grad"),
+    (dict(hidden=torch.full((2, 4), 1e38)), "hidden: with weight and temperature, the logits h·Wᵀ/τ overflow"),
 ])
 def test_bad_input_raises_naming_the_argument(change, match):
     arguments = dict(hidden=torch.ones(2, 4), weight=torch.ones(6, 4), token_ids=torch.tensor([0, 5]))
@@ -202,6 +205,86 @@ def test_bad_types_raise_naming_the_argument():
     with pytest.raises(TypeError, match="temperature: expected a real number, got a bool"):
         otb_torch.fused_linear_token_statistics(torch.ones(2, 4), torch.ones(6, 4), torch.tensor([0, 1]),
                                                 temperature=True)
+
+
+@pytest.mark.parametrize("dtype, vocab, token", [(torch.uint8, 300, 200), (torch.int16, 40_000, 30_000),
+                                                  (torch.int32, 300, 299)])
+def test_narrow_integer_token_ids_are_read_as_their_values(dtype, vocab, token):
+    """Comparing ids with V in their own dtype would wrap V (300 is 44 in uint8) and reject valid ids."""
+    rng = np.random.default_rng(5)
+    hidden = torch.tensor(rng.normal(size=(3, 4)), dtype=torch.float32)
+    weight = torch.tensor(rng.normal(size=(vocab, 4)), dtype=torch.float32)
+    wide = torch.tensor([1, 2, token])
+    expected = otb_torch.fused_linear_token_statistics(hidden, weight, wide)
+    got = otb_torch.fused_linear_token_statistics(hidden, weight, wide.to(dtype))
+    from_logits = otb_torch.token_statistics_from_logits(hidden @ weight.t(), wide.to(dtype))
+    torch.testing.assert_close(got.log_probs, expected.log_probs, rtol=0, atol=0)
+    torch.testing.assert_close(from_logits.log_probs, expected.log_probs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_unchecked_ids_outside_the_vocabulary_give_nan_and_no_gradient_term(kernel):
+    """check_values=False: log π = NaN at an id outside [0, V) (never a finite number, never an index error in the
+    backward pass); the other statistics and the other tokens are unchanged. A loss that leaves those tokens' log π
+    out gets the gradient it gets with valid ids there, bit for bit; one that keeps them gets the gradient without
+    their e_y term (−g·π only: log π as if z_y were absent), as otb_jax's under a trace."""
+    rng = np.random.default_rng(6)
+    hidden = torch.tensor(rng.normal(size=(4, 3)), dtype=torch.float32, requires_grad=True)
+    weight = torch.tensor(rng.normal(size=(7, 3)), dtype=torch.float32, requires_grad=True)
+    good, bad = torch.tensor([1, 2, 3, 4]), torch.tensor([1, 7, 3, -2])
+    logits = hidden.detach() @ weight.detach().t()
+    with pytest.raises(ValueError, match=r"token_ids: must lie in \[0, 7\)"):
+        otb_torch.token_statistics_from_logits(logits, bad)
+    unchecked = otb_torch.token_statistics_from_logits(logits, bad, check_values=False)
+    assert torch.isnan(unchecked.log_probs[[1, 3]]).all() and torch.isfinite(unchecked.log_probs[[0, 2]]).all()
+    valid = torch.tensor([True, False, True, False])
+    coefficients = torch.tensor([1.0, 0.5, -2.0, 0.25])
+    with _native.eager_only() if kernel == "eager" else contextlib.nullcontext():
+        reference = otb_torch.fused_linear_token_statistics(hidden, weight, good)
+        out = otb_torch.fused_linear_token_statistics(hidden, weight, bad, check_values=False)
+        assert torch.isnan(out.log_probs[[1, 3]]).all()
+        for name in ("entropy", "sum_pi_squared"):
+            torch.testing.assert_close(getattr(out, name), getattr(reference, name), rtol=0, atol=0)
+        torch.testing.assert_close(out.log_probs[valid], reference.log_probs[valid], rtol=0, atol=0)
+        grads = [torch.autograd.grad((torch.where(valid, stats.log_probs, 0.0) * coefficients).sum()
+                                     + stats.entropy.sum(), (hidden, weight)) for stats in (out, reference)]
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # kept in the loss (float64, eager): the gradient of Σ g·(−lse) at those tokens, by autograd on explicit logits
+    hidden64, weight64 = (tensor.detach().double().requires_grad_(True) for tensor in (hidden, weight))
+    out = otb_torch.fused_linear_token_statistics(hidden64, weight64, bad, check_values=False)
+    got = torch.autograd.grad(out.log_probs, (hidden64, weight64), coefficients.double())     # NaN values, g ≠ 0
+    z = hidden64 @ weight64.t()
+    lse = torch.logsumexp(z, -1)
+    explicit = torch.where(valid, z.gather(1, good[:, None])[:, 0] - lse, -lse)
+    want = torch.autograd.grad((explicit * coefficients.double()).sum(), (hidden64, weight64))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_a_second_derivative_raises_instead_of_a_wrong_value():
+    """The backward rewrites its blocks in place (once differentiable): differentiating the gradient again is an
+    error, not the second derivative of h·Wᵀ/τ that autograd would otherwise record."""
+    rng = np.random.default_rng(7)
+    hidden = torch.tensor(rng.normal(size=(3, 4)), dtype=torch.float32, requires_grad=True)
+    weight = torch.tensor(rng.normal(size=(9, 4)), dtype=torch.float32)
+    stats = otb_torch.fused_linear_token_statistics(hidden, weight, torch.tensor([0, 4, 8]))
+    (gradient,) = torch.autograd.grad(stats.log_probs.sum() + stats.entropy.sum(), hidden, create_graph=True)
+    assert not gradient.requires_grad                     # no graph recorded through the backward pass
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        torch.autograd.grad((gradient ** 2).sum(), hidden)
+    cotangent = torch.ones(3, requires_grad=True)          # a cotangent that requires grad: the error says why
+    (gradient,) = torch.autograd.grad(stats.log_probs, hidden, cotangent, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        (gradient ** 2).sum().backward()
+
+
+def test_numpy_integer_chunk_sizes_are_accepted():
+    hidden, weight, ids = torch.ones(5, 4), torch.ones(11, 4), torch.tensor([0, 1, 2, 3, 10])
+    expected = otb_torch.fused_linear_token_statistics(hidden, weight, ids, chunk_size=2, vocab_chunk_size=3)
+    got = otb_torch.fused_linear_token_statistics(hidden, weight, ids, chunk_size=np.int64(2),
+                                                  vocab_chunk_size=np.int32(3))
+    torch.testing.assert_close(got.entropy, expected.entropy, rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -25,6 +25,15 @@ def is_traced(*values: Any) -> bool:
     return any(isinstance(value, jax.core.Tracer) for value in values)
 
 
+def concrete_flag(flag: Any) -> bool | None:
+    """bool(flag) for a concrete flag; None inside the caller's trace (jit, vmap, grad), where even a flag computed
+    from closed-over constant arrays is abstract: values there are unknown and go unchecked, as traced inputs do."""
+    try:
+        return bool(flag)
+    except jax.errors.ConcretizationTypeError:
+        return None
+
+
 def array(name: str, value: Any, *, like: jax.Array | None = None, like_name: str = "") -> jax.Array:
     if value is None:
         raise TypeError(f"{name}: expected an array, got None")
@@ -40,6 +49,18 @@ def array(name: str, value: Any, *, like: jax.Array | None = None, like_name: st
         raise ValueError(f"{name}: expected shape {tuple(like.shape)} (the shape of {like_name}), got "
                          f"{tuple(value.shape)}")
     return value
+
+
+def token_ids(value: Any, lead: tuple[int, ...], source: str, axis: str) -> jax.Array:
+    """Integer token ids of shape ``lead`` (that of ``source`` without its ``axis`` axis), widened to at least 32 bits
+    so that comparing them with V does not wrap V around in a narrow dtype (300 is 44 in uint8)."""
+    ids = array("token_ids", value)
+    if np.dtype(ids.dtype).kind not in "iu":
+        raise TypeError(f"token_ids: expected integer token ids, got dtype {ids.dtype}")
+    if tuple(ids.shape) != tuple(lead):
+        raise ValueError(f"token_ids: expected shape {tuple(lead)} ({source} without the {axis} axis), got "
+                         f"{tuple(ids.shape)}")
+    return ids.astype(jnp.int32) if np.dtype(ids.dtype).itemsize < 4 else ids
 
 
 def batch(name: str, value: Any) -> jax.Array:
@@ -167,7 +188,7 @@ def check_values(enabled: bool, *, rewards: Named | None = None, mask: Named | N
                if item is not None]
     if not enabled or is_traced(*present):
         return
-    if not bool(_problems(rewards, mask, log_probs, sum_pi_squared, is_weights, others, energies)):
+    if not concrete_flag(_problems(rewards, mask, log_probs, sum_pi_squared, is_weights, others, energies)):
         return
     reference_checks.raise_value_error(_host, rewards=rewards, mask=mask, log_probs=log_probs,
                                        sum_pi_squared=sum_pi_squared, is_weights=is_weights, others=others,

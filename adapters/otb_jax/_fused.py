@@ -29,8 +29,9 @@ so τ may be a traced value and still gets its exact gradient. Σπ² gets no gr
 ``stop_gradient`` semantics; OTB uses it as a constant).
 
 Peak extra memory (beyond inputs and outputs): forward — the padded hidden states ([N_pad, H], a copy of hidden
-when N is not a multiple of the chunk), about three [rows, columns] blocks in the compute dtype (default 2²² values
-per block: 16 MiB each in float32), a [columns, H] slice of W (in float32 for half-precision weights, at most 2²⁴
+when N is not a multiple of the chunk), about three [rows, columns] blocks in the compute dtype (2²² values per block
+by default, also with ``chunk_size`` set, unless it exceeds 2²²/1024 rows: 16 MiB each in float32; with both chunk
+sizes set, chunk_size × vocab_chunk_size), a [columns, H] slice of W (in float32 for half-precision weights, at most 2²⁴
 values = 64 MiB) and a few floats per token (the value check is one compiled reduction per input, with no
 temporary of the inputs' size); backward — the same blocks, plus float32 (float64) accumulators for ∂W
 [V, H] and ∂h [N_pad, H], which become the returned gradients (cast to the inputs' dtypes: for bfloat16/float16
@@ -78,21 +79,30 @@ def _temperature(value: Any, compute: Any) -> jax.Array:
             raise TypeError(f"temperature: expected a real number, got dtype {value.dtype}")
         tau = value.reshape(())
         if not check.is_traced(tau):
-            checked_temperature(float(tau))
+            _finite_reciprocal(checked_temperature(float(tau)), compute)
         return tau.astype(compute)
-    return jnp.asarray(checked_temperature(value), dtype=compute)
+    return jnp.asarray(_finite_reciprocal(checked_temperature(value), compute), dtype=compute)
+
+
+def _finite_reciprocal(temperature: float, compute: Any) -> float:
+    """τ, whose reciprocal must be finite in the compute dtype (the blocks divide by τ there)."""
+    if 1.0 / temperature > float(jnp.finfo(compute).max) or float(np.asarray(temperature, compute)) == 0.0:
+        raise ValueError(f"temperature: τ = {temperature!r} is too small for {np.dtype(compute).name} logits (1/τ "
+                         f"overflows {np.dtype(compute).name})")
+    return temperature
 
 
 def _blocks(n_rows: int, vocab: int, n_hidden: int, half_weight: bool, chunk_size: int | None,
             vocab_chunk_size: int | None) -> tuple[int, int]:
-    """(rows, columns) per block: columns = V unless a float32 copy of W's chunk or the block would be too large."""
+    """(rows, columns) per block: columns = V unless a float32 copy of W's chunk or the block would be too large —
+    with ``chunk_size`` rows given, at most max(1024, budget // chunk_size) columns, so that the block stays within
+    the budget (as otb_torch sizes it) instead of becoming chunk_size × V."""
     budget = _BLOCK_ELEMENTS.get(jax.default_backend(), _BLOCK_ELEMENTS["cpu"])
     if vocab_chunk_size is None:
         columns = vocab
         if half_weight:
             columns = min(columns, max(1, _WEIGHT_CHUNK_ELEMENTS // n_hidden))
-        if chunk_size is None:
-            columns = min(columns, max(1024, budget // 16))
+        columns = min(columns, max(1024, budget // (16 if chunk_size is None else chunk_size)))
     else:
         columns = min(vocab_chunk_size, vocab)
     rows = chunk_size if chunk_size is not None else max(1, budget // columns)
@@ -250,16 +260,22 @@ def fused_linear_token_statistics(hidden: Any, weight: Any, token_ids: Any, *, t
     log π(y) = z_y − m − log S₁,  H = log S₁ − T/S₁,  Σπ² = S₂/S₁², accumulated chunk by chunk (module docstring).
 
     Args:
-      hidden: [..., H] hidden states (float32, bfloat16, float16; float64 with ``jax_enable_x64``).
-      weight: [V, H] the LM head (``lm_head.weight`` layout: one row per token of the vocabulary).
-      token_ids: [...] integer ids of the sampled tokens, in [0, V).
+      hidden: [..., H] hidden states (float32, bfloat16, float16; float64 with ``jax_enable_x64``; integer and bool
+        arrays are read as float32, as the reference reads any real dtype).
+      weight: [V, H] the LM head (``lm_head.weight`` layout: one row per token of the vocabulary; dtypes as hidden).
+      token_ids: [...] integer ids of the sampled tokens, in [0, V) (any integer dtype). There is no
+        ``ignore_index``: give positions you will mask out (HF's −100 labels) any id in [0, V), e.g. the padding
+        token's, and mask their statistics afterwards.
       temperature: τ > 0 (a Python number or a scalar array; may be traced, and gets its exact gradient).
       chunk_size: tokens per block (static; the tokens are padded to a multiple of it). Default: a fixed budget of
         values per block divided by its columns.
-      vocab_chunk_size: vocabulary columns per block (static). Default V, or what keeps a float32 copy of a chunk of
-        a half-precision W within 64 MiB.
+      vocab_chunk_size: vocabulary columns per block (static). Default V, at most what keeps a float32 copy of a
+        chunk of a half-precision W within 64 MiB and, with ``chunk_size`` given, at most max(1024, budget ÷
+        chunk_size) — the block stays within the budget (2²² values on CPU, 2²⁶ on GPU) rather than chunk_size × V.
       check_values: reject NaN/±inf in hidden or weight, ids outside [0, V) and τ ≤ 0 — for concrete arrays only
-        (one synchronisation). Inside a trace (your ``jit``, ``vmap``, ``grad``) values are unknown and not checked:
+        (one synchronisation) — and finite inputs whose logits overflow the compute dtype (NaN statistics; a second
+        synchronisation, after the computation). A concrete τ whose reciprocal overflows the compute dtype is always
+        refused. Inside a trace (your ``jit``, ``vmap``, ``grad``) values are unknown and not checked:
         NaN or ±inf inputs propagate, an id outside [0, V) gives log π = NaN, a traced τ = 0 gives NaN statistics
         and a traced τ < 0 the statistics of softmax(z/τ) as computed (finite: check τ before tracing it). Shapes
         and dtypes are always checked.
@@ -289,12 +305,8 @@ def fused_linear_token_statistics(hidden: Any, weight: Any, token_ids: Any, *, t
     if w.shape[1] != h.shape[-1]:
         raise ValueError(f"weight: expected shape [V, {h.shape[-1]}] (H = hidden.shape[-1] = {h.shape[-1]}), got "
                          f"{tuple(w.shape)}")
-    ids = check.array("token_ids", token_ids)
-    if np.dtype(ids.dtype).kind not in "iu":
-        raise TypeError(f"token_ids: expected integer token ids, got dtype {ids.dtype}")
     lead = tuple(h.shape[:-1])
-    if tuple(ids.shape) != lead:
-        raise ValueError(f"token_ids: expected shape {lead} (hidden without the hidden axis), got {tuple(ids.shape)}")
+    ids = check.token_ids(token_ids, lead, "hidden", "hidden")
     compute = jnp.float64 if jnp.float64 in (h.dtype, w.dtype) else jnp.float32
     tau = _temperature(temperature, compute)
     rows_option = _positive_int("chunk_size", chunk_size)
@@ -303,10 +315,12 @@ def fused_linear_token_statistics(hidden: Any, weight: Any, token_ids: Any, *, t
     if check_values and not check.is_traced(h, w, ids):
         _check_values(h, w, ids, vocab)
     flat_hidden = h.reshape(-1, h.shape[-1])
-    flat_ids = ids.reshape(-1).astype(jnp.int32)
+    flat_ids = ids.reshape(-1)             # not narrowed: a 64-bit id ≥ 2³¹ must not wrap into [0, V)
     half_weight = w.dtype in (jnp.bfloat16, jnp.float16)
     rows, columns = _blocks(flat_hidden.shape[0], vocab, h.shape[-1], half_weight, rows_option, columns_option)
     log_probs, entropy, spp = _statistics_jit(flat_hidden, w, flat_ids, tau, rows, columns)
+    if check_values and log_probs.size and not check.is_traced(h, w, ids, tau):
+        _check_finite_statistics(log_probs, entropy, compute)
     return TokenStatistics(log_probs.reshape(lead), entropy.reshape(lead), jax.lax.stop_gradient(spp).reshape(lead))
 
 
@@ -321,9 +335,20 @@ def _value_flags(hidden: jax.Array, weight: jax.Array, ids: jax.Array, vocab: in
     return ~finite(hidden) | ~finite(weight) | jnp.any((ids < 0) | (ids >= vocab))
 
 
+def _check_finite_statistics(log_probs: jax.Array, entropy: jax.Array, compute: Any) -> None:
+    """Finite inputs whose logits h·Wᵀ/τ overflow the compute dtype give NaN statistics: raise instead (a second
+    synchronisation, over two per-token arrays)."""
+    bad = ~(jnp.isfinite(log_probs) & jnp.isfinite(entropy))
+    if check.concrete_flag(jnp.any(bad)):
+        first = int(np.argmax(np.asarray(bad)))
+        raise ValueError(f"hidden: with weight and temperature, the logits h·Wᵀ/τ overflow {np.dtype(compute).name} "
+                         f"(finite inputs; statistics NaN or ±inf at token {first} of the flattened [..., H]): scale "
+                         f"them down or compute in float64")
+
+
 def _check_values(hidden: jax.Array, weight: jax.Array, ids: jax.Array, vocab: int) -> None:
     """One synchronisation; on failure the host copies give the reference's message with the first bad index."""
-    if not bool(_value_flags(hidden, weight, ids, vocab)):
+    if not check.concrete_flag(_value_flags(hidden, weight, ids, vocab)):
         return
     for name, value in (("hidden", hidden), ("weight", weight)):
         reference_checks.check_finite(name, check._host(value))

@@ -31,7 +31,7 @@ def _logits(name: str, logits: Any, check_values: bool, allow_excluded_rows: boo
         bad = jnp.any(jnp.isnan(z)) | jnp.any(z == jnp.inf)
         if not allow_excluded_rows:
             bad = bad | jnp.any(jnp.all(z == -jnp.inf, axis=-1))
-        if bool(bad):
+        if check.concrete_flag(bad):
             host = reference_checks.float_array(name, check._host(z), allow_neg_inf=True)
             excluded = np.all(host == -np.inf, axis=-1)
             first = tuple(int(i) for i in np.argwhere(excluded)[0])
@@ -119,12 +119,7 @@ def token_statistics_from_logits(logits: Any, token_ids: Any = None, *, check_va
     z = _logits("logits", logits, check_values)
     ids = None
     if token_ids is not None:
-        ids = check.array("token_ids", token_ids)
-        if np.dtype(ids.dtype).kind not in "iu":
-            raise TypeError(f"token_ids: expected integer token ids, got dtype {ids.dtype}")
-        if tuple(ids.shape) != tuple(z.shape[:-1]):
-            raise ValueError(f"token_ids: expected shape {tuple(z.shape[:-1])} (logits without the vocabulary axis), "
-                             f"got {tuple(ids.shape)}")
+        ids = check.token_ids(token_ids, tuple(z.shape[:-1]), "logits", "vocabulary")
         if check_values and not check.is_traced(ids):
             host = np.asarray(ids)
             bad = (host < 0) | (host >= z.shape[-1])

@@ -67,13 +67,16 @@ def vocab_parallel_token_statistics_local(logits_shard: jax.Array, token_ids: ja
     parts = [jnp.sum(a, axis=-1), jnp.sum(a * a, axis=-1), weighted]
     if token_ids is not None:
         begin = lax.axis_index(vocab_axis) * width if vocab_start is None else vocab_start
-        local = token_ids.astype(jnp.int32) - begin
+        ids = token_ids.astype(jnp.int32) if np.dtype(token_ids.dtype).itemsize < 4 else token_ids
+        local = ids - begin
         owned = (local >= 0) & (local < width)
         chosen = jnp.take_along_axis(d, jnp.clip(local, 0, width - 1)[..., None], axis=-1)[..., 0]
-        parts.append(jnp.where(owned, chosen, 0.0))
-    total, squares, weighted, *chosen_sum = lax.psum(jnp.stack(parts), vocab_axis)
+        parts += [jnp.where(owned, chosen, 0.0), owned.astype(compute)]
+    total, squares, weighted, *picked = lax.psum(jnp.stack(parts), vocab_axis)
     log_total = jnp.log(total)
-    log_probs = None if token_ids is None else (chosen_sum[0] - log_total).astype(out)
+    log_probs = None                 # an id on no device's block (outside [0, V), unchecked): NaN, not −log S₁
+    if token_ids is not None:
+        log_probs = jnp.where(picked[1] > 0, picked[0] - log_total, jnp.nan).astype(out)
     return TokenStatistics(log_probs, (log_total - weighted / total).astype(out),
                            (squares / jnp.square(total)).astype(out))
 
@@ -100,13 +103,11 @@ def vocab_parallel_token_statistics(logits: Any, token_ids: Any = None, *, mesh:
                          f"mesh axis {vocab_axis!r}")
     if check_values and not check.is_traced(z):
         reference_checks.float_array("logits", check._host(z), allow_neg_inf=True)
-        if bool(jnp.any(jnp.all(z == -jnp.inf, axis=-1))):
+        if check.concrete_flag(jnp.any(jnp.all(z == -jnp.inf, axis=-1))):
             raise ValueError("logits: every logit is -inf at some position; the softmax is undefined there")
-    ids = None if token_ids is None else check.array("token_ids", token_ids)
-    if ids is not None:
-        if tuple(ids.shape) != tuple(z.shape[:-1]):
-            raise ValueError(f"token_ids: expected shape {tuple(z.shape[:-1])}, got {tuple(ids.shape)}")
-        if check_values and not check.is_traced(ids) and bool(jnp.any((ids < 0) | (ids >= z.shape[-1]))):
+    ids = None if token_ids is None else check.token_ids(token_ids, tuple(z.shape[:-1]), "logits", "vocabulary")
+    if ids is not None and check_values and not check.is_traced(ids):
+        if check.concrete_flag(jnp.any((ids < 0) | (ids >= z.shape[-1]))):
             raise ValueError(f"token_ids: must lie in [0, {z.shape[-1]}) (the vocabulary)")
     mapped = _sharded_statistics(mesh, vocab_axis, z.ndim - 1, ids is not None)
     return mapped(z) if ids is None else mapped(z, ids)

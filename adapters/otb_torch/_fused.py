@@ -20,13 +20,13 @@ each row read twice (maximum, then the three sums; the second read from cache) a
 and one write of each row (z ← c·π in place).
 
 Memory (beyond inputs, outputs and the returned gradients): one [rows, columns] buffer in the compute dtype with the
-native kernel (2²² values = 16 MiB in float32 on CPU), two with torch ops (2 × 2²² = 32 MiB on CPU without the kernel or
-in float64; 2 × 2²⁶ = 512 MiB on CUDA), five per-token floats, two temporaries of 2¹⁸ values (1 MiB) in the backward
-pass's e_y term, and for half-precision inputs float32 copies of one vocabulary chunk of W and of one row block of h (on
-CUDA, where both are of one half dtype and torch has the matmul's ``out_dtype``, in the backward pass only) and, in the
-backward pass, a float32 accumulator for ∂W, and for ∂h when the hidden states are half precision — nothing that grows
-with N·V. The matmul library may add its own packing buffers (of the order of one block's operands);
-benchmarks/bench_fused.py measures the whole peak.
+native kernel (2²² values = 16 MiB in float32 on CPU), two with torch ops (2 × 2²² values: 32 MiB in float32 on CPU
+without the kernel, 64 MiB in float64; 2 × 2²⁶ values = 512 MiB in float32 on CUDA), five per-token floats, two
+temporaries of 2¹⁸ values (1 MiB in float32) in the backward pass's e_y term, and for half-precision inputs float32
+copies of one vocabulary chunk of W and of one row block of h (on CUDA, where both are of one half dtype and torch has
+the matmul's ``out_dtype``, in the backward pass only) and, in the backward pass, a float32 accumulator for ∂W, and
+for ∂h when the hidden states are half precision — nothing that grows with N·V. The matmul library may add its own
+packing buffers (of the order of one block's operands); benchmarks/bench_fused.py measures the whole peak.
 
 bf16/fp16 inputs are accumulated in float32 (float64 inputs in float64); log π, entropy and Σπ² are returned in that
 precision, Σπ² detached (OTB uses it as a constant). On CUDA the blocks z = h·Wᵀ/τ (forward, and their recomputation in
@@ -47,9 +47,11 @@ floor (a float32 matmul of this size takes 0.10 s, the materialised forward + ba
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from otb_torch import _native
 from otb_torch._logits import TokenStatistics, _row_dot, checked_token_ids
@@ -105,9 +107,9 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 def _positive_int(name: str, value: Any) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name}: expected a positive integer or None, got {value!r}")
-    return value
+    return int(value)
 
 
 def _temperature(value: Any) -> float:
@@ -115,8 +117,31 @@ def _temperature(value: Any) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"temperature: expected a scalar, got shape {tuple(value.shape)}")
+        if value.requires_grad:
+            raise ValueError("temperature: a tensor that requires grad; these statistics give no gradient with respect "
+                             "to τ (otb_jax's do): pass a number or temperature.detach()")
         value = value.item()
     return checked_temperature(value)
+
+
+def _scale(temperature: float, dtype: torch.dtype) -> float:
+    """1/τ, which the blocks multiply by in the compute dtype: it must be finite there."""
+    scale = 1.0 / temperature
+    if scale > torch.finfo(dtype).max:
+        raise ValueError(f"temperature: τ = {temperature!r} is too small for {dtype} logits (1/τ = {scale:.3g} "
+                         f"overflows {dtype})")
+    return scale
+
+
+def _check_finite_statistics(log_probs: torch.Tensor, entropy: torch.Tensor, dtype: torch.dtype) -> None:
+    """Finite inputs whose logits h·Wᵀ/τ overflow the compute dtype give NaN statistics: raise instead (one host
+    synchronisation, over two per-token arrays)."""
+    bad = ~(torch.isfinite(log_probs) & torch.isfinite(entropy))
+    if bool(bad.any()):
+        first = int(torch.nonzero(bad)[0, 0])
+        raise ValueError(f"hidden: with weight and temperature, the logits h·Wᵀ/τ overflow {dtype} (finite inputs; "
+                         f"statistics NaN or ±inf at token {first} of the flattened [..., H]): scale them down or "
+                         f"compute in float64")
 
 
 def _float_tensor(name: str, value: Any) -> torch.Tensor:
@@ -172,7 +197,7 @@ class _FusedLinearStatistics(torch.autograd.Function):
         s1 = torch.zeros(n_rows, dtype=dtype, device=device)
         s2 = torch.zeros_like(s1)
         tilt = torch.zeros_like(s1)                      # T = Σ e^{z − m}(z − m) ≤ 0
-        chosen = torch.zeros_like(s1)                    # z_y
+        chosen = torch.full_like(s1, math.nan)           # z_y; stays NaN for an id outside [0, V) (unchecked)
         block = torch.empty(min(rows, n_rows) * columns, dtype=dtype, device=device)
         native = _native.fused_usable(device, dtype)
         half = dtype == torch.float32 and _half_products(device, hidden, weight)
@@ -222,6 +247,7 @@ class _FusedLinearStatistics(torch.autograd.Function):
         return log_probs, entropy, spp
 
     @staticmethod
+    @once_differentiable       # the blocks are rewritten in place: a second derivative through them would be wrong
     def backward(ctx, g_log_probs: torch.Tensor | None, g_entropy: torch.Tensor | None, _g_spp: Any):
         with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):
             return _FusedLinearStatistics._backward(ctx, g_log_probs, g_entropy)
@@ -282,14 +308,16 @@ class _FusedLinearStatistics(torch.autograd.Function):
                 if d_weight is not None:
                     d_weight[start:stop].addmm_(product.t(), h, alpha=-scale)
         if g_lp is not None:     # + g_lp·e_y, by row blocks of ≤ rows and ≤ 2¹⁸ values ([step, H] temporaries: 1 MiB)
+            inside = (ids >= 0) & (ids < vocab)                  # an id outside [0, V) (unchecked) has no e_y term
+            safe_ids = ids.clamp(0, vocab - 1)
             step = max(1, min(rows, _GATHER_ELEMENTS // hidden.shape[1]))
             for first in range(0, n_rows, step):
                 last = min(first + step, n_rows)
-                weighted = (g_lp[first:last] * scale)[:, None]
+                weighted = torch.where(inside[first:last], g_lp[first:last] * scale, 0.0)[:, None]
                 if d_hidden is not None:
-                    d_hidden[first:last].add_(weight.index_select(0, ids[first:last]).to(dtype) * weighted)
+                    d_hidden[first:last].add_(weight.index_select(0, safe_ids[first:last]).to(dtype) * weighted)
                 if d_weight is not None:
-                    d_weight.index_add_(0, ids[first:last], hidden[first:last].to(dtype) * weighted)
+                    d_weight.index_add_(0, safe_ids[first:last], hidden[first:last].to(dtype) * weighted)
         return (None if d_hidden is None else d_hidden.to(hidden.dtype),
                 None if d_weight is None else d_weight.to(weight.dtype), None, None, None, None, None)
 
@@ -303,19 +331,26 @@ def fused_linear_token_statistics(hidden: torch.Tensor, weight: torch.Tensor, to
     Args:
       hidden: [..., H] hidden states (float32, float64, bfloat16 or float16; may require grad).
       weight: [V, H] the LM head (``lm_head.weight``; may require grad), on hidden's device.
-      token_ids: [...] integer ids of the sampled tokens, in [0, V).
+      token_ids: [...] integer ids of the sampled tokens, in [0, V) (any integer dtype). There is no
+        ``ignore_index``: give positions you will mask out (HF's −100 labels) any id in [0, V), e.g. the padding
+        token's, and mask their statistics afterwards.
       temperature: τ > 0; the logits are h·Wᵀ/τ.
       chunk_size: tokens per block (default: a fixed budget of values per block divided by its columns).
       vocab_chunk_size: vocabulary columns per block (default: square blocks of the budget, √budget columns — 2048 on
         CPU, 8192 on CUDA — or more when there are fewer tokens; at most what keeps a float32 copy of a chunk of a
         half-precision W within 64 MiB).
       check_values: reject NaN/±inf in hidden or weight (from each one's minimum and maximum: one read of each, no
-        temporary) and ids outside [0, V) (one host synchronisation). Shapes, dtypes, devices and τ are always checked.
+        temporary) and ids outside [0, V) (one host synchronisation), and finite inputs whose logits overflow the
+        compute dtype (NaN statistics; a second synchronisation, over two per-token arrays). Without it, NaN or ±inf
+        inputs propagate and an id outside [0, V) gives log π = NaN there (its e_y term is left out of the gradient),
+        as otb_jax's under a trace. Shapes, dtypes, devices and τ (also: 1/τ finite in the compute dtype; a τ tensor
+        that requires grad is refused — no gradient with respect to τ here) are always checked.
 
     Returns:
       :class:`TokenStatistics` (log_probs, entropy, sum_pi_squared), each [...] in float32 (float64 for float64
       inputs). log_probs and entropy carry exact gradients with respect to hidden and weight (a custom autograd
-      Function whose backward also works block by block); sum_pi_squared is detached.
+      Function whose backward also works block by block; once differentiable: a second derivative raises);
+      sum_pi_squared is detached.
 
     Raises:
       ValueError / TypeError naming ``hidden``, ``weight``, ``token_ids``, ``temperature``, ``chunk_size`` or
@@ -347,7 +382,10 @@ def fused_linear_token_statistics(hidden: torch.Tensor, weight: torch.Tensor, to
             _first_bad("weight", weight)
     dtype = _compute_dtype(hidden, weight)
     flat = hidden.reshape(-1, hidden.shape[-1])
+    _scale(tau, dtype)
     rows, columns = _blocks(flat.shape[0], vocab, hidden.device, dtype, weight.dtype, hidden.shape[-1], rows_option,
                             columns_option)
     log_probs, entropy, spp = _FusedLinearStatistics.apply(flat, weight, ids, tau, rows, columns, dtype)
+    if check_values and log_probs.numel():
+        _check_finite_statistics(log_probs, entropy, dtype)
     return TokenStatistics(log_probs.reshape(lead), entropy.reshape(lead), spp.reshape(lead))

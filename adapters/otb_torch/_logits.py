@@ -155,12 +155,13 @@ def checked_token_ids(token_ids: Any, lead: tuple[int, ...], vocab: int, device:
                          f"{tuple(ids.shape)}")
     if ids.device != device:
         raise ValueError(f"token_ids: on {ids.device} but {source} is on {device}")
+    ids = ids.to(torch.int64)        # before comparing with V: in a narrow dtype V wraps around (300 is 44 in uint8)
     if check_values and ids.numel() and bool(((ids < 0) | (ids >= vocab)).any()):
         host = check._host(ids)
         first = tuple(int(i) for i in torch.nonzero(torch.as_tensor((host < 0) | (host >= vocab)))[0])
         raise ValueError(f"token_ids: must lie in [0, {vocab}) (the vocabulary), found {int(host[first])} at index "
                          f"{first}")
-    return ids.to(torch.int64)
+    return ids
 
 
 @torch.no_grad()
@@ -169,7 +170,8 @@ def token_statistics_from_logits(logits: Any, token_ids: Any = None, *, chunk_si
     """log π(y), entropy and Σπ² in one pass (they share m and S₁ = Σ e^{z − m}); the port of
     :func:`otb_spec.token_statistics_from_logits`.
 
-    H = log S₁ − Σ_v (a_v/S₁)(z_v − m), a sum of non-negative terms. Two chunk buffers.
+    H = log S₁ − Σ_v (a_v/S₁)(z_v − m), a sum of non-negative terms. Two chunk buffers. Token ids outside [0, V)
+    raise with ``check_values``; without it they give log π = NaN there (as otb_jax does under a trace).
     """
     z = _logits("logits", logits)
     lead, vocab = z.shape[:-1], z.shape[-1]
@@ -198,9 +200,11 @@ def token_statistics_from_logits(logits: Any, token_ids: Any = None, *, chunk_si
         spp[start:start + count] = _row_dot(a, a) / torch.square(total)
         d.nan_to_num_(nan=0.0, neginf=0.0)              # −inf logits have a = 0: no contribution to Σ a·(z − m)
         entropy[start:start + count] = log_total - _row_dot(a, d) / total
-        if log_probs is not None:
-            chosen = block.gather(1, ids[start:start + count, None]).to(dtype)
-            log_probs[start:start + count] = (chosen - peak)[:, 0] - log_total
+        if log_probs is not None:        # ids outside [0, V) (check_values=False): NaN, as otb_jax under a trace
+            mine = ids[start:start + count]
+            chosen = block.gather(1, mine.clamp(0, vocab - 1)[:, None]).to(dtype)
+            log_probs[start:start + count] = torch.where((mine >= 0) & (mine < vocab),
+                                                         (chosen - peak)[:, 0] - log_total, math.nan)
     if check_values:
         _check_maxima("logits", z, maxima)
     out = _out_dtype(z)

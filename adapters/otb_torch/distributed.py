@@ -438,7 +438,10 @@ def vocab_parallel_token_statistics(logits_shard: Any, token_ids: Any = None, *,
     out = _out_dtype(z)
     spp = (squares / torch.square(total)).reshape(lead).to(out)
     entropy = (log_total - partials[2] / total).reshape(lead).to(out) if _entropy else None
-    log_probs = None if ids is None else (partials[-1] - log_total).reshape(lead).to(out)
+    log_probs = None
+    if ids is not None:              # an id outside [0, V) (check_values=False) is on no shard: NaN, not −log S₁
+        inside = (ids_flat >= 0) & (ids_flat < vocab)
+        log_probs = torch.where(inside, partials[-1] - log_total, math.nan).reshape(lead).to(out)
     return TokenStatistics(log_probs, entropy, spp)
 
 
