@@ -4,9 +4,10 @@ For prompt group g with members i, return-to-go Gₜⁱ, realized energy Wₜⁱ
 
     Bₜ = Σᵢ Gₜⁱ·Wₜⁱ·mₜⁱ / (Σᵢ Wₜⁱ·mₜⁱ + ε)          shared by every member of the group,
 
-and the advantage is Aₜⁱ = (Gₜⁱ − Bₜ)·mₜⁱ. It is the sample version of the per-token optimal baseline
-E[Gₜ‖Sₜ‖²]/E[‖Sₜ‖²] (Sₜ the cumulative score), with ‖Sₜ‖² replaced by the realized energy of the Logit-Gradient Proxy
-(Li, Xu et al. 2026, arXiv 2602.07078).
+and the advantage is Aₜⁱ = (Gₜⁱ − Bₜ)·mₜⁱ. It is the sample version of E[mₜGₜ‖Sₜ‖²]/E[mₜ‖Sₜ‖²] (Sₜ the
+cumulative score) — the constant that minimises the second moment of each prefix term mₜSₜ(Gₜ − b) (proofs/T6; not
+the variance-optimal baseline of the whole gradient, which is T5's oracle) — with ‖Sₜ‖² replaced by the realized
+energy of the Logit-Gradient Proxy (Li, Xu et al. 2026, arXiv 2602.07078).
 
 Two alignments of "token t" across the members of a group:
 
