@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import otb_spec
 from otb_spec import montecarlo as mc
 from otb_spec import strategies as otb_st
-from otb_spec.tolerances import (Tolerance, elementwise_tolerance, otb_tolerance, output_rounding,
+from otb_spec.tolerances import (Tolerance, elementwise_tolerance, input_range_slack, otb_tolerance, output_rounding,
                                  summation_tolerance)
 from otb_spec.toy import EnumerablePolicy, group_gradients, weighted_score_sums
 from otb_spec.trajectory import realized_energy
@@ -801,6 +801,32 @@ def test_float32_deterministic_opening_leaves_the_baseline_undetermined():
     inputs = (rewards, mask, ids, log_probs.numpy(), spp.numpy())
     bound = np.asarray(otb_tolerance(*inputs, dtype=np.float32)[0].atol)
     assert np.isinf(bound[:, :4]).all() and np.isfinite(bound[:, 4:]).all()
+
+
+def test_verls_sum_pi_squared_of_bfloat16_logits_breaks_the_rule_pi_squared_at_most_sum():
+    """N1.4 as printed there: verl's exp(lse(2z) − 2·lse(z)) evaluated in bfloat16 on logits ~N(0, 8²), V = 32768
+    (512 rows, seed 0), against the exact Σπ² of the same bf16 values: its largest and median relative errors, how far
+    π² of a token drawn from π passes it, and on what fraction of rows by more than float32's slack of the rule."""
+    torch = pytest.importorskip("torch")
+    generator = torch.Generator().manual_seed(0)
+    rows, vocab = 512, 32768
+    logits = (torch.randn(rows, vocab, generator=generator) * 8).to(torch.bfloat16)
+    verl = torch.exp(torch.logsumexp(2 * logits, -1) - 2 * torch.logsumexp(logits, -1)).double()
+    probabilities = torch.softmax(logits.double(), -1)
+    exact = torch.square(probabilities).sum(-1)
+    relative = (verl - exact).abs() / exact
+    tokens = torch.multinomial(probabilities, 1, generator=generator)[:, 0]
+    excess = torch.square(probabilities[torch.arange(rows), tokens]) - verl
+    slack = input_range_slack(np.float32)
+    text = " ".join((Path(__file__).resolve().parents[1] / "proofs" / "N1_float32_energy.md").read_text(
+        encoding="utf-8").split())
+    stated = re.search(r"up to (\d+) %, median (\d+) %; π² above it by up to (0\.\d+), on (\d+) % of the rows by "
+                       r"more than the float32 slack 10⁻² of the rule", text)
+    assert stated and slack == 1e-2
+    assert round(100 * float(relative.max())) == int(stated[1])
+    assert round(100 * float(relative.median())) == int(stated[2])
+    assert round(float(excess.max()), 2) == float(stated[3])
+    assert round(100 * float((excess > slack).double().mean())) == int(stated[4])
 
 
 @pytest.mark.parametrize("aggregation, estimator, group_size, scale, cosine", [
