@@ -34,6 +34,17 @@ from otb_spec.trajectory import cumulative_energy, reward_to_go
 __all__ = ["main", "build_parser"]
 
 _KINDS = ("otb", "tir-otb", "loo-otb", "sum-pi-squared", "fused-token-statistics")
+_KIND_DESCRIPTIONS = {
+    "otb": "single-turn (self-inclusive) OTB, tokens aligned by position; optional rollout IS weights ρ (ρ² in the "
+           "energy) — verl's compute_optimal_token_baseline_advantage",
+    "tir-otb": "multi-turn OTB for tool-integrated reasoning: each member's valid tokens compacted and aligned by "
+               "their rank, tool holes skipped; optional ρ — verl's compute_multi_turn_optimal_token_baseline_advantage",
+    "loo-otb": "leave-one-out OTB (the unbiased variant: each member's baseline from the others), position alignment",
+    "sum-pi-squared": "Σπ² = Σ_v softmax(z)_v² per row of logits; f(logits) in every convention — verl's "
+                      "calculate_sum_pi_squared_from_logits",
+    "fused-token-statistics": "log π(y), entropy (and Σπ² where returned) of softmax(h·Wᵀ/τ) from hidden states and "
+                              "the LM head, values and gradients — verl's FusedLinearForPPO",
+}
 _VECTOR_KINDS = ("otb", "tir-otb", "loo-otb", "sum-pi-squared")     # the fused kind has no vectors (docs/vectors.md)
 _BATCH_KEYS = ("rewards", "response_mask", "group_ids", "log_probs", "sum_pi_squared", "is_weights",
                "cumulative_score_sq_norms", "sequence_score_sq_norms")
@@ -124,8 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "this precision (e.g. float32 for a kernel that widens bfloat16 inputs before its "
                              "matmul or its log-sum-exps; default: the inputs' dtype, as verl's FusedLinearForPPO and "
                              "calculate_sum_pi_squared_from_logits); otb, tir-otb, loo-otb (float32 or float64): the "
-                             "target computes in this precision whatever its inputs (.float() on float64 inputs); "
-                             "default: as verl, float64 inputs in float64")
+                             "target computes in this precision whatever its inputs (.float(): float64 inputs judged "
+                             "as rounded to it, half-precision ones as widened to it); default: as verl, float64 "
+                             "inputs in float64, half-precision ones in their own dtype")
     verify.add_argument("--list", action="store_true", help="list conventions and kinds, then exit")
     verify.set_defaults(run=_run_verify)
 
@@ -297,7 +309,9 @@ def _run_verify(args: argparse.Namespace) -> int:
         print("conventions (--convention):")
         for convention in CONVENTIONS.values():
             print(f"  {convention.name:<10} {convention.description}; kinds: {', '.join(convention.kinds)}")
-        print(f"kinds (--kind): {', '.join(_KINDS)}")
+        print("kinds (--kind):")
+        for kind, description in _KIND_DESCRIPTIONS.items():
+            print(f"  {kind:<23} {description}")
         print(f"layers (--layer): {', '.join(LAYERS)}")
         return 0
     if (args.target is None) == (args.adapter is None):

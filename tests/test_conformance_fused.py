@@ -129,6 +129,25 @@ def test_a_wrong_kernel_on_float64_inputs_is_not_excused_by_the_deviation():
     assert len(report.deviations) <= 1
 
 
+def _temperature_rounded_to_float32(hidden, weight, token_ids, temperature=1.0):
+    """A float64 program with one float32 slip: τ held as a float32 scalar (``torch.tensor(temperature)``), so every
+    τ ≠ 1 result has float32-sized errors in float64 outputs."""
+    import realistic_ports
+
+    return realistic_ports.torch_unfused_token_statistics(hidden, weight, token_ids,
+                                                          temperature=float(np.float32(temperature)))
+
+
+def test_float64_outputs_with_float32_errors_are_a_bug_not_verls_cast():
+    """The deviation excuses verl's cast, which shows in its outputs (log π returned as float32); a port returning
+    float64 whose values are only float32-accurate has a bug of the same size but another cause, and fails."""
+    pytest.importorskip("torch")
+    report = verify(_temperature_rounded_to_float32, KIND, layers=("structure", "golden"), **FAST)
+    assert not report.conformant and report.observed_deviations == []
+    failed = {r.id for r in report.failures}
+    assert any("tau-0-7" in check and check.endswith("float64") for check in failed), failed
+
+
 def test_cases_and_the_assertion_helper():
     """Golden, special and robustness cases carry the reference and per-output bounds; assert_matches_reference
     takes any subset of the optional outputs."""

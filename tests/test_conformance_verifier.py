@@ -378,6 +378,9 @@ def test_cli_verify_adapter_and_list():
     assert status == 0 and "otb/golden" in out and "sum-pi-squared/special" in out and "tir-otb" not in out
     status, out, _ = _run_cli("verify", "--list")
     assert status == 0 and all(name in out for name in CONVENTIONS)
+    described = re.findall(r"^  (\S+) +(.+)$", out.split("kinds (--kind):", 1)[1].split("layers", 1)[0], flags=re.M)
+    assert [kind for kind, _ in described] == list(KINDS) and all(len(text) > 40 for _, text in described)
+    assert "tool-integrated" in dict(described)["tir-otb"]         # not "truncated importance ratio"
 
 
 @pytest.mark.gpu

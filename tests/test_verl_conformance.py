@@ -70,3 +70,16 @@ def test_strict_fails_verl_on_exactly_its_deviations(verl_reports):
     assert {r.id for r in strict.failures} == deviating
     assert strict.conformant == (not expected)
     assert all(r.deviation in expected for r in strict.failures)
+
+
+@pytest.mark.parametrize("kind", ["otb", "tir-otb"])
+def test_verls_half_precision_arithmetic_is_not_a_float32_program(kind):
+    """verl forms w, W and the returns in the inputs' dtype: conformant by default (the bfloat16 bound admits it —
+    on the T = 4096 bfloat16 case its multi-turn OTB flips the sign of about a quarter of the valid advantages), but
+    not when declared as a program computing in float32, which --working-dtype float32 holds half-precision cases
+    to (docs/conformance.md, "What a verdict on half-precision inputs says")."""
+    target = TARGETS[kind][0]
+    declared = verify(target, kind, layers=("special",), working_dtype="float32")
+    failed = {r.id for r in declared.failures}
+    assert failed and all("bfloat16" in check or "float16" in check for check in failed), failed
+    assert any(r.id.endswith("float32") and r.status == "pass" for r in declared.results)

@@ -230,7 +230,9 @@ def _with_working_bound(subject: Subject, kind: str, working_dtype: str | None) 
 
 def _with_narrowing(subject: Subject, working_dtype: str) -> Subject:
     """An OTB subject that computes in ``working_dtype`` whatever its inputs (a port that calls ``.float()``): inputs
-    more precise than that are judged as if rounded to it, summed in it and returned in it (docs/conformance.md)."""
+    more precise than that are judged as if rounded to it, summed in it and returned in it; less precise ones
+    (bfloat16, float16: exact in it) as widened to it — held to its bound, not to the inputs' dtype's, which must admit
+    verl's half-precision arithmetic (docs/conformance.md)."""
     limit = machine_epsilon(working_dtype)
 
     def narrowed(dtype: str) -> str:
@@ -241,8 +243,9 @@ def _with_narrowing(subject: Subject, working_dtype: str) -> Subject:
 
     bound = (f"bound:       otb_spec.tolerances.otb_comparison_tolerance, working_dtype={working_dtype!r}: a target "
              f"that computes in {working_dtype} whatever its inputs — inputs more precise than that judged as "
-             f"rounded to {working_dtype}, summed in it and returned in it")
-    return replace(subject, working_dtype=narrowed, compute_dtype=compute, notes=subject.notes + (bound,))
+             f"rounded to {working_dtype}, summed in it and returned in it; half-precision inputs as widened to it")
+    return replace(subject, working_dtype=lambda dtype: working_dtype, compute_dtype=compute,
+                   notes=subject.notes + (bound,))
 
 
 def verify(target: Callable | str, kind: str, *, convention: str = "verl", device: str = "cpu",

@@ -376,6 +376,8 @@ def _spp_golden() -> list[Case]:
         Case("sum-pi-squared", "−inf logits (excluded tokens)", "float64", logits=_with_excluded_tokens(rng)),
         Case("sum-pi-squared", "near-deterministic rows (Σπ² → 1)", "float64",
              logits=np.concatenate([np.full((2, 1), 40.0), rng.normal((2, 99))], axis=1)),
+        Case("sum-pi-squared", "−inf beside finite logits near −1e4 (an excluded token is not an unlikely one)",
+             "float64", logits=_with_excluded_tokens(rng) - 1e4),
     ]
 
 

@@ -398,6 +398,8 @@ def _matching_deviation(session: _Session, case: Case, outcome: Outcome | None,
             continue
         if model == RAISES:
             continue
+        if deviation.fingerprint is not None and not deviation.fingerprint(case, outcome.output_dtypes):
+            continue
         judged = deviation.judged_as(case) if deviation.judged_as is not None else None
         expected = _nan_where_taken(model, case.expected(), outcome.outputs) if deviation.nan_optional else model
         comparisons = compare(case, outcome.outputs, output_dtypes=outcome.output_dtypes,

@@ -20,7 +20,9 @@ Two categories (docs/verl-differences.md lists both with their case ids):
 * **known verl defect** — ``fused-float64-in-float32`` (fused token statistics): verl's ``FusedLinearForPPO`` casts
   the logits to float32 whatever the inputs' dtype, so float64 hidden states and weights give log π in float32 and
   statistics and gradients only as accurate as float32's. Its model: the reference's values, judged with the bound of
-  a program working in float32; the structure layer's "less precise output" finding for log π is recognised too.
+  a program working in float32, recognised only where log π comes back as float32 (verl's cast shows there: a float64
+  output with float32's errors is a bug, not this deviation); the structure layer's "less precise output" finding for
+  log π is recognised too.
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ class Deviation:
         structure layer (e.g. ``"dtypes"``: an output less precise than the inputs).
       nan_optional: where the model has NaN, the output may be NaN or the reference's value, position by position
         (NaN anywhere else still fails); else the model's NaN must be matched by NaN.
+      fingerprint: ``(case, output dtypes) → bool`` or None: the outcome must also show verl's behaviour in the form
+        of its outputs (``fused-float64-in-float32``: log π returned in float32), so that a port with a bug of the
+        deviation's size but not its cause (float64 outputs with float32 errors) is not excused; None: the values
+        decide alone.
     """
 
     id: str
@@ -77,6 +83,7 @@ class Deviation:
     judged_as: Callable[[Case], str] | None = None
     structure: Callable[[str, Case, str, str], bool] | None = None
     nan_optional: bool = False
+    fingerprint: Callable[[Case, dict], bool] | None = None
 
     def to_dict(self) -> dict:
         return {"id": self.id, "category": self.category, "title": self.title, "verl": self.verl,
@@ -193,6 +200,11 @@ def _float32_statistics(check: str, case: Case, output: str, returned: str) -> b
     return check == "dtypes" and _float64_inputs(case) and returned == "float32"
 
 
+def _log_probs_in_float32(case: Case, output_dtypes: dict) -> bool:
+    """verl's cast shows in its output: float64 inputs, log π returned as float32."""
+    return output_dtypes.get("log_probs") == "float32"
+
+
 DEVIATIONS: tuple[Deviation, ...] = (
     Deviation(
         id="epsilon-zero-nan", category="by definition",
@@ -230,7 +242,7 @@ DEVIATIONS: tuple[Deviation, ...] = (
             "visible",
         doc="docs/verl-differences.md #13", kinds=("fused-token-statistics",),
         applies=_float64_inputs, model=lambda case: case.expected(), judged_as=lambda case: "float32",
-        structure=_float32_statistics),
+        structure=_float32_statistics, fingerprint=_log_probs_in_float32),
 )
 
 
