@@ -38,7 +38,8 @@ _KIND_DESCRIPTIONS = {
     "otb": "single-turn (self-inclusive) OTB, tokens aligned by position; optional rollout IS weights ρ (ρ² in the "
            "energy) — verl's compute_optimal_token_baseline_advantage",
     "tir-otb": "multi-turn OTB for tool-integrated reasoning: each member's valid tokens compacted and aligned by "
-               "their rank, tool holes skipped; optional ρ — verl's compute_multi_turn_optimal_token_baseline_advantage",
+               "their rank, tool holes skipped; optional ρ — verl's "
+               "compute_multi_turn_optimal_token_baseline_advantage",
     "loo-otb": "leave-one-out OTB (the unbiased variant: each member's baseline from the others), position alignment",
     "sum-pi-squared": "Σπ² = Σ_v softmax(z)_v² per row of logits; f(logits) in every convention — verl's "
                       "calculate_sum_pi_squared_from_logits",
