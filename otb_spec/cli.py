@@ -33,7 +33,6 @@ from otb_spec.trajectory import cumulative_energy, reward_to_go
 
 __all__ = ["main", "build_parser"]
 
-_KINDS = ("otb", "tir-otb", "loo-otb", "sum-pi-squared", "fused-token-statistics")
 _KIND_DESCRIPTIONS = {
     "otb": "single-turn (self-inclusive) OTB, tokens aligned by position; optional rollout IS weights ρ (ρ² in the "
            "energy) — verl's compute_optimal_token_baseline_advantage",
@@ -46,6 +45,7 @@ _KIND_DESCRIPTIONS = {
     "fused-token-statistics": "log π(y), entropy (and Σπ² where returned) of softmax(h·Wᵀ/τ) from hidden states and "
                               "the LM head, values and gradients — verl's FusedLinearForPPO",
 }
+_KINDS = tuple(_KIND_DESCRIPTIONS)     # otb_spec.conformance.KINDS, in its order (a test checks)
 _VECTOR_KINDS = ("otb", "tir-otb", "loo-otb", "sum-pi-squared")     # the fused kind has no vectors (docs/vectors.md)
 _BATCH_KEYS = ("rewards", "response_mask", "group_ids", "log_probs", "sum_pi_squared", "is_weights",
                "cumulative_score_sq_norms", "sequence_score_sq_norms")
@@ -136,9 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "this precision (e.g. float32 for a kernel that widens bfloat16 inputs before its "
                              "matmul or its log-sum-exps; default: the inputs' dtype, as verl's FusedLinearForPPO and "
                              "calculate_sum_pi_squared_from_logits); otb, tir-otb, loo-otb (float32 or float64): the "
-                             "target computes in this precision whatever its inputs (.float(): float64 inputs judged "
-                             "as rounded to it, half-precision ones as widened to it); default: as verl, float64 "
-                             "inputs in float64, half-precision ones in their own dtype")
+                             "target computes in this precision whatever its inputs (.float(), .double(): more precise "
+                             "inputs judged as rounded to it, less precise ones as widened to it); default: as verl, "
+                             "each input dtype in its own precision")
     verify.add_argument("--list", action="store_true", help="list conventions and kinds, then exit")
     verify.set_defaults(run=_run_verify)
 

@@ -434,8 +434,11 @@ def spp_softmax_then_square(logits, **kwargs):
 @torch.no_grad()
 def spp_chunked_online(logits, chunk: int = 1000, bugs=frozenset(), **kwargs):
     """One online pass over vocabulary chunks keeping (max, Σe, Σe²), rescaled as the maximum grows (bug
-    ``half_running_totals``: for bfloat16/float16 logits the pass and its running totals stay in that dtype)."""
+    ``half_running_totals``: for bfloat16/float16 logits the pass and its running totals stay in that dtype;
+    ``excluded_as_minus_1e4``: −inf logits replaced by −1e4 first, an "excluded" token made merely unlikely)."""
     z = logits if "half_running_totals" in bugs and logits.dtype in (torch.bfloat16, torch.float16) else _spp_in(logits)
+    if "excluded_as_minus_1e4" in bugs:
+        z = torch.nan_to_num(z, neginf=-1e4)
     running = torch.full(z.shape[:-1], -torch.inf, dtype=z.dtype)
     first, second = torch.zeros_like(running), torch.zeros_like(running)
     for part in z.split(chunk, dim=-1):
@@ -490,7 +493,11 @@ def torch_unfused_token_statistics(hidden, weight, token_ids, temperature=1.0, b
     probs = log_probs.exp()
     chosen = log_probs.gather(-1, token_ids[..., None].to(torch.int64))[..., 0]
     entropy = -(log_probs if "entropy_without_probabilities" in bugs else probs * log_probs).sum(-1)
-    return chosen, entropy, probs.square().sum(-1).detach()
+    spp = probs.square().sum(-1).detach()
+    if "logits_cast_to_float32" in bugs:          # as verl returns them: log π float32, the rest in the logits' dtype
+        orig = torch.promote_types(hidden.dtype, weight.dtype)
+        entropy, spp = entropy.to(orig), spp.to(orig)
+    return chosen, entropy, spp
 
 
 def torch_vocabulary_blocks_token_statistics(hidden, weight, token_ids, temperature=1.0, block=8192,
@@ -683,6 +690,8 @@ BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
     "loo_denominator_keeps_self": ("loo-otb", "numpy", _variant(numpy_leave_one_out, "loo_denominator_keeps_self"),
                                    "leave-one-out: own term removed from the numerator only"),
     "spp_in_float16": ("sum-pi-squared", "verl", spp_in_float16, "Σπ² evaluated in float16"),
+    "spp_excluded_as_minus_1e4": ("sum-pi-squared", "verl", _variant(spp_chunked_online, "excluded_as_minus_1e4"),
+                                  "−inf logits replaced by −1e4 (wrong only beside logits near −1e4: a golden case)"),
     "spp_chunk_local_softmax": ("sum-pi-squared", "verl", _variant(spp_chunked_online, "chunk_local_softmax"),
                                 "Σπ² from a chunk-local softmax (chunks never rescaled to the row maximum)"),
     "temperature_after_log_softmax": ("fused-token-statistics", "verl",

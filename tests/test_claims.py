@@ -823,10 +823,12 @@ def test_verls_sum_pi_squared_of_bfloat16_logits_breaks_the_rule_pi_squared_at_m
     stated = re.search(r"up to (\d+) %, median (\d+) %; π² above it by up to (0\.\d+), on (\d+) % of the rows by "
                        r"more than the float32 slack 10⁻² of the rule", text)
     assert stated and slack == 1e-2
-    assert round(100 * float(relative.max())) == int(stated[1])
-    assert round(100 * float(relative.median())) == int(stated[2])
-    assert round(float(excess.max()), 2) == float(stated[3])
-    assert round(100 * float((excess > slack).double().mean())) == int(stated[4])
+    # each within one unit of its printed last digit: torch's bfloat16 reductions may change their order between
+    # releases, which moves these extremes of one sample by a little, not the claim
+    measured = (100 * float(relative.max()), 100 * float(relative.median()), float(excess.max()),
+                100 * float((excess > slack).double().mean()))
+    for value, text, unit in zip(measured, stated.groups(), (1, 1, 0.01, 1)):
+        assert abs(value - float(text)) <= unit, (value, text)
 
 
 @pytest.mark.parametrize("aggregation, estimator, group_size, scale, cosine", [

@@ -247,6 +247,8 @@ def _arguments(**change):
     (dict(vocab_chunk_size=2.5), ValueError, "vocab_chunk_size: expected a positive integer"),
     (dict(temperature=1e-40), ValueError, "temperature: τ = 1e-40 is too small for float32 logits"),
     (dict(temperature=jnp.asarray(1e-45)), ValueError, "temperature: τ = .* is too small for float32 logits"),
+    (dict(temperature=5e-39), ValueError, "temperature: τ = 5e-39 is too small for float32 logits"),   # subnormal
+    (dict(token_ids=np.array([2**32 + 1, 3])), ValueError, r"token_ids: 4294967297 at index \(0,\) does not fit"),
     (dict(hidden=jnp.full((2, 4), 1e38)), ValueError, "hidden: with weight and temperature, the logits h·Wᵀ/τ over"),
 ])
 def test_bad_input_raises_naming_the_argument(change, error, match):

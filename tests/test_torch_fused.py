@@ -279,6 +279,18 @@ def test_a_second_derivative_raises_instead_of_a_wrong_value():
         (gradient ** 2).sum().backward()
 
 
+def test_the_overflow_check_after_the_forward_runs_only_where_the_extremes_allow_an_overflow():
+    """The third host synchronisation is skipped where 2V·H·max|h|·max|W|·max(1, 1/τ) stays below the compute dtype's
+    largest number (no logit, partial sum or running sum can overflow there): a realistic LM head never pays it."""
+    from otb_torch._fused import _may_overflow
+
+    realistic = [[-60.0, 80.0], [-0.5, 0.4]]                     # hidden states, LM head weights
+    assert not _may_overflow(realistic, 8192, 152_064, 0.6, torch.float32)
+    assert _may_overflow([[-1e30, 1e30], [-1e6, 1e6]], 8192, 152_064, 1.0, torch.float32)
+    assert not _may_overflow([[-1e30, 1e30], [-1e6, 1e6]], 8192, 152_064, 1.0, torch.float64)
+    assert _may_overflow(realistic, 8192, 152_064, 1e-33, torch.float32)       # a tiny τ scales every logit
+
+
 def test_numpy_integer_chunk_sizes_are_accepted():
     hidden, weight, ids = torch.ones(5, 4), torch.ones(11, 4), torch.tensor([0, 1, 2, 3, 10])
     expected = otb_torch.fused_linear_token_statistics(hidden, weight, ids, chunk_size=2, vocab_chunk_size=3)

@@ -83,3 +83,6 @@ def test_verls_half_precision_arithmetic_is_not_a_float32_program(kind):
     failed = {r.id for r in declared.failures}
     assert failed and all("bfloat16" in check or "float16" in check for check in failed), failed
     assert any(r.id.endswith("float32") and r.status == "pass" for r in declared.results)
+    # declared float64: held to float64's bound everywhere — never more lenient than float32
+    failed64 = {r.id for r in verify(target, kind, layers=("special",), working_dtype="float64").failures}
+    assert failed <= failed64 and any(check.endswith("float32") for check in failed64), failed64

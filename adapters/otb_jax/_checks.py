@@ -34,6 +34,14 @@ def concrete_flag(flag: Any) -> bool | None:
         return None
 
 
+def concrete_values(values: Any) -> np.ndarray | None:
+    """The host copy of a concrete array; None inside the caller's trace (as :func:`concrete_flag`)."""
+    try:
+        return np.asarray(values)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        return None
+
+
 def array(name: str, value: Any, *, like: jax.Array | None = None, like_name: str = "") -> jax.Array:
     if value is None:
         raise TypeError(f"{name}: expected an array, got None")
@@ -53,7 +61,20 @@ def array(name: str, value: Any, *, like: jax.Array | None = None, like_name: st
 
 def token_ids(value: Any, lead: tuple[int, ...], source: str, axis: str) -> jax.Array:
     """Integer token ids of shape ``lead`` (that of ``source`` without its ``axis`` axis), widened to at least 32 bits
-    so that comparing them with V does not wrap V around in a narrow dtype (300 is 44 in uint8)."""
+    so that comparing them with V does not wrap V around in a narrow dtype (300 is 44 in uint8). 64-bit host ids
+    outside int32's range are refused while ``jax_enable_x64`` is off: JAX would truncate them to int32 silently, and
+    2³² + 1 would become the valid id 1."""
+    if not isinstance(value, jax.Array):
+        host = np.asarray(value)
+        if host.dtype.kind in "iu" and host.size:
+            canonical = np.dtype(jax.dtypes.canonicalize_dtype(host.dtype))
+            info = np.iinfo(canonical)
+            outside = (host < info.min) | (host > info.max)
+            if canonical != host.dtype and outside.any():
+                first = tuple(int(i) for i in np.argwhere(outside)[0])
+                raise ValueError(f"token_ids: {int(host[first])} at index {first} does not fit {canonical}, JAX's "
+                                 f"integer type while jax_enable_x64 is off (it would wrap into another id); no "
+                                 f"vocabulary holds it")
     ids = array("token_ids", value)
     if np.dtype(ids.dtype).kind not in "iu":
         raise TypeError(f"token_ids: expected integer token ids, got dtype {ids.dtype}")

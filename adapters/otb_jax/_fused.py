@@ -30,8 +30,8 @@ so τ may be a traced value and still gets its exact gradient. Σπ² gets no gr
 
 Peak extra memory (beyond inputs and outputs): forward — the padded hidden states ([N_pad, H], a copy of hidden
 when N is not a multiple of the chunk), about three [rows, columns] blocks in the compute dtype (2²² values per block
-by default, also with ``chunk_size`` set, unless it exceeds 2²²/1024 rows: 16 MiB each in float32; with both chunk
-sizes set, chunk_size × vocab_chunk_size), a [columns, H] slice of W (in float32 for half-precision weights, at most 2²⁴
+on CPU, 2²⁶ on GPU/TPU, by default and also with ``chunk_size`` set unless it exceeds budget/1024 rows: 16 MiB each
+in float32 on CPU; with both chunk sizes set, chunk_size × vocab_chunk_size), a [columns, H] slice of W (in float32 for half-precision weights, at most 2²⁴
 values = 64 MiB) and a few floats per token (the value check is one compiled reduction per input, with no
 temporary of the inputs' size); backward — the same blocks, plus float32 (float64) accumulators for ∂W
 [V, H] and ∂h [N_pad, H], which become the returned gradients (cast to the inputs' dtypes: for bfloat16/float16
@@ -85,10 +85,11 @@ def _temperature(value: Any, compute: Any) -> jax.Array:
 
 
 def _finite_reciprocal(temperature: float, compute: Any) -> float:
-    """τ, whose reciprocal must be finite in the compute dtype (the blocks divide by τ there)."""
-    if 1.0 / temperature > float(jnp.finfo(compute).max) or float(np.asarray(temperature, compute)) == 0.0:
-        raise ValueError(f"temperature: τ = {temperature!r} is too small for {np.dtype(compute).name} logits (1/τ "
-                         f"overflows {np.dtype(compute).name})")
+    """τ, which the blocks divide by in the compute dtype: at least its smallest normal number (XLA flushes subnormals
+    to 0, and 1/τ is then finite)."""
+    if temperature < float(jnp.finfo(compute).tiny):
+        raise ValueError(f"temperature: τ = {temperature!r} is too small for {np.dtype(compute).name} logits (below "
+                         f"its smallest normal number, {float(jnp.finfo(compute).tiny):.3g}: flushed to 0)")
     return temperature
 
 
@@ -102,7 +103,8 @@ def _blocks(n_rows: int, vocab: int, n_hidden: int, half_weight: bool, chunk_siz
         columns = vocab
         if half_weight:
             columns = min(columns, max(1, _WEIGHT_CHUNK_ELEMENTS // n_hidden))
-        columns = min(columns, max(1024, budget // (16 if chunk_size is None else chunk_size)))
+        rows_hint = 16 if chunk_size is None else min(chunk_size, max(n_rows, 1))
+        columns = min(columns, max(1024, budget // rows_hint))
     else:
         columns = min(vocab_chunk_size, vocab)
     rows = chunk_size if chunk_size is not None else max(1, budget // columns)
@@ -272,13 +274,13 @@ def fused_linear_token_statistics(hidden: Any, weight: Any, token_ids: Any, *, t
       vocab_chunk_size: vocabulary columns per block (static). Default V, at most what keeps a float32 copy of a
         chunk of a half-precision W within 64 MiB and, with ``chunk_size`` given, at most max(1024, budget ÷
         chunk_size) — the block stays within the budget (2²² values on CPU, 2²⁶ on GPU) rather than chunk_size × V.
-      check_values: reject NaN/±inf in hidden or weight, ids outside [0, V) and τ ≤ 0 — for concrete arrays only
-        (one synchronisation) — and finite inputs whose logits overflow the compute dtype (NaN statistics; a second
-        synchronisation, after the computation). A concrete τ whose reciprocal overflows the compute dtype is always
-        refused. Inside a trace (your ``jit``, ``vmap``, ``grad``) values are unknown and not checked:
-        NaN or ±inf inputs propagate, an id outside [0, V) gives log π = NaN, a traced τ = 0 gives NaN statistics
-        and a traced τ < 0 the statistics of softmax(z/τ) as computed (finite: check τ before tracing it). Shapes
-        and dtypes are always checked.
+      check_values: reject NaN/±inf in hidden or weight, ids outside [0, V) and τ ≤ 0 — for concrete arrays only (one
+        synchronisation) — and finite inputs whose logits overflow the compute dtype (NaN statistics; a second
+        synchronisation, after the computation, only where the inputs' extremes allow an overflow). A concrete τ below
+        the compute dtype's smallest normal number is always refused. Inside a trace (your ``jit``, ``vmap``, ``grad``)
+        values are unknown and not checked: NaN or ±inf inputs propagate, an id outside [0, V) gives log π = NaN, a
+        traced τ = 0 gives NaN statistics and a traced τ < 0 the statistics of softmax(z/τ) as computed (finite: check τ
+        before tracing it). Shapes and dtypes are always checked.
 
     Returns:
       :class:`TokenStatistics` (log_probs, entropy, sum_pi_squared), each [...] in float32 (float64 for float64
@@ -312,32 +314,35 @@ def fused_linear_token_statistics(hidden: Any, weight: Any, token_ids: Any, *, t
     rows_option = _positive_int("chunk_size", chunk_size)
     columns_option = _positive_int("vocab_chunk_size", vocab_chunk_size)
     vocab = w.shape[0]
+    may_overflow = False
     if check_values and not check.is_traced(h, w, ids):
-        _check_values(h, w, ids, vocab)
+        may_overflow = _check_values(h, w, ids, vocab, tau)
     flat_hidden = h.reshape(-1, h.shape[-1])
     flat_ids = ids.reshape(-1)             # not narrowed: a 64-bit id ≥ 2³¹ must not wrap into [0, V)
     half_weight = w.dtype in (jnp.bfloat16, jnp.float16)
     rows, columns = _blocks(flat_hidden.shape[0], vocab, h.shape[-1], half_weight, rows_option, columns_option)
     log_probs, entropy, spp = _statistics_jit(flat_hidden, w, flat_ids, tau, rows, columns)
-    if check_values and log_probs.size and not check.is_traced(h, w, ids, tau):
+    if may_overflow and log_probs.size:
         _check_finite_statistics(log_probs, entropy, compute)
     return TokenStatistics(log_probs.reshape(lead), entropy.reshape(lead), jax.lax.stop_gradient(spp).reshape(lead))
 
 
 @partial(jax.jit, static_argnums=3)
-def _value_flags(hidden: jax.Array, weight: jax.Array, ids: jax.Array, vocab: int) -> jax.Array:
-    """Whether any value is bad. Σ x·0 is NaN exactly when some element is NaN or ±inf, and XLA fuses it into one
-    reduction (``all(isfinite(x))`` allocates a boolean array of the LM head's size first; a max does not propagate
-    NaN on XLA's CPU backend)."""
+def _value_summary(hidden: jax.Array, weight: jax.Array, ids: jax.Array, vocab: int) -> jax.Array:
+    """[any bad value, max|h|, max|W|] in float32. Σ x·0 is NaN exactly when some element is NaN or ±inf, and XLA
+    fuses it into one reduction (``all(isfinite(x))`` allocates a boolean array of the LM head's size first; a max
+    does not propagate NaN on XLA's CPU backend); the two maxima bound the logits (:func:`_check_values`)."""
     def finite(values: jax.Array) -> jax.Array:
         return jnp.isfinite(jnp.sum(values * 0))
 
-    return ~finite(hidden) | ~finite(weight) | jnp.any((ids < 0) | (ids >= vocab))
+    bad = ~finite(hidden) | ~finite(weight) | jnp.any((ids < 0) | (ids >= vocab))
+    return jnp.stack([bad.astype(jnp.float32), jnp.max(jnp.abs(hidden), initial=0).astype(jnp.float32),
+                      jnp.max(jnp.abs(weight), initial=0).astype(jnp.float32)])
 
 
 def _check_finite_statistics(log_probs: jax.Array, entropy: jax.Array, compute: Any) -> None:
     """Finite inputs whose logits h·Wᵀ/τ overflow the compute dtype give NaN statistics: raise instead (a second
-    synchronisation, over two per-token arrays)."""
+    synchronisation, over two per-token arrays; only where :func:`_check_values` says it could happen)."""
     bad = ~(jnp.isfinite(log_probs) & jnp.isfinite(entropy))
     if check.concrete_flag(jnp.any(bad)):
         first = int(np.argmax(np.asarray(bad)))
@@ -346,10 +351,20 @@ def _check_finite_statistics(log_probs: jax.Array, entropy: jax.Array, compute: 
                          f"them down or compute in float64")
 
 
-def _check_values(hidden: jax.Array, weight: jax.Array, ids: jax.Array, vocab: int) -> None:
-    """One synchronisation; on failure the host copies give the reference's message with the first bad index."""
-    if not check.concrete_flag(_value_flags(hidden, weight, ids, vocab)):
-        return
+def _check_values(hidden: jax.Array, weight: jax.Array, ids: jax.Array, vocab: int, temperature: jax.Array) -> bool:
+    """One synchronisation; on failure the host copies give the reference's message with the first bad index.
+    Returns whether finite inputs could overflow the compute dtype — every partial sum of h·Wᵀ is at most
+    H·max|h|·max|W|, a logit that times 1/τ, the running sums at most 2V·max|z| — so that only then the statistics are
+    checked after the computation (False inside a trace, or with a traced τ)."""
+    summary = check.concrete_values(_value_summary(hidden, weight, ids, vocab))
+    if summary is None:
+        return False
+    if not summary[0]:
+        tau = check.concrete_values(temperature)
+        if tau is None:
+            return False
+        product = float(hidden.shape[-1]) * float(summary[1]) * float(summary[2])
+        return 2.0 * vocab * product * max(1.0, 1.0 / float(tau)) >= float(jnp.finfo(temperature.dtype).max)
     for name, value in (("hidden", hidden), ("weight", weight)):
         reference_checks.check_finite(name, check._host(value))
     host = np.asarray(ids)

@@ -124,18 +124,25 @@ def _temperature(value: Any) -> float:
     return checked_temperature(value)
 
 
-def _scale(temperature: float, dtype: torch.dtype) -> float:
-    """1/τ, which the blocks multiply by in the compute dtype: it must be finite there."""
-    scale = 1.0 / temperature
-    if scale > torch.finfo(dtype).max:
-        raise ValueError(f"temperature: τ = {temperature!r} is too small for {dtype} logits (1/τ = {scale:.3g} "
-                         f"overflows {dtype})")
-    return scale
+def _check_reciprocal(temperature: float, dtype: torch.dtype) -> None:
+    """1/τ, which the blocks multiply by in the compute dtype, must be finite there."""
+    if 1.0 / temperature > torch.finfo(dtype).max:
+        raise ValueError(f"temperature: τ = {temperature!r} is too small for {dtype} logits (1/τ = "
+                         f"{1.0 / temperature:.3g} overflows {dtype})")
+
+
+def _may_overflow(extremes: list, n_hidden: int, vocab: int, temperature: float, dtype: torch.dtype) -> bool:
+    """Whether finite inputs could overflow the compute dtype: every partial sum of h·Wᵀ is at most
+    H·max|h|·max|W|, a logit that times 1/τ, and the running sums at most 2V·max|z| (|z − m| ≤ 2·max|z|); below
+    that nothing can overflow, and no check after the forward pass (no second synchronisation) is needed."""
+    (h_low, h_high), (w_low, w_high) = extremes
+    product = n_hidden * max(abs(h_low), abs(h_high)) * max(abs(w_low), abs(w_high))
+    return 2 * vocab * product * max(1.0, 1.0 / temperature) >= torch.finfo(dtype).max
 
 
 def _check_finite_statistics(log_probs: torch.Tensor, entropy: torch.Tensor, dtype: torch.dtype) -> None:
     """Finite inputs whose logits h·Wᵀ/τ overflow the compute dtype give NaN statistics: raise instead (one host
-    synchronisation, over two per-token arrays)."""
+    synchronisation, over two per-token arrays; only where :func:`_may_overflow` says it could happen)."""
     bad = ~(torch.isfinite(log_probs) & torch.isfinite(entropy))
     if bool(bad.any()):
         first = int(torch.nonzero(bad)[0, 0])
@@ -168,7 +175,7 @@ def _blocks(n_rows: int, vocab: int, device: torch.device, dtype: torch.dtype, w
     backward; 64 × 65 536 blocks, the same budget, 3.2 s and 9.8 s)."""
     budget = _BLOCK_ELEMENTS.get(device.type, _BLOCK_ELEMENTS["cpu"])
     if vocab_chunk_size is None:
-        rows_hint = chunk_size if chunk_size is not None else min(max(n_rows, 1), math.isqrt(budget))
+        rows_hint = min(max(n_rows, 1), chunk_size if chunk_size is not None else math.isqrt(budget))
         columns = min(vocab, max(1024, budget // rows_hint))
         if weight_dtype != dtype:
             columns = min(columns, max(1, _WEIGHT_CHUNK_ELEMENTS // n_hidden))
@@ -340,11 +347,12 @@ def fused_linear_token_statistics(hidden: torch.Tensor, weight: torch.Tensor, to
         CPU, 8192 on CUDA — or more when there are fewer tokens; at most what keeps a float32 copy of a chunk of a
         half-precision W within 64 MiB).
       check_values: reject NaN/±inf in hidden or weight (from each one's minimum and maximum: one read of each, no
-        temporary) and ids outside [0, V) (one host synchronisation), and finite inputs whose logits overflow the
-        compute dtype (NaN statistics; a second synchronisation, over two per-token arrays). Without it, NaN or ±inf
-        inputs propagate and an id outside [0, V) gives log π = NaN there (its e_y term is left out of the gradient),
-        as otb_jax's under a trace. Shapes, dtypes, devices and τ (also: 1/τ finite in the compute dtype; a τ tensor
-        that requires grad is refused — no gradient with respect to τ here) are always checked.
+        temporary) and ids outside [0, V) (one host synchronisation each), and finite inputs whose logits overflow the
+        compute dtype (NaN statistics; a third synchronisation, over two per-token arrays, only where the inputs'
+        extremes allow an overflow: 2V·H·max|h|·max|W|·max(1, 1/τ) beyond the dtype's largest number). Without it, NaN
+        or ±inf inputs propagate and an id outside [0, V) gives log π = NaN there (its e_y term is left out of the
+        gradient), as otb_jax's under a trace. Shapes, dtypes, devices and τ (also: 1/τ finite in the compute dtype; a τ
+        tensor that requires grad is refused — no gradient with respect to τ here) are always checked.
 
     Returns:
       :class:`TokenStatistics` (log_probs, entropy, sum_pi_squared), each [...] in float32 (float64 for float64
@@ -374,18 +382,20 @@ def fused_linear_token_statistics(hidden: torch.Tensor, weight: torch.Tensor, to
     lead = tuple(hidden.shape[:-1])
     vocab = weight.shape[0]
     ids = checked_token_ids(token_ids, lead, vocab, hidden.device, check_values, source="hidden").reshape(-1)
-    if check_values:                 # min and max of each input: NaN or ±inf shows there, with no temporary of its size
-        extremes = torch.stack([torch.stack(torch.aminmax(value.detach())).to(torch.float64) for value in
-                                (hidden, weight) if value.numel()]) if hidden.numel() else None
-        if extremes is not None and not bool(torch.isfinite(extremes).all()):
+    dtype = _compute_dtype(hidden, weight)
+    _check_reciprocal(tau, dtype)
+    may_overflow = False
+    if check_values and hidden.numel():     # min and max of each input: one read of each, no temporary of its size,
+        extremes = torch.stack([torch.stack(torch.aminmax(value.detach())).to(torch.float64)   # one synchronisation
+                                for value in (hidden, weight)]).tolist()
+        if not all(math.isfinite(value) for pair in extremes for value in pair):     # NaN or ±inf shows there
             _first_bad("hidden", hidden)
             _first_bad("weight", weight)
-    dtype = _compute_dtype(hidden, weight)
+        may_overflow = _may_overflow(extremes, hidden.shape[-1], vocab, tau, dtype)
     flat = hidden.reshape(-1, hidden.shape[-1])
-    _scale(tau, dtype)
     rows, columns = _blocks(flat.shape[0], vocab, hidden.device, dtype, weight.dtype, hidden.shape[-1], rows_option,
                             columns_option)
     log_probs, entropy, spp = _FusedLinearStatistics.apply(flat, weight, ids, tau, rows, columns, dtype)
-    if check_values and log_probs.numel():
+    if may_overflow:
         _check_finite_statistics(log_probs, entropy, dtype)
     return TokenStatistics(log_probs.reshape(lead), entropy.reshape(lead), spp.reshape(lead))

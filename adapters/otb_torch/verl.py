@@ -571,8 +571,8 @@ def install(variant: str = "verl", *, compile: bool = False, check_values: bool 
         proofs/T3): :func:`compute_leave_one_out_token_baseline_advantage` and its multi-turn twin, under the same
         two names, so a verl config needs no other change.
       compile: fuse the computation with ``torch.compile`` (the first call compiles).
-      check_values: validate the inputs (one host synchronisation per call, one more to tell a Σπ² rounded to half
-        precision, which is then checked without the rule Σπ² ≥ π² — docs/verl.md, *bf16 training*;
+      check_values: validate the inputs (one host synchronisation per advantage call — two per fused forward with
+        ``sum_pi_squared=True`` — and one more to tell a Σπ² rounded to half precision, which is then checked without the rule Σπ² ≥ π² — docs/verl.md, *bf16 training*;
         bad input raises the reference's error naming the argument by verl's name, under both variants, instead
         of producing NaN).
       sum_pi_squared: also give the actor's Σπ² (FSDP engine) from the port — call it this way in the actor workers:

@@ -195,8 +195,8 @@ def _subject(target: Callable | str, kind: str, convention: str, device: str,
         raise TargetError(f"convention {convention!r}: {exc}") from exc
     if kind in _WORKING_KINDS:
         subject = _with_working_bound(subject, kind, working_dtype)
-    elif working_dtype == "float32":                  # OTB kinds: "float64" is the default, verl's
-        subject = _with_narrowing(subject, working_dtype)
+    elif working_dtype is not None:                   # OTB kinds: None is verl's, each input dtype its own
+        subject = _with_working_precision(subject, working_dtype)
     return subject, spec
 
 
@@ -228,24 +228,18 @@ def _with_working_bound(subject: Subject, kind: str, working_dtype: str | None) 
     return replace(subject, working_dtype=working, notes=subject.notes + (bound,))
 
 
-def _with_narrowing(subject: Subject, working_dtype: str) -> Subject:
-    """An OTB subject that computes in ``working_dtype`` whatever its inputs (a port that calls ``.float()``): inputs
-    more precise than that are judged as if rounded to it, summed in it and returned in it; less precise ones
-    (bfloat16, float16: exact in it) as widened to it — held to its bound, not to the inputs' dtype's, which must admit
-    verl's half-precision arithmetic (docs/conformance.md)."""
-    limit = machine_epsilon(working_dtype)
-
-    def narrowed(dtype: str) -> str:
-        return dtype if machine_epsilon(dtype) >= limit else working_dtype
-
-    def compute(dtype: str) -> str:
-        return narrowed(subject.compute_dtype(dtype))
+def _with_working_precision(subject: Subject, working_dtype: str) -> Subject:
+    """An OTB subject that computes in ``working_dtype`` whatever its inputs (a port that calls ``.float()`` or
+    ``.double()`` first): inputs more precise than that are judged as if rounded to it, summed in it and returned in
+    it; less precise ones (exact in it) as widened to it — held to its bound, not to the inputs' dtype's, which must
+    admit verl's half-precision arithmetic (docs/conformance.md)."""
+    def working(dtype: str) -> str:
+        return working_dtype
 
     bound = (f"bound:       otb_spec.tolerances.otb_comparison_tolerance, working_dtype={working_dtype!r}: a target "
              f"that computes in {working_dtype} whatever its inputs — inputs more precise than that judged as "
-             f"rounded to {working_dtype}, summed in it and returned in it; half-precision inputs as widened to it")
-    return replace(subject, working_dtype=lambda dtype: working_dtype, compute_dtype=compute,
-                   notes=subject.notes + (bound,))
+             f"rounded to {working_dtype}, summed in it and returned in it; less precise ones as widened to it")
+    return replace(subject, working_dtype=working, compute_dtype=working, notes=subject.notes + (bound,))
 
 
 def verify(target: Callable | str, kind: str, *, convention: str = "verl", device: str = "cpu",
@@ -276,9 +270,10 @@ def verify(target: Callable | str, kind: str, *, convention: str = "verl", devic
         working in at least this precision (e.g. ``"float32"`` for a kernel that widens bfloat16 inputs before its
         matmul, or a Σπ² that widens bfloat16 logits before its log-sum-exps); default: the inputs' dtype (verl's
         ``FusedLinearForPPO`` forms its logits in the inputs' dtype; its Σπ² rounds its log-sum-exps to the logits'
-        dtype). The OTB kinds: ``"float32"`` — the target computes in float32 whatever its inputs (``.float()`` on
-        float64 inputs): they are judged as rounded to it, summed in it, and may come back in it; ``"float64"`` or
-        None — as verl, which computes float64 inputs in float64. The report says which.
+        dtype). The OTB kinds: ``"float32"`` or ``"float64"`` — the target computes in that dtype whatever its inputs
+        (``.float()``, ``.double()``): more precise inputs are judged as rounded to it, summed in it, and may come
+        back in it; less precise ones (bfloat16, float16) as widened to it, held to its bound; None — as verl, each
+        input dtype in its own precision (sums of half-precision inputs in float32). The report says which.
     Raises:
       TargetError: the target cannot be loaded, or the convention does not offer ``kind`` or ``device``.
     """

@@ -189,8 +189,9 @@ class Case:
         token and per gradient element (:func:`otb_spec.tolerances.hidden_statistics_tolerance` and
         :func:`~otb_spec.tolerances.hidden_gradient_tolerance`) for an implementation whose working precision — the
         precision of its logits and per-token values — is ``working_dtype`` (default the case's dtype: verl forms
-        its logits in the inputs' dtype); OTB kinds: the inputs as the implementation takes them, ``working_dtype``
-        where it rounds them to that (default the case's dtype)."""
+        its logits in the inputs' dtype); OTB kinds: the precision its per-token arithmetic is done in —
+        ``working_dtype`` (inputs more precise than it rounded to it, less precise ones widened), default the case's
+        dtype, as verl's."""
         compute = compute_dtype or compute_dtype_for(self.dtype)
         out = output_dtype or self.dtype
         if self.kind == FUSED:
@@ -376,7 +377,7 @@ def _spp_golden() -> list[Case]:
         Case("sum-pi-squared", "−inf logits (excluded tokens)", "float64", logits=_with_excluded_tokens(rng)),
         Case("sum-pi-squared", "near-deterministic rows (Σπ² → 1)", "float64",
              logits=np.concatenate([np.full((2, 1), 40.0), rng.normal((2, 99))], axis=1)),
-        Case("sum-pi-squared", "−inf beside finite logits near −1e4 (an excluded token is not an unlikely one)",
+        Case("sum-pi-squared", "excluded tokens beside finite logits about 1e4 below zero (excluded is not unlikely)",
              "float64", logits=_with_excluded_tokens(rng) - 1e4),
     ]
 

@@ -197,7 +197,8 @@ def _float64_inputs(case: Case) -> bool:
 
 
 def _float32_statistics(check: str, case: Case, output: str, returned: str) -> bool:
-    return check == "dtypes" and _float64_inputs(case) and returned == "float32"
+    """verl's cast, as the structure layer sees it: log π (not the entropy or a gradient) returned as float32."""
+    return check == "dtypes" and _float64_inputs(case) and output == "log_probs" and returned == "float32"
 
 
 def _log_probs_in_float32(case: Case, output_dtypes: dict) -> bool:
