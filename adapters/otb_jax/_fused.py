@@ -28,15 +28,15 @@ The backward pass (``jax.custom_vjp``) keeps lse = m + log S₁ and H per token 
 so τ may be a traced value and still gets its exact gradient. Σπ² gets no gradient (its cotangent is ignored:
 ``stop_gradient`` semantics; OTB uses it as a constant).
 
-Peak extra memory (beyond inputs and outputs): forward — the padded hidden states ([N_pad, H], a copy of hidden
-when N is not a multiple of the chunk), about three [rows, columns] blocks in the compute dtype (2²² values per block
-on CPU, 2²⁶ on GPU/TPU, by default and also with ``chunk_size`` set unless it exceeds budget/1024 rows: 16 MiB each
-in float32 on CPU; with both chunk sizes set, chunk_size × vocab_chunk_size), a [columns, H] slice of W (in float32 for half-precision weights, at most 2²⁴
-values = 64 MiB) and a few floats per token (the value check is one compiled reduction per input, with no
-temporary of the inputs' size); backward — the same blocks, plus float32 (float64) accumulators for ∂W
-[V, H] and ∂h [N_pad, H], which become the returned gradients (cast to the inputs' dtypes: for bfloat16/float16
-inputs the float32 accumulators are twice their size). Nothing grows with N·V: no [N, V] array exists in the forward
-or the backward pass (tests/test_jax_fused.py inspects the traced program).
+Peak extra memory (beyond inputs and outputs): forward — the padded hidden states ([N_pad, H], a copy of hidden when N
+is not a multiple of the chunk), about three [rows, columns] blocks in the compute dtype (2²² values per block on CPU,
+2²⁶ on GPU/TPU, by default and also with ``chunk_size`` set unless it exceeds budget/1024 rows: 16 MiB each in float32
+on CPU; with both chunk sizes set, chunk_size × vocab_chunk_size), a [columns, H] slice of W (in float32 for
+half-precision weights, at most 2²⁴ values = 64 MiB) and a few floats per token (the value check is one compiled
+reduction per input, with no temporary of the inputs' size); backward — the same blocks, plus float32 (float64)
+accumulators for ∂W [V, H] and ∂h [N_pad, H], which become the returned gradients (cast to the inputs' dtypes: for
+bfloat16/float16 inputs the float32 accumulators are twice their size). Nothing grows with N·V: no [N, V] array exists
+in the forward or the backward pass (tests/test_jax_fused.py inspects the traced program).
 """
 
 from __future__ import annotations

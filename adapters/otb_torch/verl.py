@@ -572,9 +572,9 @@ def install(variant: str = "verl", *, compile: bool = False, check_values: bool 
         two names, so a verl config needs no other change.
       compile: fuse the computation with ``torch.compile`` (the first call compiles).
       check_values: validate the inputs (one host synchronisation per advantage call — two per fused forward with
-        ``sum_pi_squared=True`` — and one more to tell a Σπ² rounded to half precision, which is then checked without the rule Σπ² ≥ π² — docs/verl.md, *bf16 training*;
-        bad input raises the reference's error naming the argument by verl's name, under both variants, instead
-        of producing NaN).
+        ``sum_pi_squared=True`` — and one more to tell a Σπ² rounded to half precision, which is then checked without
+        the rule Σπ² ≥ π² — docs/verl.md, *bf16 training*; bad input raises the reference's error naming the argument by
+        verl's name, under both variants, instead of producing NaN).
       sum_pi_squared: also give the actor's Σπ² (FSDP engine) from the port — call it this way in the actor workers:
         ``verl.utils.torch_functional.calculate_sum_pi_squared_from_logits`` becomes the port's memory-bounded ratio
         form S₂/S₁² accumulated in float32; and with fused kernels (``use_fused_kernels=True``, torch backend), which
