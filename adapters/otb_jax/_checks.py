@@ -62,8 +62,8 @@ def array(name: str, value: Any, *, like: jax.Array | None = None, like_name: st
 def token_ids(value: Any, lead: tuple[int, ...], source: str, axis: str) -> jax.Array:
     """Integer token ids of shape ``lead`` (that of ``source`` without its ``axis`` axis), widened to at least 32 bits
     so that comparing them with V does not wrap V around in a narrow dtype (300 is 44 in uint8). 64-bit host ids
-    outside int32's range are refused while ``jax_enable_x64`` is off: JAX would truncate them to int32 silently, and
-    2³² + 1 would become the valid id 1."""
+    outside 32 bits are refused while ``jax_enable_x64`` is off: JAX would truncate them silently, and 2³² + 1 would
+    become the valid id 1."""
     if not isinstance(value, jax.Array):
         host = np.asarray(value)
         if host.dtype.kind in "iu" and host.size:
