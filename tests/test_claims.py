@@ -67,6 +67,16 @@ def test_shared_parameters_make_the_proxy_inexact_pointwise():
     assert gap.max() > 0.1
 
 
+@pytest.mark.parametrize("vocab, horizon, seed", [(3, 3, 0), (4, 5, 3), (2, 6, 1)])
+def test_shared_parameter_feature_norms_lie_in_two_to_four(vocab, horizon, seed):
+    """T2's parametrisation: φ = (1, one-hot previous token, t/T, fraction of token 1 so far), so ‖φₜ‖² ∈ [2, 4) at
+    every valid token (1 + 1 + two terms in [0, 1), never both 1)."""
+    policy = EnumerablePolicy.log_linear(vocab, horizon, seed=seed, scale=1.5)
+    rollouts = policy.task(np.zeros(policy.sequences.mask.shape)).all_rollouts()
+    norms = np.sum(np.square(rollouts.feature_values), axis=-1)[rollouts.response_mask > 0]
+    assert norms.min() >= 2.0 and norms.max() < 4.0
+
+
 def test_shared_parameter_proxy_misses_the_feature_norm():
     """T2 (shared parameters): ‖sₜ‖² = wₜ·‖φₜ‖² pointwise, so the proxy is not the squared score norm even in
     expectation — on the lab's policy (V = 4, T = 5, seed 3, scale 1.5) E[mₜ‖Sₜ‖²]/E[mₜWₜ] is 2.000, 2.038, 2.162,
@@ -612,6 +622,13 @@ def test_self_inclusive_bias_has_the_predicted_one_over_n_coefficient():
         scaled = -n * run.scale.value, n * run.scale.standard_error
         assert abs(scaled[0] - kappa) < 5 * scaled[1], (n, scaled, kappa)
         assert (round(scaled[0], 4), round(scaled[1], 4)) == recorded[n]
+
+
+def test_the_recorded_task_is_as_nearly_degenerate_as_t3_says():
+    """T3's recorded task: smallest π(y | prefix) 0.009, rarest sequence 4·10⁻⁶ (as printed)."""
+    policy = _recorded_task().policy
+    assert round(float(policy.prefix_probabilities().min()), 3) == 0.009
+    assert float(f"{policy.sequences.probabilities.min():.0e}") == 4e-6
 
 
 def test_one_over_n_expansion_converges_slowly_on_the_nearly_degenerate_task():
