@@ -114,6 +114,17 @@ def checked_temperature(temperature: Any) -> float:
     return check.scalar("temperature", temperature, minimum=0.0, min_inclusive=False)
 
 
+def _logits_may_overflow(max_abs_hidden: float, max_abs_weight: float, n_hidden: int, vocab: int,
+                         temperature: float, largest: float) -> bool:
+    """Whether finite inputs could overflow a dtype whose largest number is ``largest`` while a port forms
+    z = h·Wᵀ/τ block by block: every partial sum of h·Wᵀ is at most H·max|h|·max|W|, a logit that times 1/τ, and the
+    running sums of a chunked log-sum-exp at most 2V·max|z| (|z − m| ≤ 2·max|z|, each weight e^{z−m} ≤ 1). Below that
+    nothing can overflow, so the adapters check their statistics after the forward pass (a host synchronisation)
+    only where this is True."""
+    product = n_hidden * max_abs_hidden * max_abs_weight
+    return 2 * vocab * product * max(1.0, 1.0 / temperature) >= largest
+
+
 def lm_head_logits(hidden: Any, weight: Any, *, temperature: float = 1.0) -> np.ndarray:
     """The logits z = h·Wᵀ/τ that fused kernels never materialise: [..., H], [V, H] → [..., V] float64.
 

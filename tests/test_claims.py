@@ -997,8 +997,7 @@ def test_f1_prints_the_recorded_numbers_and_verdicts_in_the_places_it_states_the
     bullets is the recorded verdict at 5 SE — a number changed or moved between regimes, or a verdict flipped, in
     proofs/F1 fails here (test_f1_finite_group_statements_hold_in_the_recorded_lab checks the lab itself)."""
     lab = json.loads(LAB_RESULTS.read_text())["regimes"]
-    text = (Path(__file__).resolve().parents[1] / "proofs" / "F1_otb_vs_group_mean.md").read_text(encoding="utf-8")
-    items = text.split("2. **Finite groups**", 1)[1].split("## Derivation", 1)[0]
+    items = _F1_TEXT.split("2. **Finite groups**", 1)[1].split("## Derivation", 1)[0]
     cell = {r: {n: lab[r]["cells"][n] for n in _F1_CELLS} for r in REGIMES}
     head = {r: lab[r]["head_to_head"] for r in REGIMES}
     n4 = {r: lab[r]["otb_n4_vs_group_mean_n32"] for r in REGIMES}
@@ -1028,7 +1027,7 @@ def test_f1_prints_the_recorded_numbers_and_verdicts_in_the_places_it_states_the
                                       .split("*Corrected:*", 1)[0],
                "otb_loo/rloo": items.split("**Leave-one-out OTB ÷ RLOO**", 1)[1].split("* **N = 4", 1)[0]}
     for pair, bullet in bullets.items():
-        stated = _stated_verdicts(" ".join(bullet.split()))
+        stated = _stated_verdicts(bullet)
         recorded = {r: {n: _verdict(head[r][pair][n]) for n in _F1_CELLS} for r in REGIMES}
         assert stated == recorded, pair
 

@@ -81,6 +81,11 @@ def token_ids(value: Any, lead: tuple[int, ...], source: str, axis: str) -> jax.
     if tuple(ids.shape) != tuple(lead):
         raise ValueError(f"token_ids: expected shape {tuple(lead)} ({source} without the {axis} axis), got "
                          f"{tuple(ids.shape)}")
+    return widened_ids(ids)
+
+
+def widened_ids(ids: jax.Array) -> jax.Array:
+    """Integer ids in at least 32 bits (int32 for narrower ones), so that comparing them with V cannot wrap V."""
     return ids.astype(jnp.int32) if np.dtype(ids.dtype).itemsize < 4 else ids
 
 

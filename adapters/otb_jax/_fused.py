@@ -51,7 +51,7 @@ import numpy as np
 from otb_jax import _checks as check
 from otb_jax._logits import TokenStatistics
 from otb_spec import _validation as reference_checks
-from otb_spec.lm_head import checked_temperature
+from otb_spec.lm_head import _logits_may_overflow, checked_temperature
 
 __all__ = ["fused_linear_token_statistics"]
 
@@ -353,9 +353,8 @@ def _check_finite_statistics(log_probs: jax.Array, entropy: jax.Array, compute: 
 
 def _check_values(hidden: jax.Array, weight: jax.Array, ids: jax.Array, vocab: int, temperature: jax.Array) -> bool:
     """One synchronisation; on failure the host copies give the reference's message with the first bad index.
-    Returns whether finite inputs could overflow the compute dtype — every partial sum of h·Wᵀ is at most
-    H·max|h|·max|W|, a logit that times 1/τ, the running sums at most 2V·max|z| — so that only then the statistics are
-    checked after the computation (False inside a trace, or with a traced τ)."""
+    Returns whether finite inputs could overflow the compute dtype (:func:`otb_spec.lm_head._logits_may_overflow`),
+    so that only then the statistics are checked after the computation (False inside a trace, or with a traced τ)."""
     summary = check.concrete_values(_value_summary(hidden, weight, ids, vocab))
     if summary is None:
         return False
@@ -363,8 +362,8 @@ def _check_values(hidden: jax.Array, weight: jax.Array, ids: jax.Array, vocab: i
         tau = check.concrete_values(temperature)
         if tau is None:
             return False
-        product = float(hidden.shape[-1]) * float(summary[1]) * float(summary[2])
-        return 2.0 * vocab * product * max(1.0, 1.0 / float(tau)) >= float(jnp.finfo(temperature.dtype).max)
+        return _logits_may_overflow(float(summary[1]), float(summary[2]), hidden.shape[-1], vocab, float(tau),
+                                    float(jnp.finfo(temperature.dtype).max))
     for name, value in (("hidden", hidden), ("weight", weight)):
         reference_checks.check_finite(name, check._host(value))
     host = np.asarray(ids)

@@ -67,8 +67,7 @@ def vocab_parallel_token_statistics_local(logits_shard: jax.Array, token_ids: ja
     parts = [jnp.sum(a, axis=-1), jnp.sum(a * a, axis=-1), weighted]
     if token_ids is not None:
         begin = lax.axis_index(vocab_axis) * width if vocab_start is None else vocab_start
-        ids = token_ids.astype(jnp.int32) if np.dtype(token_ids.dtype).itemsize < 4 else token_ids
-        local = ids - begin
+        local = check.widened_ids(token_ids) - begin
         owned = (local >= 0) & (local < width)
         chosen = jnp.take_along_axis(d, jnp.clip(local, 0, width - 1)[..., None], axis=-1)[..., 0]
         parts += [jnp.where(owned, chosen, 0.0), owned.astype(compute)]

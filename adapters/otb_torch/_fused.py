@@ -55,7 +55,7 @@ from torch.autograd.function import once_differentiable
 
 from otb_torch import _native
 from otb_torch._logits import TokenStatistics, _row_dot, checked_token_ids
-from otb_spec.lm_head import checked_temperature
+from otb_spec.lm_head import _logits_may_overflow, checked_temperature
 
 __all__ = ["fused_linear_token_statistics"]
 
@@ -132,12 +132,10 @@ def _check_reciprocal(temperature: float, dtype: torch.dtype) -> None:
 
 
 def _may_overflow(extremes: list, n_hidden: int, vocab: int, temperature: float, dtype: torch.dtype) -> bool:
-    """Whether finite inputs could overflow the compute dtype: every partial sum of h·Wᵀ is at most
-    H·max|h|·max|W|, a logit that times 1/τ, and the running sums at most 2V·max|z| (|z − m| ≤ 2·max|z|); below
-    that nothing can overflow, and no check after the forward pass (no second synchronisation) is needed."""
+    """:func:`otb_spec.lm_head._logits_may_overflow` from the inputs' [[min, max] of h, [min, max] of W]."""
     (h_low, h_high), (w_low, w_high) = extremes
-    product = n_hidden * max(abs(h_low), abs(h_high)) * max(abs(w_low), abs(w_high))
-    return 2 * vocab * product * max(1.0, 1.0 / temperature) >= torch.finfo(dtype).max
+    return _logits_may_overflow(max(abs(h_low), abs(h_high)), max(abs(w_low), abs(w_high)), n_hidden, vocab,
+                                temperature, torch.finfo(dtype).max)
 
 
 def _check_finite_statistics(log_probs: torch.Tensor, entropy: torch.Tensor, dtype: torch.dtype) -> None:
