@@ -122,9 +122,11 @@ def _verdict(statistic: mc.StatisticWithError) -> str:
     return "yes" if value + 5 * error <= 1 else "no" if value - 5 * error > 1 else "unclear"
 
 
-HEAD_TO_HEAD = (("otb", "group_mean"), ("otb_exact", "group_mean"), ("otb_loo", "rloo"))
+HEAD_TO_HEAD = (("otb", "group_mean"), ("otb_exact", "group_mean"), ("otb_loo", "rloo"), ("oracle", "group_mean"))
 """Pairs compared per unit of signal on the same groups: each self-inclusive OTB with the self-inclusive group mean,
-leave-one-out OTB with RLOO (both unbiased, so per unit of signal = raw)."""
+leave-one-out OTB with RLOO (both unbiased, so per unit of signal = raw), and the oracle constant baseline (T5, the
+least variance any constant per-position baseline reaches) with the group mean: how far below it any baseline of that
+kind can go (proofs/F1, item 3)."""
 
 N4_VS_N32_VIEWS = ("raw", "scale_adjusted", "equal_trajectories", "equal_trajectories_adjusted", "equal_tokens")
 N4_VS_N32_ESTIMATORS = ("otb", "otb_loo", "otb_exact")

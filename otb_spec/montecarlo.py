@@ -48,6 +48,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from otb_spec.estimators import ESTIMATORS, RolloutBatch
+from otb_spec.tolerances import summation_tolerance
 from otb_spec.toy import EnumerableTask, Rollouts, _group_sum, group_gradients, weighted_score_sums
 
 __all__ = [
@@ -152,10 +153,17 @@ class Estimate:
         return bool(q.value > 5 * q.standard_error)
 
     def max_abs_z(self) -> float:
-        """max over coordinates of |E[ĝ] − ∇J| / SE (coordinates with SE = 0 must match exactly)."""
+        """max over coordinates of |E[ĝ] − ∇J| / SE.
+
+        A coordinate with SE = 0 took one value c in every group; it must equal ∇J's up to the rounding of averaging G
+        copies of c, (G + 2)·ε·|c| (``summation_tolerance``), else the result is ∞. The SE is the sample standard
+        error: for a coordinate whose variance comes from sequences too rare to be drawn many times it understates
+        the spread (proofs/F1, *Standard errors of the tilt*), so use enough groups that every sequence carrying
+        weight is drawn often."""
         difference = self.mean_gradient - self.exact_gradient
         zero = self.mean_gradient_se == 0
-        if np.any(zero & (np.abs(difference) > 1e-12 * (1 + np.abs(self.exact_gradient)))):
+        rounding = summation_tolerance(self.n_groups, 1.0).atol * np.abs(self.exact_gradient)
+        if np.any(zero & (np.abs(difference) > rounding)):
             return float("inf")
         se = np.where(zero, 1.0, self.mean_gradient_se)
         return float(np.max(np.where(zero, 0.0, np.abs(difference) / se))) if difference.size else 0.0

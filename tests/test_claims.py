@@ -973,6 +973,10 @@ def test_f1_finite_group_statements_hold_in_the_recorded_lab():
     assert oracle == [(0.3208, 0.0064), (0.0219, 0.0008), (0.6503, 0.0042)]
     assert mean == [(0.7677, 0.0074), (0.0643, 0.0020), (0.7560, 0.0049)]
     assert [round(b[0] / a[0], 1) for a, b in zip(oracle, mean)] == [2.4, 2.9, 1.2]
+    paired = [lab[r]["head_to_head"]["oracle/group_mean"]["32"] for r in REGIMES]
+    assert [_printed(ratio, 4) for ratio in paired] == [(0.4178, 0.0075), (0.3415, 0.0073), (0.8602, 0.0025)]
+    assert [round(1 / ratio[0], 1) for ratio in paired] == [2.4, 2.9, 1.2]
+    assert all(value - 5 * error > 1 / 8 for value, error in paired)    # no constant baseline is 8× below it
 
 
 _F1_CELLS = ("2", "4", "8", "16", "32")
@@ -1017,7 +1021,8 @@ def test_f1_prints_the_recorded_numbers_and_verdicts_in_the_places_it_states_the
                                                           ("otb", "equal_trajectories"),
                                                           ("otb", "equal_trajectories_adjusted"),
                                                           ("otb_loo", "equal_trajectories")) for r in REGIMES]
-        + [cell[r]["32"][e]["adjusted_variance_vs_reinforce"] for r in REGIMES for e in ("oracle", "group_mean")])
+        + [cell[r]["32"][e]["adjusted_variance_vs_reinforce"] for r in REGIMES for e in ("oracle", "group_mean")]
+        + [head[r]["oracle/group_mean"]["32"] for r in REGIMES])
     printed = re.findall(r"\d+\.\d+ ± \d+\.\d+", items)
     assert len(printed) == len(expected)
     mismatched = [(k, text_, value) for k, (text_, value) in enumerate(zip(printed, expected))
