@@ -20,7 +20,9 @@ Minimal interface (``Adapter``):
     epsilon) → (advantages, returns)``
   - ``sum_pi_squared(logits) → Σπ²``
 
-* optional (checked when present): ``token_statistics_from_logits(logits, token_ids) → (log_probs, entropy, Σπ²)``.
+* optional: ``token_statistics_from_logits(logits, token_ids) → (log_probs, entropy, Σπ²)`` — checked when present by
+  the shared property suite (``tests/test_adapters.py`` in a checkout), not by ``verify_adapter``; to verify it, call
+  it on h·Wᵀ/τ from a ``fused-token-statistics`` target (docs/porting.md).
 
 Registering a port: expose a factory ``make_adapter(**options) → Adapter`` and either call
 :func:`register_adapter` or declare an entry point in the group ``otb_spec.adapters``::
@@ -247,7 +249,9 @@ def load_adapter(name: str, **options: Any) -> Adapter:
         for spec in _entry_point_specs():
             _REGISTRY.setdefault(spec.name, spec)
     if name not in _REGISTRY:
-        raise ValueError(f"name: unknown adapter {name!r}; known: {', '.join(_REGISTRY)}")
+        raise ValueError(f"name: unknown adapter {name!r}; known: {', '.join(_REGISTRY)} (an adapter registered with "
+                         f"register_adapter is known in the process that registered it; for `otb-spec verify "
+                         f"--adapter`, declare it as an entry point in the group 'otb_spec.adapters')")
     spec = _REGISTRY[name]
     if not spec.installed():
         raise ValueError(f"name: adapter {name!r} needs {', '.join(spec.requires)}, which is not installed")

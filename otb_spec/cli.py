@@ -40,13 +40,15 @@ _KIND_DESCRIPTIONS = {
                "their rank, tool holes skipped; optional ρ — verl's "
                "compute_multi_turn_optimal_token_baseline_advantage",
     "loo-otb": "leave-one-out OTB (the unbiased variant: each member's baseline from the others), position alignment",
+    "tir-loo-otb": "multi-turn leave-one-out OTB: the others' energies and returns at each member's k-th valid token "
+                   "(align='valid_token'), tool holes skipped",
     "sum-pi-squared": "Σπ² = Σ_v softmax(z)_v² per row of logits; f(logits) in every convention — verl's "
                       "calculate_sum_pi_squared_from_logits",
     "fused-token-statistics": "log π(y), entropy (and Σπ² where returned) of softmax(h·Wᵀ/τ) from hidden states and "
                               "the LM head, values and gradients — verl's FusedLinearForPPO",
 }
 _KINDS = tuple(_KIND_DESCRIPTIONS)     # otb_spec.conformance.KINDS, in its order (a test checks)
-_VECTOR_KINDS = ("otb", "tir-otb", "loo-otb", "sum-pi-squared")     # the fused kind has no vectors (docs/vectors.md)
+_VECTOR_KINDS = ("otb", "tir-otb", "loo-otb", "tir-loo-otb", "sum-pi-squared")   # no fused vectors (docs/vectors.md)
 _BATCH_KEYS = ("rewards", "response_mask", "group_ids", "log_probs", "sum_pi_squared", "is_weights",
                "cumulative_score_sq_norms", "sequence_score_sq_norms")
 
@@ -135,9 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fused-token-statistics and sum-pi-squared: judge the target as working in at least "
                              "this precision (e.g. float32 for a kernel that widens bfloat16 inputs before its "
                              "matmul or its log-sum-exps; default: the inputs' dtype, as verl's FusedLinearForPPO and "
-                             "calculate_sum_pi_squared_from_logits); otb, tir-otb, loo-otb (float32 or float64): the "
+                             "calculate_sum_pi_squared_from_logits); the OTB kinds (float32 or float64): the "
                              "target computes in this precision whatever its inputs (.float(), .double(): more precise "
-                             "inputs judged as rounded to it, less precise ones as widened to it); default: as verl, "
+                             "inputs judged as rounded to it, less precise ones as widened to it; with --adapter: in "
+                             "at least this precision, half-precision inputs held to its bound); default: as verl, "
                              "each input dtype in its own precision")
     verify.add_argument("--list", action="store_true", help="list conventions and kinds, then exit")
     verify.set_defaults(run=_run_verify)
@@ -336,9 +339,8 @@ def _run_verify(args: argparse.Namespace) -> int:
                    strict=args.strict, timeout=DEFAULT_TIMEOUT if args.timeout is None else args.timeout,
                    progress=progress, fail_fast=args.fail_fast)
     if args.adapter is not None:
-        if args.working_dtype is not None:
-            raise ValueError("--working-dtype: only with TARGET (not --adapter)")
-        report = verify_adapter(args.adapter, kinds=tuple(args.kind) if args.kind else None, **options)
+        report = verify_adapter(args.adapter, kinds=tuple(args.kind) if args.kind else None,
+                                working_dtype=args.working_dtype, **options)
     else:
         report = verify(args.target, args.kind[0], convention=args.convention, device=args.device,
                         working_dtype=args.working_dtype, **options)

@@ -44,7 +44,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "otb_kind(kind): the kind (otb, tir-otb, loo-otb, sum-pi-squared, "
+    config.addinivalue_line("markers", "otb_kind(kind): the kind (otb, tir-otb, loo-otb, tir-loo-otb, sum-pi-squared, "
                                        "fused-token-statistics) whose golden/special cases otb_golden_case and "
                                        "otb_special_case run over")
 

@@ -214,6 +214,39 @@ def numpy_leave_one_out(rewards, response_mask, group_ids, log_probs, sum_pi_squ
     return _np_out(rewards, (returns - baselines) * m, returns)
 
 
+def numpy_multi_turn_leave_one_out(rewards, response_mask, group_ids, log_probs, sum_pi_squared, *, is_weights=None,
+                                   align="position", epsilon=1e-8, bugs=frozenset()):
+    """Multi-turn leave-one-out OTB written from the definition: compact each row's valid tokens, and at each member's
+    k-th valid token divide the *other* members' Σ G·W by their Σ W (those with a k-th valid token), 0 where none
+    has one. ``align`` must be "valid_token" (the bug "tir_loo_aligned_by_position" ignores it)."""
+    if "tir_loo_aligned_by_position" in bugs:
+        return numpy_leave_one_out(rewards, response_mask, group_ids, log_probs, sum_pi_squared,
+                                   is_weights=is_weights, epsilon=epsilon)
+    assert align == "valid_token", align
+    dtype, (r, m, lp, spp, rho) = _np_in(rewards, response_mask, log_probs, sum_pi_squared, is_weights)
+    returns = np.flip(np.cumsum(np.flip(r * m, 1), 1), 1)
+    pi = np.exp(np.minimum(lp, 0))
+    w = (1 - pi) ** 2 + (spp - pi * pi)
+    if rho is not None:
+        w = w * rho * rho
+    energy = np.cumsum(w * m, axis=1)
+    spans = [np.flatnonzero(row > 0) for row in m]
+    ids = np.asarray(group_ids, dtype=object).tolist()
+    advantages = np.zeros_like(returns)
+    for i, span in enumerate(spans):
+        others = [j for j, gid in enumerate(ids) if gid == ids[i] and j != i]
+        for k, position in enumerate(span):
+            reached = [spans[j][k] for j in others if len(spans[j]) > k]
+            holders = [j for j in others if len(spans[j]) > k]
+            baseline = 0.0                                     # no other member has a k-th valid token
+            if holders:
+                numerator = sum(returns[j, t] * energy[j, t] for j, t in zip(holders, reached))
+                denominator = sum(energy[j, t] for j, t in zip(holders, reached)) + epsilon
+                baseline = numerator / denominator if denominator != 0 else 0.0
+            advantages[i, position] = returns[i, position] - baseline
+    return _np_out(rewards, advantages * m, returns)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # torch ports (verl convention: token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, …)
 
@@ -621,6 +654,7 @@ CORRECT: dict[str, tuple[str, str, Callable[..., Any]]] = {
     "numpy_same_group_matrix": ("otb", "numpy", numpy_same_group_matrix),
     "numpy_multi_turn_loops": ("tir-otb", "numpy", numpy_multi_turn_loops),
     "numpy_leave_one_out": ("loo-otb", "numpy", numpy_leave_one_out),
+    "numpy_multi_turn_leave_one_out": ("tir-loo-otb", "numpy", numpy_multi_turn_leave_one_out),
     "torch_index_add": ("otb", "verl", torch_index_add),
     "torch_scatter_add": ("otb", "verl", torch_scatter_add),
     "torch_index_put_accumulate": ("otb", "verl", torch_index_put_accumulate),
@@ -689,6 +723,9 @@ BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
                                 "TIR keeps members with no valid token in their group"),
     "loo_denominator_keeps_self": ("loo-otb", "numpy", _variant(numpy_leave_one_out, "loo_denominator_keeps_self"),
                                    "leave-one-out: own term removed from the numerator only"),
+    "tir_loo_aligned_by_position": ("tir-loo-otb", "numpy",
+                                    _variant(numpy_multi_turn_leave_one_out, "tir_loo_aligned_by_position"),
+                                    "multi-turn leave-one-out aligned by absolute position, tool holes not skipped"),
     "spp_in_float16": ("sum-pi-squared", "verl", spp_in_float16, "Σπ² evaluated in float16"),
     "spp_excluded_as_minus_1e4": ("sum-pi-squared", "verl", _variant(spp_chunked_online, "excluded_as_minus_1e4"),
                                   "−inf logits replaced by −1e4 (wrong only beside logits near −1e4: a golden case)"),

@@ -42,6 +42,7 @@ def _run_cli(*argv: str) -> tuple[int, str, str]:
     ("otb_spec:optimal_token_baseline", "otb"),
     ("otb_spec:multi_turn_optimal_token_baseline", "tir-otb"),
     ("otb_spec:leave_one_out_token_baseline", "loo-otb"),
+    ("otb_spec:leave_one_out_token_baseline", "tir-loo-otb"),
     ("otb_spec:sum_pi_squared", "sum-pi-squared"),
 ])
 def test_reference_conforms_under_the_numpy_convention(target, kind):
@@ -80,7 +81,8 @@ def test_adapters_conform(name, examples):
 
 def _grouped_reference(kind):
     function = {"otb": otb_spec.optimal_token_baseline, "tir-otb": otb_spec.multi_turn_optimal_token_baseline,
-                "loo-otb": otb_spec.leave_one_out_token_baseline}[kind]
+                "loo-otb": otb_spec.leave_one_out_token_baseline,
+                "tir-loo-otb": otb_spec.leave_one_out_token_baseline}[kind]
 
     def grouped(rewards, response_mask, log_probs, sum_pi_squared, *, is_weights=None, epsilon=1e-8, **options):
         groups, size, positions = rewards.shape
@@ -92,7 +94,7 @@ def _grouped_reference(kind):
     return grouped
 
 
-@pytest.mark.parametrize("kind", ["otb", "tir-otb", "loo-otb"])
+@pytest.mark.parametrize("kind", ["otb", "tir-otb", "loo-otb", "tir-loo-otb"])
 def test_grouped_convention_checks_a_port_with_a_group_layout(kind):
     report = verify(_grouped_reference(kind), kind, convention="grouped", **FAST)
     assert report.conformant, report.to_text()
@@ -763,8 +765,19 @@ def test_structure_checks_are_skipped_not_passed_when_the_target_never_returns()
     assert not report.conformant
 
 
+def test_the_command_line_takes_a_working_dtype_for_an_adapter(capsys):
+    """--working-dtype with --adapter: float32 or float64 (the least precision of the per-token arithmetic), said in
+    the report's header; half precision is a usage error naming the option."""
+    assert main(["verify", "--adapter", "numpy-reference", "--kind", "otb", "--working-dtype", "float32",
+                 "--layer", "special", "--no-progress"]) == 0
+    assert "working_dtype='float32': per-token arithmetic in at least float32" in capsys.readouterr().out
+    assert main(["verify", "--adapter", "numpy-reference", "--kind", "otb", "--working-dtype", "float16",
+                 "--no-progress"]) == 2
+    assert "working_dtype: float32 or float64 for an adapter" in capsys.readouterr().err
+
+
 def test_adapter_errors_are_usage_errors(monkeypatch):
-    with pytest.raises(TargetError, match=r"^kind: the adapter protocol checks otb, tir-otb, loo-otb, "
+    with pytest.raises(TargetError, match=r"^kind: the adapter protocol checks otb, tir-otb, loo-otb, tir-loo-otb, "
                                           r"sum-pi-squared, not fused-token-statistics"):
         verify_adapter("numpy-reference", kinds=("fused-token-statistics",))
     import otb_spec.adapters

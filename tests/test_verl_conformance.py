@@ -86,3 +86,56 @@ def test_verls_half_precision_arithmetic_is_not_a_float32_program(kind):
     # declared float64: held to float64's bound everywhere — never more lenient than float32
     failed64 = {r.id for r in verify(target, kind, layers=("special",), working_dtype="float64").failures}
     assert failed <= failed64 and any(check.endswith("float32") for check in failed64), failed64
+
+
+class _VerlBehindTheAdapterProtocol:
+    """verl's single-turn OTB as an adapter that declares float32 sums for half-precision inputs — as a port would
+    that keeps verl's arithmetic (w, W and the returns in the inputs' dtype) behind ``compute_dtype``."""
+
+    name, device = "verl-behind-the-adapter-protocol", "cpu"
+
+    def asarray(self, array, dtype):
+        import numpy as np
+        import torch
+
+        return torch.tensor(np.asarray(array, dtype=np.float64)).to(getattr(torch, dtype))
+
+    def to_numpy(self, array):
+        import torch
+
+        array = array.detach()
+        return (array.float() if array.dtype in (torch.bfloat16, torch.float16) else array).numpy()
+
+    def segments(self, group_ids):
+        return group_ids
+
+    def compute_dtype(self, input_dtype):
+        return "float64" if input_dtype == "float64" else "float32"
+
+    def optimal_token_baseline(self, rewards, response_mask, segments, log_probs, sum_pi_squared, *, is_weights=None,
+                               handle_zero_tail=True, epsilon=1e-8):
+        return core_algos.compute_optimal_token_baseline_advantage(
+            token_level_rewards=rewards, response_mask=response_mask, index=segments, old_log_probs=log_probs,
+            sum_pi_squared=sum_pi_squared, rollout_is_weights=is_weights, handle_zero_tail=handle_zero_tail,
+            epsilon=epsilon)
+
+
+def test_an_adapter_is_held_to_float32_arithmetic_when_it_says_so():
+    """verify_adapter(working_dtype="float32") — `otb-spec verify --adapter NAME --working-dtype float32` — holds
+    half-precision inputs to float32's bound: verl's half-precision arithmetic behind the adapter protocol conforms by
+    default (the bfloat16 bound must admit verl) and fails with it, on bfloat16 checks only; the port's own adapter,
+    which widens first, conforms either way."""
+    from otb_spec.conformance import TargetError, verify_adapter
+
+    port = _VerlBehindTheAdapterProtocol()
+    default = verify_adapter(port, kinds=("otb",), layers=("special",))
+    assert default.conformant, default.to_text()
+    declared = verify_adapter(port, kinds=("otb",), layers=("special",), working_dtype="float32")
+    failed = {result.id for result in declared.failures}
+    assert failed and all("bfloat16" in check for check in failed), failed
+    assert any("working_dtype='float32'" in note for note in declared.notes)
+    widening = verify_adapter("torch-cpu", kinds=("otb", "tir-loo-otb", "sum-pi-squared"), layers=("special",),
+                              working_dtype="float32")
+    assert widening.conformant, widening.to_text()
+    with pytest.raises(TargetError, match="working_dtype: float32 or float64 for an adapter"):
+        verify_adapter(port, kinds=("otb",), working_dtype="bfloat16")

@@ -242,6 +242,21 @@ def _with_working_precision(subject: Subject, working_dtype: str) -> Subject:
     return replace(subject, working_dtype=working, compute_dtype=working, notes=subject.notes + (bound,))
 
 
+def _with_least_working_precision(subject: Subject, working_dtype: str) -> Subject:
+    """An OTB subject whose per-token arithmetic is done in at least ``working_dtype`` (an adapter's promise): less
+    precise inputs are judged as widened to it and held to its bound; more precise ones keep their own; the sums stay
+    in the subject's compute dtype."""
+    limit = machine_epsilon(working_dtype)
+
+    def working(dtype: str) -> str:
+        return dtype if machine_epsilon(dtype) <= limit else working_dtype
+
+    bound = (f"bound:       otb_spec.tolerances.otb_comparison_tolerance, working_dtype={working_dtype!r}: per-token "
+             f"arithmetic in at least {working_dtype} — half-precision inputs judged as widened to it and held to its "
+             f"bound, more precise ones in their own precision; sums in the adapter's compute_dtype")
+    return replace(subject, working_dtype=working, notes=subject.notes + (bound,))
+
+
 def verify(target: Callable | str, kind: str, *, convention: str = "verl", device: str = "cpu",
            max_examples: int = 100, seed: int = 0, layers: Iterable[str] = LAYERS,
            skips: Iterable[tuple[str, str]] = (), shrink_budget: int = SHRINK_BUDGET, strict: bool = False,
@@ -253,7 +268,8 @@ def verify(target: Callable | str, kind: str, *, convention: str = "verl", devic
       target: the callable, or ``"package.module:callable"`` / ``"path/to/file.py:callable"``; a class (e.g. a
         ``torch.nn.Module`` such as verl's ``FusedLinearForPPO``) is instantiated once with no arguments and the
         instance is called.
-      kind: ``"otb"``, ``"tir-otb"``, ``"loo-otb"``, ``"sum-pi-squared"`` or ``"fused-token-statistics"``.
+      kind: ``"otb"``, ``"tir-otb"``, ``"loo-otb"``, ``"tir-loo-otb"``, ``"sum-pi-squared"`` or
+        ``"fused-token-statistics"``.
       convention: how the callable is called (``CONVENTIONS``; default ``"verl"``).
       device: where inputs are placed (``"cpu"``, ``"cuda"``; for the jax convention a JAX platform).
       max_examples: Hypothesis examples per profile of the generated layer (:data:`GENERATED_PROFILES`).
@@ -290,11 +306,15 @@ def verify_adapter(adapter: Any, *, kinds: Iterable[str] | None = None, max_exam
                    layers: Iterable[str] = LAYERS, skips: Iterable[tuple[str, str]] = (),
                    shrink_budget: int = SHRINK_BUDGET, strict: bool = False, timeout: float | None = DEFAULT_TIMEOUT,
                    progress: Callable[[str], None] | None = None, fail_fast: bool = False,
-                   **options: Any) -> Report:
+                   working_dtype: str | None = None, **options: Any) -> Report:
     """Check a port through the adapter protocol: every kind it implements (or ``kinds``).
 
     ``adapter`` is an adapter object or a registered name (``"torch-cpu"``, ``"jax-cpu"``, an entry-point name);
-    ``options`` go to its factory."""
+    ``options`` go to its factory. ``working_dtype`` (``"float32"`` or ``"float64"``): the port does its per-token
+    arithmetic and running totals in at least this precision — half-precision inputs are then held to that dtype's
+    bound instead of the one verl's half-precision arithmetic needs (a port that keeps W as a bfloat16 running total
+    while ``compute_dtype`` says float32 fails); more precise inputs keep their own (sums in
+    ``adapter.compute_dtype``). None: each input dtype in its own precision, as :func:`verify`."""
     from otb_spec.adapters import load_adapter
 
     start = time.perf_counter()
@@ -305,6 +325,9 @@ def verify_adapter(adapter: Any, *, kinds: Iterable[str] | None = None, max_exam
             raise TargetError(f"--adapter: {exc}") from exc
         except Exception as exc:                # the adapter's own module is broken (a SyntaxError, …)
             raise TargetError(f"--adapter: loading {adapter!r} failed: {type(exc).__name__}: {exc}") from exc
+    if working_dtype is not None and working_dtype not in ("float64", "float32"):
+        raise TargetError(f"working_dtype: float32 or float64 for an adapter (the precision its per-token arithmetic "
+                          f"is at least done in), got {working_dtype!r}")
     subject = adapter_subject(adapter)
     chosen = tuple(kinds) if kinds is not None else subject.kinds
     unknown = [kind for kind in chosen if kind not in KINDS]
@@ -314,12 +337,19 @@ def verify_adapter(adapter: Any, *, kinds: Iterable[str] | None = None, max_exam
     if missing:
         raise TargetError(f"kind: the adapter protocol checks {', '.join(subject.kinds)}, not {', '.join(missing)}")
     results: list[CheckResult] = []
+    notes: tuple[str, ...] = ()
     for kind in chosen:
-        results += run_checks(subject, kind, max_examples=max_examples, seed=seed, layers=layers, skips=skips,
+        judged = subject
+        if working_dtype is not None:
+            judged = (_with_working_bound(subject, kind, working_dtype) if kind in _WORKING_KINDS
+                      else _with_least_working_precision(subject, working_dtype))
+            notes += tuple(note for note in judged.notes if note not in notes + subject.notes)
+        results += run_checks(judged, kind, max_examples=max_examples, seed=seed, layers=layers, skips=skips,
                               shrink_budget=shrink_budget, strict=strict, timeout=timeout, progress=progress,
                               fail_fast=fail_fast)
     return Report(f"adapter {getattr(adapter, 'name', type(adapter).__name__)}", "adapter", subject.name, chosen,
-                  subject.device, seed, max_examples, results, time.perf_counter() - start, strict)
+                  subject.device, seed, max_examples, results, time.perf_counter() - start, strict,
+                  notes=subject.notes + notes)
 
 
 def find_case(kind: str, name: str, dtype: str) -> Case:

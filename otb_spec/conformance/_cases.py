@@ -7,6 +7,9 @@ values). Kinds:
 * ``"otb"`` — single-turn OTB (verl ``compute_optimal_token_baseline_advantage``): outputs advantages, returns;
 * ``"tir-otb"`` — multi-turn OTB (verl ``compute_multi_turn_optimal_token_baseline_advantage``): same outputs;
 * ``"loo-otb"`` — leave-one-out OTB (position alignment): same outputs;
+* ``"tir-loo-otb"`` — multi-turn leave-one-out OTB (``align="valid_token"``: the k-th valid token of each member, as
+  ``"tir-otb"`` aligns them; ``otb_torch.verl.install(variant="leave_one_out")`` for verl's multi-turn estimator):
+  same outputs;
 * ``"sum-pi-squared"`` — Σπ² from logits: output sum_pi_squared;
 * ``"fused-token-statistics"`` — log π(y), entropy and (where given) Σπ² of softmax(h·Wᵀ/τ) from hidden states
   [..., H], the LM head [V, H], token ids and τ, without the logits (verl ``FusedLinearForPPO``,
@@ -34,12 +37,22 @@ from otb_spec.tolerances import (Tolerance, hidden_gradient_tolerance, hidden_st
                                  logsumexp_tolerance, otb_comparison_tolerance, output_rounding,
                                  sum_pi_squared_tolerance)
 
-__all__ = ["KINDS", "GENERATED_PROFILES", "Case", "golden_cases", "generated_cases", "special_cases",
-           "robustness_cases", "compute_dtype_for"]
+__all__ = ["KINDS", "LEAVE_ONE_OUT_KINDS", "VALID_TOKEN_KINDS", "reference_options", "GENERATED_PROFILES", "Case",
+           "golden_cases", "generated_cases", "special_cases", "robustness_cases", "compute_dtype_for"]
 
 FUSED = "fused-token-statistics"
-KINDS = ("otb", "tir-otb", "loo-otb", "sum-pi-squared", FUSED)
-_OTB_KINDS = ("otb", "tir-otb", "loo-otb")
+KINDS = ("otb", "tir-otb", "loo-otb", "tir-loo-otb", "sum-pi-squared", FUSED)
+_OTB_KINDS = ("otb", "tir-otb", "loo-otb", "tir-loo-otb")
+LEAVE_ONE_OUT_KINDS = ("loo-otb", "tir-loo-otb")
+"""Kinds computed by ``leave_one_out_token_baseline`` (no zero-tail option; ``align`` says which)."""
+VALID_TOKEN_KINDS = ("tir-otb", "tir-loo-otb")
+"""Kinds whose members are aligned by their k-th valid token (multi-turn: tool output masked inside a response)."""
+
+
+def reference_options(kind: str) -> dict[str, str]:
+    """The keyword a kind adds to the reference's (and a target's) call besides ε and the zero tail:
+    ``align="valid_token"`` for multi-turn leave-one-out; nothing otherwise (``"position"`` is the default)."""
+    return {"align": "valid_token"} if kind in LEAVE_ONE_OUT_KINDS and kind in VALID_TOKEN_KINDS else {}
 _FUSED_OUTPUTS = ("log_probs", "entropy", "sum_pi_squared", "grad_hidden", "grad_weight")
 
 
@@ -171,9 +184,10 @@ class Case:
                 self._cache["expected"] = {"sum_pi_squared": sum_pi_squared(self.logits)}
             else:
                 function = {"otb": optimal_token_baseline, "tir-otb": multi_turn_optimal_token_baseline,
-                            "loo-otb": leave_one_out_token_baseline}[self.kind]
-                options = {"epsilon": self.epsilon}
-                if self.kind != "loo-otb":
+                            "loo-otb": leave_one_out_token_baseline,
+                            "tir-loo-otb": leave_one_out_token_baseline}[self.kind]
+                options = {"epsilon": self.epsilon, **reference_options(self.kind)}
+                if self.kind not in LEAVE_ONE_OUT_KINDS:
                     options["handle_zero_tail"] = self.handle_zero_tail
                 result = function(self.rewards, self.response_mask, self.group_ids, self.log_probs,
                                   self.sum_pi_squared, is_weights=self.is_weights, **options)
@@ -208,11 +222,12 @@ class Case:
                              + output_rounding(out))
                 self._cache[key] = {"sum_pi_squared": tolerance}
             else:
-                align = "valid_token" if self.kind == "tir-otb" else "position"
+                align = "valid_token" if self.kind in VALID_TOKEN_KINDS else "position"
+                leave_one_out = self.kind in LEAVE_ONE_OUT_KINDS
                 advantages, returns = otb_comparison_tolerance(
                     self.rewards, self.response_mask, self.group_ids, self.log_probs, self.sum_pi_squared,
-                    is_weights=self.is_weights, align=align, leave_one_out=self.kind == "loo-otb",
-                    handle_zero_tail=self.handle_zero_tail and self.kind != "loo-otb", epsilon=self.epsilon,
+                    is_weights=self.is_weights, align=align, leave_one_out=leave_one_out,
+                    handle_zero_tail=self.handle_zero_tail and not leave_one_out, epsilon=self.epsilon,
                     compute_dtype=compute, output_dtype=out, input_dtype=working)
                 self._cache[key] = {"advantages": advantages, "returns": returns}
         return self._cache[key]
@@ -332,7 +347,7 @@ def _otb_golden(kind: str) -> list[Case]:
     deviation = ("the documented deviation 'epsilon-zero-nan' (docs/verl-differences.md #3): verify and otb_verify "
                  "report it, not fail it, unless strict; assert_matches_reference compares with the reference alone")
     verl_nan = (f"verl 0.9.1 divides 0/0 = NaN here; otb-spec defines the baseline as 0 — {deviation}"
-                if kind != "loo-otb" else
+                if kind not in LEAVE_ONE_OUT_KINDS else
                 "ε = 0 and an empty denominator: otb-spec defines the baseline as 0 (the value 0/ε gives for every "
                 f"ε > 0); verl has no leave-one-out estimator, but a port dividing as verl does gets 0/0 = NaN here — "
                 f"{deviation}")
@@ -511,7 +526,8 @@ GENERATED_PROFILES: dict[str, dict[str, tuple[str, dict, dict]]] = {
                          "max shift", dict(lead_shapes=((1,), (7,), (2, 5)), max_logit=400.0), {}),
     },
 }
-GENERATED_PROFILES["tir-otb"] = GENERATED_PROFILES["loo-otb"] = GENERATED_PROFILES["otb"]
+GENERATED_PROFILES["tir-otb"] = GENERATED_PROFILES["loo-otb"] = GENERATED_PROFILES["tir-loo-otb"] = \
+    GENERATED_PROFILES["otb"]
 
 
 # one shape for conventions that compile per shape (jax): the generated fused cases then compile once per dtype
@@ -642,7 +658,7 @@ def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
     rows, positions = 16, 4096
     lengths = rng.integers(positions // 2, positions + 1, rows)
     mask = (np.arange(positions)[None, :] < lengths[:, None]).astype(np.float64)
-    if kind == "tir-otb":
+    if kind in VALID_TOKEN_KINDS:
         mask[::3, 100:300] = 0.0                                                     # tool output
     log_pi = portable.log(rng.uniform(0.3, 0.999, (rows, positions)))
     pi = portable.exp(log_pi)

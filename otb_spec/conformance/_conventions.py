@@ -16,7 +16,7 @@ writes a copy-pasteable snippet reproducing a call. Built in:
   trainer could not call it. otb/tir-otb return ``(advantages, returns)``; sum-pi-squared: ``f(logits)`` → a tensor.
 * ``numpy`` — the reference's own signature on NumPy arrays: (rewards, response_mask, group_ids, log_probs,
   sum_pi_squared, *, is_weights, handle_zero_tail, epsilon) → (advantages, returns, …); loo-otb without
-  handle_zero_tail; sum-pi-squared (logits) → array.
+  handle_zero_tail, tir-loo-otb with ``align="valid_token"`` instead of it; sum-pi-squared (logits) → array.
 * ``grouped`` — contiguous equal-size groups in a [G, N, T] layout (NumPy), no ids: (rewards, response_mask,
   log_probs, sum_pi_squared, *, is_weights, handle_zero_tail, epsilon) → (advantages, returns) in [G, N, T].
 * ``jax`` — ``jax.Array`` inputs with integer segment ids and a static count: (rewards, response_mask, segment_ids,
@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from otb_spec.conformance._cases import FUSED, Case
+from otb_spec.conformance._cases import _OTB_KINDS, FUSED, LEAVE_ONE_OUT_KINDS, Case, reference_options
 from otb_spec.conformance._fused import subject_for as _fused_subject
 from otb_spec.conformance._subjects import (Outcome, Subject, _bind_problem, _case_source, _import_line, _jax_device,
                                             _jax_placement, _jax_put, _numpy_dtype, _outcome, _Shown, _torch,
@@ -80,8 +80,8 @@ def _signature_check(target: Callable, positional: int, weights_name: str) -> Ca
     def problem(kind: str) -> str | None:
         if kind == "sum-pi-squared":
             return _bind_problem(target, 1, {})
-        keywords = {weights_name: None, "epsilon": 1e-8}
-        if kind != "loo-otb":
+        keywords = {weights_name: None, "epsilon": 1e-8, **reference_options(kind)}
+        if kind not in LEAVE_ONE_OUT_KINDS:
             keywords["handle_zero_tail"] = True
         return _bind_problem(target, positional, keywords)
 
@@ -97,10 +97,16 @@ def _reference_line(case: Case) -> str:
     if case.kind == "sum-pi-squared":
         return "expected = otb_spec.sum_pi_squared(logits)"
     function = {"otb": "optimal_token_baseline", "tir-otb": "multi_turn_optimal_token_baseline",
-                "loo-otb": "leave_one_out_token_baseline"}[case.kind]
-    zero_tail = "" if case.kind == "loo-otb" else ", handle_zero_tail=handle_zero_tail"
+                "loo-otb": "leave_one_out_token_baseline", "tir-loo-otb": "leave_one_out_token_baseline"}[case.kind]
     return (f"expected = otb_spec.{function}(rewards, response_mask, group_ids, log_probs, sum_pi_squared, "
-            f"is_weights=is_weights{zero_tail}, epsilon=epsilon)")
+            f"is_weights=is_weights{_option_keywords(case.kind)}, epsilon=epsilon)")
+
+
+def _option_keywords(kind: str) -> str:
+    """The zero-tail or align keyword of a kind's call, as source text (``", handle_zero_tail=handle_zero_tail"``)."""
+    if kind in LEAVE_ONE_OUT_KINDS:
+        return "".join(f", {key}={value!r}" for key, value in reference_options(kind).items())
+    return ", handle_zero_tail=handle_zero_tail"
 
 
 def _difference_line(case: Case, got_advantages: str, got_returns: str, got_spp: str) -> str:
@@ -125,8 +131,9 @@ def _described_call(case: Case, names: dict[str, str], array: Callable[[np.ndarr
             continue
         value = getattr(case, field_name)
         parts.append(f"{names.get(field_name, field_name)}={'None' if value is None else array(value, case.dtype)}")
-    if case.kind != "loo-otb" and zero_tail:
+    if case.kind not in LEAVE_ONE_OUT_KINDS and zero_tail:
         parts.append(f"handle_zero_tail={case.handle_zero_tail!r}")
+    parts += [f"{key}={value!r}" for key, value in reference_options(case.kind).items()]
     parts.append(f"epsilon={case.epsilon!r}")
     return "(" + ", ".join(parts) + ")"
 
@@ -308,8 +315,8 @@ def _numpy(target: Callable, target_spec: str, kind: str, device: str, grouped: 
                 order, size = _group_order(case.group_ids)
                 inputs = {name: value[order].reshape(rows // size, size, positions) for name, value in inputs.items()}
             before = {name: value.copy() for name, value in inputs.items()}
-            keywords = {"is_weights": inputs.get("is_weights"), "epsilon": case.epsilon}
-            if kind != "loo-otb":
+            keywords = {"is_weights": inputs.get("is_weights"), "epsilon": case.epsilon, **reference_options(kind)}
+            if kind not in LEAVE_ONE_OUT_KINDS:
                 keywords["handle_zero_tail"] = case.handle_zero_tail
             ids = () if grouped else (case.group_ids,)
             result = target(inputs["rewards"], inputs["response_mask"], *(np.array(i, copy=True) for i in ids),
@@ -335,7 +342,7 @@ def _numpy(target: Callable, target_spec: str, kind: str, device: str, grouped: 
         if kind == "sum-pi-squared":
             lines.append("got = target(logits)")
         else:
-            keywords = "epsilon=epsilon" + ("" if kind == "loo-otb" else ", handle_zero_tail=handle_zero_tail")
+            keywords = "epsilon=epsilon" + _option_keywords(kind)
             if grouped:
                 lines += ["ids = group_ids.tolist(); order = sorted(range(len(ids)), key=lambda i: "
                           "(ids.index(ids[i]), i))",
@@ -361,7 +368,7 @@ def _numpy(target: Callable, target_spec: str, kind: str, device: str, grouped: 
         order = _group_order(case.group_ids)
         return order if isinstance(order, str) else None
 
-    kinds = ("otb", "tir-otb", "loo-otb") if grouped else ("otb", "tir-otb", "loo-otb", "sum-pi-squared")
+    kinds = _OTB_KINDS if grouped else _OTB_KINDS + ("sum-pi-squared",)
     label = "grouped" if grouped else "numpy"
     def describe_call(case: Case) -> str:
         if grouped and case.kind != "sum-pi-squared":
@@ -401,8 +408,8 @@ def _jax(target: Callable, target_spec: str, kind: str, device: str) -> Subject:
                 return _outcome((("sum_pi_squared", target(logits)),), {_jax_device(logits)})
             ids, count = to_segments(case.group_ids)
             keywords = {"is_weights": None if case.is_weights is None else array(case.is_weights, case.dtype),
-                        "epsilon": case.epsilon}
-            if kind != "loo-otb":
+                        "epsilon": case.epsilon, **reference_options(kind)}
+            if kind not in LEAVE_ONE_OUT_KINDS:
                 keywords["handle_zero_tail"] = case.handle_zero_tail
             rewards = array(case.rewards, case.dtype)
             result = target(rewards, array(case.response_mask, case.dtype), jax.device_put(ids, placement), count,
@@ -416,10 +423,9 @@ def _jax(target: Callable, target_spec: str, kind: str, device: str) -> Subject:
         if kind == "sum-pi-squared":
             lines.append("got = target(a(logits))")
         else:
-            zero_tail = "" if kind == "loo-otb" else ", handle_zero_tail=handle_zero_tail"
             lines.append("ids, count = otb_jax.segment_ids(group_ids)")
             lines.append(f"got = target(a(rewards), a(response_mask), ids, count, a(log_probs), a(sum_pi_squared), "
-                         f"is_weights=a(is_weights), epsilon=epsilon{zero_tail})")
+                         f"is_weights=a(is_weights), epsilon=epsilon{_option_keywords(kind)})")
         lines.append(_reference_line(case))
         lines.append(_difference_line(case, *_ARRAY_OUTPUTS))
         return "\n".join(lines)
@@ -433,7 +439,7 @@ def _jax(target: Callable, target_spec: str, kind: str, device: str) -> Subject:
         return text.replace(", log_probs=", f", num_segments={len({repr(g) for g in case.group_ids.tolist()})}, "
                                             "log_probs=", 1)
 
-    return Subject(f"{target_spec} (jax convention, {placement})", ("otb", "tir-otb", "loo-otb", "sum-pi-squared"),
+    return Subject(f"{target_spec} (jax convention, {placement})", _OTB_KINDS + ("sum-pi-squared",),
                    str(placement), run, snippet, _signature_check(target, 6, "is_weights"), describe_call=describe_call)
 
 
@@ -442,12 +448,12 @@ for _convention in (
                "f(hidden, weight, token_ids, temperature=τ), gradients by torch autograd",
                ("otb", "tir-otb", "sum-pi-squared", FUSED), _verl),
     Convention("numpy", "the reference's signature on NumPy arrays (fused kernels: values only)",
-               ("otb", "tir-otb", "loo-otb", "sum-pi-squared", FUSED), _numpy),
+               _OTB_KINDS + ("sum-pi-squared", FUSED), _numpy),
     Convention("grouped", "contiguous equal-size groups as [G, N, T] NumPy arrays, no ids",
-               ("otb", "tir-otb", "loo-otb"),
+               _OTB_KINDS,
                lambda target, spec, kind, device: _numpy(target, spec, kind, device, grouped=True)),
     Convention("jax", "jax.Array inputs with integer segment ids and a static segment count (fused kernels: "
-               "gradients by jax.vjp)", ("otb", "tir-otb", "loo-otb", "sum-pi-squared", FUSED), _jax),
+               "gradients by jax.vjp)", _OTB_KINDS + ("sum-pi-squared", FUSED), _jax),
 ):
     register_convention(_convention)
 
@@ -456,7 +462,8 @@ for _convention in (
 # adapters
 
 _ADAPTER_METHODS = {"otb": "optimal_token_baseline", "tir-otb": "multi_turn_optimal_token_baseline",
-                    "loo-otb": "leave_one_out_token_baseline", "sum-pi-squared": "sum_pi_squared"}
+                    "loo-otb": "leave_one_out_token_baseline", "tir-loo-otb": "leave_one_out_token_baseline",
+                    "sum-pi-squared": "sum_pi_squared"}
 _ADAPTER_MEMBERS = ("name", "device", "asarray", "to_numpy", "segments", "compute_dtype")
 
 
@@ -481,7 +488,8 @@ def adapter_subject(adapter: Any) -> Subject:
             results = (("sum_pi_squared", adapter.sum_pi_squared(arrays["logits"])),)
         else:
             keywords = {"is_weights": arrays.get("is_weights"), "epsilon": case.epsilon}
-            if case.kind != "loo-otb":
+            keywords.update(reference_options(case.kind))
+            if case.kind not in LEAVE_ONE_OUT_KINDS:
                 keywords["handle_zero_tail"] = case.handle_zero_tail
             results = tuple(zip(("advantages", "returns"), getattr(adapter, _ADAPTER_METHODS[case.kind])(
                 arrays["rewards"], arrays["response_mask"], adapter.segments(np.array(case.group_ids, copy=True)),

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import numpy as np
 
 from otb_spec._baseline import Grid, forced_zero, validated_otb_inputs
-from otb_spec.conformance._cases import Case, _round_to
+from otb_spec.conformance._cases import _OTB_KINDS, LEAVE_ONE_OUT_KINDS, VALID_TOKEN_KINDS, Case, _round_to
 from otb_spec.groups import segment_sums
 from otb_spec.otb import optimal_token_baseline
 from otb_spec.trajectory import cumulative_energy
@@ -101,7 +101,7 @@ def _empty_denominators(case: Case) -> np.ndarray:
     rewards, mask, segments, energy, weights = validated_otb_inputs(case.rewards, case.response_mask, case.group_ids,
                                                                    case.log_probs, case.sum_pi_squared,
                                                                    case.is_weights)
-    align = "valid_token" if case.kind == "tir-otb" else "position"
+    align = "valid_token" if case.kind in VALID_TOKEN_KINDS else "position"
     grid = Grid(mask, align)
     realized = grid.gather(cumulative_energy(energy, mask, weights))
     empty = segment_sums(realized * grid.valid, segments)[segments.index] == 0.0
@@ -112,23 +112,29 @@ def _empty_denominators(case: Case) -> np.ndarray:
 
 
 def _empty_leave_one_out_denominators(case: Case) -> np.ndarray:
-    """[B, T] True where member i's leave-one-out denominator Σ_{j≠i} Wⱼmⱼ (position-aligned, over the other members
-    of its group) is exactly 0: every other member's energy is 0 there or it is not valid there (a singleton: always).
-    The terms are ≥ 0, so the sum is 0 exactly where every term is — counted, not summed, so that no rounding
-    decides it."""
+    """[B, T] True where member i's leave-one-out denominator Σ_{j≠i} Wⱼmⱼ (over the other members of its group, at
+    the same position — or, multi-turn, the same valid-token index, at member i's valid tokens) is exactly 0: every
+    other member's energy is 0 there or it is not valid there (a singleton: always). The terms are ≥ 0, so the sum is
+    0 exactly where every term is — counted, not summed, so that no rounding decides it."""
     rewards, mask, segments, energy, weights = validated_otb_inputs(case.rewards, case.response_mask, case.group_ids,
                                                                    case.log_probs, case.sum_pi_squared,
                                                                    case.is_weights)
-    nonzero = ((cumulative_energy(energy, mask, weights) * mask) != 0.0).astype(np.int64)
-    return segment_sums(nonzero, segments)[segments.index] - nonzero == 0
+    align = "valid_token" if case.kind in VALID_TOKEN_KINDS else "position"
+    grid = Grid(mask, align)
+    nonzero = ((grid.gather(cumulative_energy(energy, mask, weights)) * grid.valid) != 0.0).astype(np.int64)
+    empty = segment_sums(nonzero, segments)[segments.index] - nonzero == 0
+    if align == "position":
+        return empty
+    return grid.scatter(empty.astype(np.float64)) > 0          # valid tokens whose compacted position is 0/0
 
 
 def _nan_positions(case: Case) -> np.ndarray:
-    return _empty_leave_one_out_denominators(case) if case.kind == "loo-otb" else _empty_denominators(case)
+    return (_empty_leave_one_out_denominators(case) if case.kind in LEAVE_ONE_OUT_KINDS
+            else _empty_denominators(case))
 
 
 def _epsilon_zero_applies(case: Case) -> bool:
-    return case.kind in ("otb", "tir-otb", "loo-otb") and case.epsilon == 0.0 and bool(_nan_positions(case).any())
+    return case.kind in _OTB_KINDS and case.epsilon == 0.0 and bool(_nan_positions(case).any())
 
 
 def _epsilon_zero_model(case: Case) -> dict[str, np.ndarray]:
@@ -217,7 +223,7 @@ DEVIATIONS: tuple[Deviation, ...] = (
              "0/0 where every other member's Wⱼmⱼ is 0, singleton groups included",
         reference="defines the baseline as 0 there, the value 0/ε gives for every ε > 0; advantages stay finite",
         why="a defined value instead of a silent NaN; identical to verl for every ε > 0 (verl's default is 1e-8)",
-        doc="docs/verl-differences.md #3", kinds=("otb", "tir-otb", "loo-otb"),
+        doc="docs/verl-differences.md #3", kinds=_OTB_KINDS,
         applies=_epsilon_zero_applies, model=_epsilon_zero_model, nan_optional=True),
     Deviation(
         id="half-precision-lengths", category="known verl defect",

@@ -25,7 +25,7 @@ import numpy as np
 
 from otb_spec._version import __version__
 from otb_spec.conformance._cases import (GENERATED_PROFILES, KINDS, Case, compute_dtype_for, generated_cases,
-                                         golden_cases, special_cases)
+                                         golden_cases, reference_options, special_cases)
 from otb_spec.conformance._checks import _fingerprint, _slug
 
 __all__ = ["VECTOR_SCHEMA", "VECTOR_SCHEMA_VERSION", "VECTOR_KINDS", "write_vectors", "read_vector",
@@ -44,6 +44,8 @@ _FUNCTIONS = {
     "tir-otb": "multi-turn OTB with verl 0.9.1 semantics (compute_multi_turn_optimal_token_baseline_advantage; "
                "otb_spec.multi_turn_optimal_token_baseline)",
     "loo-otb": "leave-one-out OTB, position alignment (otb_spec.leave_one_out_token_baseline)",
+    "tir-loo-otb": "multi-turn leave-one-out OTB, valid-token alignment (otb_spec.leave_one_out_token_baseline with "
+                   "align='valid_token')",
     "sum-pi-squared": "Σπ² = Σ_v softmax(z)_v² over the last axis (verl calculate_sum_pi_squared_from_logits; "
                       "otb_spec.sum_pi_squared)",
 }
@@ -114,6 +116,7 @@ def _case_json(case: Case, case_id: str, source: str) -> dict:
     options = {} if case.kind == "sum-pi-squared" else {"epsilon": case.epsilon}
     if case.kind in ("otb", "tir-otb"):
         options["handle_zero_tail"] = case.handle_zero_tail
+    options.update(reference_options(case.kind))            # tir-loo-otb: align = "valid_token"
     tolerances = case.tolerances(output_dtype=case.dtype, compute_dtype=compute)
     return {
         "schema": VECTOR_SCHEMA,
@@ -310,7 +313,8 @@ def vector_json_schema() -> dict:
             "dtype": {"enum": ["float64", "float32", "bfloat16", "float16"]},
             "compute_dtype": {"enum": ["float64", "float32"]},
             "options": {"type": "object", "properties": {"epsilon": {"type": "number", "minimum": 0},
-                                                         "handle_zero_tail": {"type": "boolean"}},
+                                                         "handle_zero_tail": {"type": "boolean"},
+                                                         "align": {"enum": ["valid_token"]}},
                         "additionalProperties": False},
             "inputs": {"type": "object",
                        "properties": {"rewards": {"$ref": "#/$defs/array"},
