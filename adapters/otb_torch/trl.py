@@ -88,10 +88,6 @@ _REJECTED_LOSS_TYPES = {
              "per-token advantages the sign, hence the weighting, varies inside a sequence, which is no longer VESPO",
 }
 
-_LOGITS_CHUNK_ELEMENTS = 2**22
-"""Logits materialised at once where the fused kernel does not apply (a bias or a softcap on the LM head): at most
-max(1, 2²²/V) rows × V (16 MiB of float32)."""
-
 # Keyword arguments of GRPOTrainer._get_per_token_logps_and_entropies that carry multimodal inputs; the trainer passes
 # them from the generation output as TRL's _compute_loss does (grpo_trainer.py:3030–3047).
 _FORWARD_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
