@@ -156,7 +156,8 @@ class Estimate:
         """max over coordinates of |E[ĝ] − ∇J| / SE.
 
         A coordinate with SE = 0 took one value c in every group; it must equal ∇J's up to the rounding of averaging G
-        copies of c, (G + 2)·ε·|c| (``summation_tolerance``), else the result is ∞. The SE is the sample standard
+        copies of c, (G + 2)·ε·|c| (``summation_tolerance``), else the result is ∞ — ∇J taken as exact there
+        (enumeration and the dynamic programme give a structural zero exactly). The SE is the sample standard
         error: for a coordinate whose variance comes from sequences too rare to be drawn many times it understates
         the spread (proofs/F1, *Standard errors of the tilt*), so use enough groups that every sequence carrying
         weight is drawn often."""

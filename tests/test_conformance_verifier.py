@@ -474,6 +474,57 @@ def test_a_leave_one_out_port_dividing_as_verl_does_is_conformant_with_the_epsil
     assert all("epsilon-0" in result.id or "worked-example" in result.id for result in failed.failures)
 
 
+def _multi_turn_leave_one_out_as_verl_divides(rewards, response_mask, group_ids, log_probs, sum_pi_squared, *,
+                                              is_weights=None, align="position", epsilon=1e-8, stray_nan=False):
+    """The multi-turn twin: each row's valid tokens compacted (the k-th valid token in column k), B = (N − GᵢWᵢ)/(D −
+    Wᵢ + ε) over the compacted columns with no rule for an empty denominator, scattered back to the valid tokens
+    (masked positions stay 0) — so ε = 0 gives NaN at the valid tokens whose column no other member reaches with
+    energy."""
+    assert align == "valid_token", align
+    r, m = np.asarray(rewards, np.float64), np.asarray(response_mask, np.float64)
+    returns = np.flip(np.cumsum(np.flip(r * m, 1), 1), 1)
+    w = 1 - 2 * np.exp(np.asarray(log_probs, np.float64)) + np.asarray(sum_pi_squared, np.float64)
+    if is_weights is not None:
+        w = w * np.asarray(is_weights, np.float64) ** 2
+    energy = np.cumsum(w * m, 1)
+    rows, positions = np.nonzero(m)
+    columns = (np.cumsum(m, 1) - 1)[rows, positions].astype(np.int64)
+    width = int(m.sum(1).max()) if m.any() else 1
+    compact_returns, compact_energy = np.zeros((m.shape[0], width)), np.zeros((m.shape[0], width))
+    compact_returns[rows, columns] = returns[rows, positions]
+    compact_energy[rows, columns] = energy[rows, positions]
+    _, codes = np.unique([repr(g) for g in list(group_ids)], return_inverse=True)
+    codes = codes.reshape(-1)
+    numerator, denominator = np.zeros((codes.max() + 1, width)), np.zeros((codes.max() + 1, width))
+    np.add.at(numerator, codes, compact_returns * compact_energy)
+    np.add.at(denominator, codes, compact_energy)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        baseline = ((numerator[codes] - compact_returns * compact_energy)
+                    / (denominator[codes] - compact_energy + epsilon))
+    advantages = np.zeros_like(r)
+    advantages[rows, positions] = returns[rows, positions] - baseline[rows, columns]
+    if stray_nan and epsilon == 0.0:
+        advantages[np.unravel_index(np.argmax(np.isfinite(advantages) & (m != 0)), m.shape)] = np.nan
+    dtype = np.asarray(rewards).dtype
+    return advantages.astype(dtype), returns.astype(dtype)
+
+
+def test_a_multi_turn_leave_one_out_port_dividing_as_verl_does_is_conformant_with_the_epsilon_zero_deviation():
+    """tir-loo-otb: the 0/0 model of epsilon-zero-nan follows the valid-token alignment (a column no other member
+    reaches with energy), so the compacting port above is recognised; a NaN anywhere else still fails."""
+    report = verify(_multi_turn_leave_one_out_as_verl_divides, "tir-loo-otb", convention="numpy", **FAST)
+    assert report.conformant and report.observed_deviations == ["epsilon-zero-nan"], report.to_text()
+    assert all("epsilon-0" in result.id or "worked-example" in result.id for result in report.deviations)
+    assert verify(_multi_turn_leave_one_out_as_verl_divides, "tir-loo-otb", convention="numpy", strict=True,
+                  **FAST).verdict == "NOT CONFORMANT"
+
+    def stray(*args, **kwargs):
+        return _multi_turn_leave_one_out_as_verl_divides(*args, stray_nan=True, **kwargs)
+
+    failed = verify(stray, "tir-loo-otb", convention="numpy", layers=("golden",))
+    assert not failed.conformant and failed.failures, failed.to_text()
+
+
 def _computing_in(dtype_name: str):
     """verl's drop-in (otb_torch's) behind ``.to(dtype)`` of every floating input — a port that calls ``.float()``
     first (float32), or one that rounds its inputs to float16 — returning what it computed."""

@@ -53,6 +53,8 @@ def reference_options(kind: str) -> dict[str, str]:
     """The keyword a kind adds to the reference's (and a target's) call besides ε and the zero tail:
     ``align="valid_token"`` for multi-turn leave-one-out; nothing otherwise (``"position"`` is the default)."""
     return {"align": "valid_token"} if kind in LEAVE_ONE_OUT_KINDS and kind in VALID_TOKEN_KINDS else {}
+
+
 _FUSED_OUTPUTS = ("log_probs", "entropy", "sum_pi_squared", "grad_hidden", "grad_weight")
 
 
@@ -368,6 +370,14 @@ def _otb_golden(kind: str) -> list[Case]:
                       np.array([[0, 1, 1, 0, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0, 0, 0, 0, 0],
                                 [1, 1, 0, 0, 0, 0, 0, 0, 0, 0.0]]),
                       _ids("k", "k", "k"), lp, spp))
+    # ε = 0 beside a tool-output hole: where no *other* member is valid depends on the alignment — by position, the
+    # second member's positions 1–2 (the first member's hole); by valid token, its 3rd and 4th valid tokens (the first
+    # has two) — so a leave-one-out port dividing 0/0 gets NaN on different tokens in loo-otb and tir-loo-otb (the
+    # self-inclusive kinds have no empty denominator here: each member's own energy is in it)
+    lp, spp = _policy_statistics((2, 4), 13)
+    cases.append(Case(kind, "ε = 0 beside a tool-output hole (the alignment decides where no other member is)",
+                      "float64", np.array([[0, 0, 0, 1.0], [0, 0, 0, 0.5]]), np.array([[1, 0, 0, 1], [1, 1, 1, 1.0]]),
+                      _ids("a", "a"), lp, spp, epsilon=0.0, note=verl_nan if kind in LEAVE_ONE_OUT_KINDS else ""))
     return cases
 
 

@@ -550,7 +550,9 @@ def _structure_checks(session: _Session, kind: str, deviations: tuple[Deviation,
             if _precision_rank(got_dtype) < _precision_rank(promised):
                 text = f"{dtype} inputs: {name} returned as {got_dtype} (less precise)"
                 if kind in _OTB_KINDS and got_dtype == "float32" and dtype == "float64":
-                    text += (" — a target computing in float32 whatever its inputs is judged by float32's bound with "
+                    text += (" — an adapter is held to float64 for float64 inputs (its --working-dtype is a floor, "
+                             "not a ceiling)" if subject.dtype_rule == "at-least" else
+                             " — a target computing in float32 whatever its inputs is judged by float32's bound with "
                              "--working-dtype float32 (working_dtype='float32')")
                 explained = next((d for d in deviations if d.structure is not None
                                   and d.structure("dtypes", case, name, got_dtype)), None)

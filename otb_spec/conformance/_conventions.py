@@ -38,7 +38,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from otb_spec.conformance._cases import _OTB_KINDS, FUSED, LEAVE_ONE_OUT_KINDS, Case, reference_options
+from otb_spec.conformance._cases import (_OTB_KINDS, FUSED, LEAVE_ONE_OUT_KINDS, VALID_TOKEN_KINDS, Case,
+                                        reference_options)
 from otb_spec.conformance._fused import subject_for as _fused_subject
 from otb_spec.conformance._subjects import (Outcome, Subject, _bind_problem, _case_source, _import_line, _jax_device,
                                             _jax_placement, _jax_put, _numpy_dtype, _outcome, _Shown, _torch,
@@ -102,6 +103,14 @@ def _reference_line(case: Case) -> str:
             f"is_weights=is_weights{_option_keywords(case.kind)}, epsilon=epsilon)")
 
 
+def _align_options(kind: str, names: dict[str, str] | None = None) -> dict[str, str]:
+    """``align`` as a call passes it: multi-turn leave-one-out always; position leave-one-out only to an adapter
+    (``names`` with "segments": the protocol has the parameter, a target function may not)."""
+    if kind in LEAVE_ONE_OUT_KINDS and names is not None and names.get("group_ids") == "segments":
+        return {"align": "valid_token" if kind in VALID_TOKEN_KINDS else "position"}
+    return reference_options(kind)
+
+
 def _option_keywords(kind: str) -> str:
     """The zero-tail or align keyword of a kind's call, as source text (``", handle_zero_tail=handle_zero_tail"``)."""
     if kind in LEAVE_ONE_OUT_KINDS:
@@ -133,7 +142,7 @@ def _described_call(case: Case, names: dict[str, str], array: Callable[[np.ndarr
         parts.append(f"{names.get(field_name, field_name)}={'None' if value is None else array(value, case.dtype)}")
     if case.kind not in LEAVE_ONE_OUT_KINDS and zero_tail:
         parts.append(f"handle_zero_tail={case.handle_zero_tail!r}")
-    parts += [f"{key}={value!r}" for key, value in reference_options(case.kind).items()]
+    parts += [f"{key}={value!r}" for key, value in _align_options(case.kind, names).items()]
     parts.append(f"epsilon={case.epsilon!r}")
     return "(" + ", ".join(parts) + ")"
 
@@ -487,8 +496,8 @@ def adapter_subject(adapter: Any) -> Subject:
         if case.kind == "sum-pi-squared":
             results = (("sum_pi_squared", adapter.sum_pi_squared(arrays["logits"])),)
         else:
-            keywords = {"is_weights": arrays.get("is_weights"), "epsilon": case.epsilon}
-            keywords.update(reference_options(case.kind))
+            keywords = {"is_weights": arrays.get("is_weights"), "epsilon": case.epsilon,
+                        **_align_options(case.kind, {"group_ids": "segments"})}
             if case.kind not in LEAVE_ONE_OUT_KINDS:
                 keywords["handle_zero_tail"] = case.handle_zero_tail
             results = tuple(zip(("advantages", "returns"), getattr(adapter, _ADAPTER_METHODS[case.kind])(
