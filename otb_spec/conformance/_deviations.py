@@ -255,6 +255,6 @@ DEVIATIONS: tuple[Deviation, ...] = (
 
 def deviations_for(kind: str) -> tuple[Deviation, ...]:
     """The documented deviations that concern ``kind`` (for the leave-one-out kinds only ε = 0's 0/0, as a port
-    dividing as verl does gets it; none for sum-pi-squared: verl's Σπ² is within the tolerance of a correct implementation; for fused
-    token statistics the float64-in-float32 cast of ``FusedLinearForPPO``)."""
+    dividing as verl does gets it; none for sum-pi-squared: verl's Σπ² is within the tolerance of a correct
+    implementation; for fused token statistics the float64-in-float32 cast of ``FusedLinearForPPO``)."""
     return tuple(deviation for deviation in DEVIATIONS if kind in deviation.kinds)
