@@ -187,16 +187,23 @@ def numpy_multi_turn_loops(rewards, response_mask, group_ids, log_probs, sum_pi_
     return _np_out(rewards, advantages * m, returns)
 
 
-def numpy_leave_one_out(rewards, response_mask, group_ids, log_probs, sum_pi_squared, *, is_weights=None,
-                        epsilon=1e-8, bugs=frozenset()):
-    """Leave-one-out OTB: group totals minus the member's own term, 0 where no other member is valid."""
+def _returns_and_energy(rewards, response_mask, log_probs, sum_pi_squared, is_weights):
+    """(dtype, m, G, W) of the leave-one-out ports: G by a flipped cumsum, w = (1 − π)² + (Σπ² − π²) with ρ², W its
+    masked cumsum (running through masked positions)."""
     dtype, (r, m, lp, spp, rho) = _np_in(rewards, response_mask, log_probs, sum_pi_squared, is_weights)
     returns = np.flip(np.cumsum(np.flip(r * m, 1), 1), 1)
     pi = np.exp(np.minimum(lp, 0))
     w = (1 - pi) ** 2 + (spp - pi * pi)
     if rho is not None:
         w = w * rho * rho
-    weight = np.cumsum(w * m, axis=1) * m
+    return dtype, m, returns, np.cumsum(w * m, axis=1)
+
+
+def numpy_leave_one_out(rewards, response_mask, group_ids, log_probs, sum_pi_squared, *, is_weights=None,
+                        epsilon=1e-8, bugs=frozenset()):
+    """Leave-one-out OTB: group totals minus the member's own term, 0 where no other member is valid."""
+    dtype, m, returns, energy = _returns_and_energy(rewards, response_mask, log_probs, sum_pi_squared, is_weights)
+    weight = energy * m
     ids = np.asarray(group_ids, dtype=object).tolist()
     baselines = np.zeros_like(returns)
     for gid in dict.fromkeys(ids):
@@ -223,13 +230,7 @@ def numpy_multi_turn_leave_one_out(rewards, response_mask, group_ids, log_probs,
         return numpy_leave_one_out(rewards, response_mask, group_ids, log_probs, sum_pi_squared,
                                    is_weights=is_weights, epsilon=epsilon)
     assert align == "valid_token", align
-    dtype, (r, m, lp, spp, rho) = _np_in(rewards, response_mask, log_probs, sum_pi_squared, is_weights)
-    returns = np.flip(np.cumsum(np.flip(r * m, 1), 1), 1)
-    pi = np.exp(np.minimum(lp, 0))
-    w = (1 - pi) ** 2 + (spp - pi * pi)
-    if rho is not None:
-        w = w * rho * rho
-    energy = np.cumsum(w * m, axis=1)
+    dtype, m, returns, energy = _returns_and_energy(rewards, response_mask, log_probs, sum_pi_squared, is_weights)
     spans = [np.flatnonzero(row > 0) for row in m]
     ids = np.asarray(group_ids, dtype=object).tolist()
     advantages = np.zeros_like(returns)

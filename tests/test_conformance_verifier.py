@@ -427,18 +427,23 @@ def test_a_verl_like_port_is_conformant_with_its_documented_deviation_and_fails_
     assert all("failed because of --strict" in r.message for r in strict.failures)
 
 
+def _returns_and_energy(rewards, response_mask, log_probs, sum_pi_squared, is_weights):
+    """(r, m, G, W) in float64 as the two ports below write them: w = 1 − 2π + Σπ² (ρ²), W its masked cumsum."""
+    r, m = np.asarray(rewards, np.float64), np.asarray(response_mask, np.float64)
+    returns = np.flip(np.cumsum(np.flip(r * m, 1), 1), 1)
+    w = 1 - 2 * np.exp(np.asarray(log_probs, np.float64)) + np.asarray(sum_pi_squared, np.float64)
+    if is_weights is not None:
+        w = w * np.asarray(is_weights, np.float64) ** 2
+    return r, m, returns, np.cumsum(w * m, 1)
+
+
 def _leave_one_out_as_verl_divides(rewards, response_mask, group_ids, log_probs, sum_pi_squared, *, is_weights=None,
                                    epsilon=1e-8, masked_by="product", stray_nan=False):
     """A leave-one-out port written from the formula, dividing as verl does: B = (N − GᵢWᵢmᵢ)/(D − Wᵢmᵢ + ε) with no
     rule for an empty denominator, so ε = 0 gives 0/0 = NaN wherever every other member's Wⱼmⱼ is 0 (singletons
     included); masked positions zeroed by a product ((G − NaN)·0 = NaN) or by a selection. ``stray_nan``: also a NaN
     where the denominator is not empty."""
-    r, m = np.asarray(rewards, np.float64), np.asarray(response_mask, np.float64)
-    returns = np.flip(np.cumsum(np.flip(r * m, 1), 1), 1)
-    w = 1 - 2 * np.exp(np.asarray(log_probs, np.float64)) + np.asarray(sum_pi_squared, np.float64)
-    if is_weights is not None:
-        w = w * np.asarray(is_weights, np.float64) ** 2
-    energy = np.cumsum(w * m, 1)
+    r, m, returns, energy = _returns_and_energy(rewards, response_mask, log_probs, sum_pi_squared, is_weights)
     _, codes = np.unique([repr(g) for g in list(group_ids)], return_inverse=True)
     codes = codes.reshape(-1)
     numerator, denominator = np.zeros((codes.max() + 1, r.shape[1])), np.zeros((codes.max() + 1, r.shape[1]))
@@ -481,12 +486,7 @@ def _multi_turn_leave_one_out_as_verl_divides(rewards, response_mask, group_ids,
     (masked positions stay 0) — so ε = 0 gives NaN at the valid tokens whose column no other member reaches with
     energy."""
     assert align == "valid_token", align
-    r, m = np.asarray(rewards, np.float64), np.asarray(response_mask, np.float64)
-    returns = np.flip(np.cumsum(np.flip(r * m, 1), 1), 1)
-    w = 1 - 2 * np.exp(np.asarray(log_probs, np.float64)) + np.asarray(sum_pi_squared, np.float64)
-    if is_weights is not None:
-        w = w * np.asarray(is_weights, np.float64) ** 2
-    energy = np.cumsum(w * m, 1)
+    r, m, returns, energy = _returns_and_energy(rewards, response_mask, log_probs, sum_pi_squared, is_weights)
     rows, positions = np.nonzero(m)
     columns = (np.cumsum(m, 1) - 1)[rows, positions].astype(np.int64)
     width = int(m.sum(1).max()) if m.any() else 1
