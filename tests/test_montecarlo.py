@@ -84,26 +84,36 @@ def test_paired_ratios_and_the_tilt_statistics_are_calibrated(small_task):
     assert abs(q_values.mean()) < 5 * q_values.std(ddof=1) / np.sqrt(runs_count)
 
 
-def test_the_jackknife_of_q_at_zero_overstates_its_spread_by_root_two():
-    """proofs/F1, *Standard errors of the tilt*: where q = 0 the block jackknife of q̂ sees only the linear term around
-    the noisy mean, so Var(q̂)/E[SE(q̂)²] = 1/2 at leading order (+ O(1/K)). Measured on the engine's own accumulator
-    (32 blocks) over 4000 runs of 1000 Gaussian groups whose mean lies along ∇J (q = 0) with a correlated covariance:
-    within 5 SE of 1/2 (measured 0.469 ± 0.015), the SE from a jackknife over the runs. A jackknife SE off by 1.2×
-    either way (ratio 0.33 or 0.68) fails."""
+@pytest.fixture(scope="module")
+def gaussian_runs():
+    """4000 independent runs of the engine's own accumulator (32 blocks) on 1000 Gaussian groups each, in 5
+    dimensions, with mean ∇J = e₁ (unbiased, q = 0) and a correlated covariance: (q̂, SE(q̂), z per coordinate of E[ĝ])
+    per run — a population whose moments are known, without the rare sequences of the toy tasks."""
     rng = np.random.default_rng(0)
     dims, groups, runs, blocks = 5, 1000, 4000, 32
     exact = np.zeros(dims)
     exact[0] = 1.0
     root = rng.normal(size=(dims, dims)) / np.sqrt(dims)
     boundaries = np.linspace(0, groups, blocks + 1).astype(np.int64)
-    values, errors = np.empty(runs), np.empty(runs)
+    values, errors, scores = np.empty(runs), np.empty(runs), np.empty((runs, dims))
     for run in range(runs):
         gradients = rng.normal(size=(groups, dims)) @ root + exact
         accumulator = mc._Accumulator(dims, blocks, exact)
         for block in range(blocks):
             accumulator.add(block, gradients[boundaries[block]:boundaries[block + 1]], 0.0)
-        q = accumulator.summary("gaussian", 1, exact, "sequence_sum", ()).perpendicular_bias
-        values[run], errors[run] = q.value, q.standard_error
+        estimate = accumulator.summary("gaussian", 1, exact, "sequence_sum", ())
+        values[run], errors[run] = estimate.perpendicular_bias.value, estimate.perpendicular_bias.standard_error
+        scores[run] = (estimate.mean_gradient - exact) / estimate.mean_gradient_se
+    return values, errors, scores
+
+
+def test_the_jackknife_of_q_at_zero_overstates_its_spread_by_root_two(gaussian_runs):
+    """proofs/F1, *Standard errors of the tilt*: where q = 0 the block jackknife of q̂ sees only the linear term around
+    the noisy mean, so Var(q̂)/E[SE(q̂)²] = 1/2 at leading order (+ O(1/K)). Over the 4000 Gaussian runs: within 5 SE
+    of 1/2 (measured 0.469 ± 0.015), the SE from a jackknife over the runs. A jackknife SE off by 1.2× either way
+    (ratio 0.33 or 0.68) fails."""
+    values, errors, _ = gaussian_runs
+    runs = len(values)
     squares = errors**2
     ratio = np.var(values, ddof=1) / squares.mean()
     # leave-one-run-out replicates of the ratio, from running sums
@@ -112,7 +122,23 @@ def test_the_jackknife_of_q_at_zero_overstates_its_spread_by_root_two():
     replicates = variances / ((total_se - squares) / (runs - 1))
     error = np.sqrt((runs - 1) / runs * np.sum((replicates - replicates.mean()) ** 2))
     assert abs(ratio - 0.5) < 5 * error, (ratio, error)
-    assert 5 * error < 0.14, error          # resolution enough to tell 0.35 or 0.72 from 0.5
+    assert 5 * error < 0.14, error          # resolution enough to tell 0.33 or 0.68 from 0.5
+
+
+def test_the_per_coordinate_standard_error_of_the_mean_gradient_is_calibrated(gaussian_runs):
+    """Estimate.mean_gradient_se, the sample SE of each coordinate of E[ĝ], is the spread of the mean: over the 4000
+    Gaussian runs each coordinate's Σz² lies inside the two-sided 10⁻⁶/5 quantiles of χ²₄₀₀₀ (a sample SE over 1000
+    groups makes z a Student t₉₉₉: Σz² averages 1.001·4000, well inside). An SE off by 10% either way (Σz² ≈ 0.83× or
+    1.21×) fails. (On the toy tasks a coordinate carried by rare sequences is heavy-tailed at 1000 groups:
+    Estimate.max_abs_z.)"""
+    _, _, scores = gaussian_runs
+    runs, dims = scores.shape
+    low, high = chi2.ppf(5e-7 / dims, runs), chi2.isf(5e-7 / dims, runs)
+    sums = np.sum(scores**2, axis=0)
+    assert np.all((low < sums) & (sums < high)), (sums, low, high)
+    # an SE off by 10%: Σz² ≈ 1.21·runs (or ÷ 1.21), give or take √(2·runs) × the same — over 3 of those outside
+    spread = np.sqrt(2 * runs)
+    assert high < 1.1**2 * (runs - 3 * spread) and low > (runs + 3 * spread) / 1.1**2, (low, high)
 
 
 def test_aggregation_and_monte_carlo_grid_arguments_are_checked(small_task):
