@@ -48,7 +48,7 @@ _KIND_DESCRIPTIONS = {
                               "the LM head, values and gradients — verl's FusedLinearForPPO",
 }
 _KINDS = tuple(_KIND_DESCRIPTIONS)     # otb_spec.conformance.KINDS, in its order (a test checks)
-_VECTOR_KINDS = ("otb", "tir-otb", "loo-otb", "tir-loo-otb", "sum-pi-squared")   # no fused vectors (docs/vectors.md)
+_VECTOR_KINDS = tuple(kind for kind in _KINDS if kind != "fused-token-statistics")   # no fused vectors (vectors.md)
 _BATCH_KEYS = ("rewards", "response_mask", "group_ids", "log_probs", "sum_pi_squared", "is_weights",
                "cumulative_score_sq_norms", "sequence_score_sq_norms")
 

@@ -319,7 +319,7 @@ def run_lab(*, quick: bool = False, seed: int = 0, group_sizes: tuple[int, ...] 
     for regime in chosen:
         # the regime's seed follows its place among all regimes, not among the chosen ones: ``--regime long`` alone
         # samples the same groups as the full run (and docs/lab-results.json)
-        regime_index = [r.name for r in every].index(regime.name)
+        regime_index = every.index(regime)
         estimators = _estimators(regime, seed, quick)
         result.expected_lengths[regime.name] = regime.task.expected_length()
         by_aggregation: dict[str, dict[int, dict[str, mc.Estimate]]] = {name: {} for name in mc.AGGREGATIONS}

@@ -213,13 +213,10 @@ def _with_working_bound(subject: Subject, kind: str, working_dtype: str | None) 
                 "calculate_sum_pi_squared_from_logits does for bfloat16 logits)")
         working = subject.working_dtype
     else:
-        limit = machine_epsilon(working_dtype)
         widens = "before the matmul" if kind == FUSED else "before anything else"
         rule = (f"working precision = the inputs' dtype or {working_dtype}, whichever is more precise "
                 f"(working_dtype={working_dtype!r}: a target that widens its inputs {widens})")
-
-        def working(dtype: str) -> str:
-            return dtype if machine_epsilon(dtype) <= limit else working_dtype
+        working = _at_least(working_dtype)
 
     functions = ("otb_spec.tolerances.hidden_statistics_tolerance and hidden_gradient_tolerance" if kind == FUSED else
                  "otb_spec.tolerances.sum_pi_squared_tolerance")
@@ -246,15 +243,20 @@ def _with_least_working_precision(subject: Subject, working_dtype: str) -> Subje
     """An OTB subject whose per-token arithmetic is done in at least ``working_dtype`` (an adapter's promise): less
     precise inputs are judged as widened to it and held to its bound; more precise ones keep their own; the sums stay
     in the subject's compute dtype."""
+    bound = (f"bound:       otb_spec.tolerances.otb_comparison_tolerance, working_dtype={working_dtype!r}: per-token "
+             f"arithmetic in at least {working_dtype} — half-precision inputs judged as widened to it and held to its "
+             f"bound, more precise ones in their own precision; sums in the adapter's compute_dtype")
+    return replace(subject, working_dtype=_at_least(working_dtype), notes=subject.notes + (bound,))
+
+
+def _at_least(working_dtype: str) -> Callable[[str], str]:
+    """input dtype → the more precise of it and ``working_dtype`` (a target that widens its inputs first)."""
     limit = machine_epsilon(working_dtype)
 
     def working(dtype: str) -> str:
         return dtype if machine_epsilon(dtype) <= limit else working_dtype
 
-    bound = (f"bound:       otb_spec.tolerances.otb_comparison_tolerance, working_dtype={working_dtype!r}: per-token "
-             f"arithmetic in at least {working_dtype} — half-precision inputs judged as widened to it and held to its "
-             f"bound, more precise ones in their own precision; sums in the adapter's compute_dtype")
-    return replace(subject, working_dtype=working, notes=subject.notes + (bound,))
+    return working
 
 
 def verify(target: Callable | str, kind: str, *, convention: str = "verl", device: str = "cpu",

@@ -37,8 +37,8 @@ from otb_spec.tolerances import (Tolerance, hidden_gradient_tolerance, hidden_st
                                  logsumexp_tolerance, otb_comparison_tolerance, output_rounding,
                                  sum_pi_squared_tolerance)
 
-__all__ = ["KINDS", "LEAVE_ONE_OUT_KINDS", "VALID_TOKEN_KINDS", "reference_options", "GENERATED_PROFILES", "Case",
-           "golden_cases", "generated_cases", "special_cases", "robustness_cases", "compute_dtype_for"]
+__all__ = ["KINDS", "LEAVE_ONE_OUT_KINDS", "VALID_TOKEN_KINDS", "alignment", "reference_options", "GENERATED_PROFILES",
+           "Case", "golden_cases", "generated_cases", "special_cases", "robustness_cases", "compute_dtype_for"]
 
 FUSED = "fused-token-statistics"
 KINDS = ("otb", "tir-otb", "loo-otb", "tir-loo-otb", "sum-pi-squared", FUSED)
@@ -49,10 +49,15 @@ VALID_TOKEN_KINDS = ("tir-otb", "tir-loo-otb")
 """Kinds whose members are aligned by their k-th valid token (multi-turn: tool output masked inside a response)."""
 
 
+def alignment(kind: str) -> str:
+    """How an OTB kind aligns a group's members: ``"valid_token"`` (multi-turn) or ``"position"``."""
+    return "valid_token" if kind in VALID_TOKEN_KINDS else "position"
+
+
 def reference_options(kind: str) -> dict[str, str]:
     """The keyword a kind adds to the reference's (and a target's) call besides ε and the zero tail:
     ``align="valid_token"`` for multi-turn leave-one-out; nothing otherwise (``"position"`` is the default)."""
-    return {"align": "valid_token"} if kind in LEAVE_ONE_OUT_KINDS and kind in VALID_TOKEN_KINDS else {}
+    return {"align": "valid_token"} if kind in LEAVE_ONE_OUT_KINDS and alignment(kind) == "valid_token" else {}
 
 
 _FUSED_OUTPUTS = ("log_probs", "entropy", "sum_pi_squared", "grad_hidden", "grad_weight")
@@ -224,11 +229,10 @@ class Case:
                              + output_rounding(out))
                 self._cache[key] = {"sum_pi_squared": tolerance}
             else:
-                align = "valid_token" if self.kind in VALID_TOKEN_KINDS else "position"
                 leave_one_out = self.kind in LEAVE_ONE_OUT_KINDS
                 advantages, returns = otb_comparison_tolerance(
                     self.rewards, self.response_mask, self.group_ids, self.log_probs, self.sum_pi_squared,
-                    is_weights=self.is_weights, align=align, leave_one_out=leave_one_out,
+                    is_weights=self.is_weights, align=alignment(self.kind), leave_one_out=leave_one_out,
                     handle_zero_tail=self.handle_zero_tail and not leave_one_out, epsilon=self.epsilon,
                     compute_dtype=compute, output_dtype=out, input_dtype=working)
                 self._cache[key] = {"advantages": advantages, "returns": returns}

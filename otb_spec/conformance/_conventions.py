@@ -38,8 +38,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from otb_spec.conformance._cases import (_OTB_KINDS, FUSED, LEAVE_ONE_OUT_KINDS, VALID_TOKEN_KINDS, Case,
-                                        reference_options)
+from otb_spec.conformance._cases import _OTB_KINDS, FUSED, LEAVE_ONE_OUT_KINDS, Case, alignment, reference_options
 from otb_spec.conformance._fused import subject_for as _fused_subject
 from otb_spec.conformance._subjects import (Outcome, Subject, _bind_problem, _case_source, _import_line, _jax_device,
                                             _jax_placement, _jax_put, _numpy_dtype, _outcome, _Shown, _torch,
@@ -62,6 +61,11 @@ class Convention:
 
 
 CONVENTIONS: dict[str, Convention] = {}
+
+_REFERENCE_FUNCTIONS = {"otb": "optimal_token_baseline", "tir-otb": "multi_turn_optimal_token_baseline",
+                        "loo-otb": "leave_one_out_token_baseline", "tir-loo-otb": "leave_one_out_token_baseline",
+                        "sum-pi-squared": "sum_pi_squared"}
+"""The reference function (``otb_spec.<name>``) each kind is checked against."""
 
 
 def register_convention(convention: Convention) -> None:
@@ -97,17 +101,15 @@ _ARRAY_OUTPUTS = ("np.asarray(got[0], dtype=np.float64)", "np.asarray(got[1], dt
 def _reference_line(case: Case) -> str:
     if case.kind == "sum-pi-squared":
         return "expected = otb_spec.sum_pi_squared(logits)"
-    function = {"otb": "optimal_token_baseline", "tir-otb": "multi_turn_optimal_token_baseline",
-                "loo-otb": "leave_one_out_token_baseline", "tir-loo-otb": "leave_one_out_token_baseline"}[case.kind]
-    return (f"expected = otb_spec.{function}(rewards, response_mask, group_ids, log_probs, sum_pi_squared, "
-            f"is_weights=is_weights{_option_keywords(case.kind)}, epsilon=epsilon)")
+    return (f"expected = otb_spec.{_REFERENCE_FUNCTIONS[case.kind]}(rewards, response_mask, group_ids, log_probs, "
+            f"sum_pi_squared, is_weights=is_weights{_option_keywords(case.kind)}, epsilon=epsilon)")
 
 
-def _align_options(kind: str, names: dict[str, str] | None = None) -> dict[str, str]:
-    """``align`` as a call passes it: multi-turn leave-one-out always; position leave-one-out only to an adapter
-    (``names`` with "segments": the protocol has the parameter, a target function may not)."""
-    if kind in LEAVE_ONE_OUT_KINDS and names is not None and names.get("group_ids") == "segments":
-        return {"align": "valid_token" if kind in VALID_TOKEN_KINDS else "position"}
+def _align_options(kind: str, always: bool = False) -> dict[str, str]:
+    """``align`` as a call passes it: multi-turn leave-one-out always; position leave-one-out only with ``always``
+    (an adapter: the protocol has the parameter, a target function may not)."""
+    if kind in LEAVE_ONE_OUT_KINDS and always:
+        return {"align": alignment(kind)}
     return reference_options(kind)
 
 
@@ -127,7 +129,8 @@ def _difference_line(case: Case, got_advantages: str, got_returns: str, got_spp:
 
 
 def _described_call(case: Case, names: dict[str, str], array: Callable[[np.ndarray, str], _Shown],
-                    ids: Callable[[np.ndarray], Any] | None, zero_tail: bool = True) -> str:
+                    ids: Callable[[np.ndarray], Any] | None, zero_tail: bool = True,
+                    align_always: bool = False) -> str:
     """The call of an OTB kind (or Σπ²) described from the case: ``names`` maps the case's fields to the target's
     argument names, ``array`` says how an input array reaches the target, ``ids`` how the group ids do (None: no ids)."""
     if case.kind == "sum-pi-squared":
@@ -142,7 +145,7 @@ def _described_call(case: Case, names: dict[str, str], array: Callable[[np.ndarr
         parts.append(f"{names.get(field_name, field_name)}={'None' if value is None else array(value, case.dtype)}")
     if case.kind not in LEAVE_ONE_OUT_KINDS and zero_tail:
         parts.append(f"handle_zero_tail={case.handle_zero_tail!r}")
-    parts += [f"{key}={value!r}" for key, value in _align_options(case.kind, names).items()]
+    parts += [f"{key}={value!r}" for key, value in _align_options(case.kind, align_always).items()]
     parts.append(f"epsilon={case.epsilon!r}")
     return "(" + ", ".join(parts) + ")"
 
@@ -470,9 +473,7 @@ for _convention in (
 # ----------------------------------------------------------------------------------------------------------------------
 # adapters
 
-_ADAPTER_METHODS = {"otb": "optimal_token_baseline", "tir-otb": "multi_turn_optimal_token_baseline",
-                    "loo-otb": "leave_one_out_token_baseline", "tir-loo-otb": "leave_one_out_token_baseline",
-                    "sum-pi-squared": "sum_pi_squared"}
+_ADAPTER_METHODS = _REFERENCE_FUNCTIONS              # the protocol's methods carry the reference's names
 _ADAPTER_MEMBERS = ("name", "device", "asarray", "to_numpy", "segments", "compute_dtype")
 
 
@@ -497,7 +498,7 @@ def adapter_subject(adapter: Any) -> Subject:
             results = (("sum_pi_squared", adapter.sum_pi_squared(arrays["logits"])),)
         else:
             keywords = {"is_weights": arrays.get("is_weights"), "epsilon": case.epsilon,
-                        **_align_options(case.kind, {"group_ids": "segments"})}
+                        **_align_options(case.kind, always=True)}
             if case.kind not in LEAVE_ONE_OUT_KINDS:
                 keywords["handle_zero_tail"] = case.handle_zero_tail
             results = tuple(zip(("advantages", "returns"), getattr(adapter, _ADAPTER_METHODS[case.kind])(
@@ -537,7 +538,7 @@ def adapter_subject(adapter: Any) -> Subject:
         method = _ADAPTER_METHODS[case.kind]
         return f"{name}.{method}" + _described_call(
             case, {"group_ids": "segments"}, lambda a, dtype: _Shown("array", a, dtype, str(adapter.device)),
-            lambda ids: f"adapter.segments(ndarray[{len(ids)}])")
+            lambda ids: f"adapter.segments(ndarray[{len(ids)}])", align_always=True)
 
     return Subject(f"adapter {name}", kinds, str(getattr(adapter, "device", "?")), run, snippet, signature_problem,
                    dtype_rule="at-least", compute_dtype=adapter.compute_dtype, describe_call=describe_call)

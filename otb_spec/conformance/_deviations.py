@@ -33,7 +33,7 @@ from typing import Any, Callable
 import numpy as np
 
 from otb_spec._baseline import Grid, forced_zero, validated_otb_inputs
-from otb_spec.conformance._cases import _OTB_KINDS, LEAVE_ONE_OUT_KINDS, VALID_TOKEN_KINDS, Case, _round_to
+from otb_spec.conformance._cases import _OTB_KINDS, LEAVE_ONE_OUT_KINDS, Case, _round_to, alignment
 from otb_spec.groups import segment_sums
 from otb_spec.otb import optimal_token_baseline
 from otb_spec.trajectory import cumulative_energy
@@ -101,7 +101,7 @@ def _empty_denominators(case: Case) -> np.ndarray:
     rewards, mask, segments, energy, weights = validated_otb_inputs(case.rewards, case.response_mask, case.group_ids,
                                                                    case.log_probs, case.sum_pi_squared,
                                                                    case.is_weights)
-    align = "valid_token" if case.kind in VALID_TOKEN_KINDS else "position"
+    align = alignment(case.kind)
     grid = Grid(mask, align)
     realized = grid.gather(cumulative_energy(energy, mask, weights))
     empty = segment_sums(realized * grid.valid, segments)[segments.index] == 0.0
@@ -119,7 +119,7 @@ def _empty_leave_one_out_denominators(case: Case) -> np.ndarray:
     rewards, mask, segments, energy, weights = validated_otb_inputs(case.rewards, case.response_mask, case.group_ids,
                                                                    case.log_probs, case.sum_pi_squared,
                                                                    case.is_weights)
-    align = "valid_token" if case.kind in VALID_TOKEN_KINDS else "position"
+    align = alignment(case.kind)
     grid = Grid(mask, align)
     nonzero = ((grid.gather(cumulative_energy(energy, mask, weights)) * grid.valid) != 0.0).astype(np.int64)
     empty = segment_sums(nonzero, segments)[segments.index] - nonzero == 0
