@@ -175,6 +175,47 @@ def test_junk_weights_at_masked_positions_are_ignored():
     tolerance.assert_close(np.asarray(got.advantages), expected.advantages, "advantages")
 
 
+@pytest.mark.parametrize("mesh_name", ["data4", "data2xcontext2"])
+@pytest.mark.parametrize("align, leave_one_out", [("position", False), ("valid_token", False),
+                                                  ("position", True), ("valid_token", True)])
+def test_unchecked_ids_outside_the_groups_give_nan_rows_and_masks_are_read_as_nonzero(mesh_name, align,
+                                                                                      leave_one_out):
+    """Unchecked (check_values=False, as under jit): a group id outside [0, num_groups) gives its row NaN advantages
+    and baselines and joins no group — the other rows are those of the batch without it, as in the one-device port
+    (a scatter would wrap −1 into the last group and drop or clamp an id ≥ G); a mask of 2s is read as 1s."""
+    mesh, data_axis, context_axis = _mesh(mesh_name)
+    rng = np.random.default_rng(7)
+    rows, columns, groups = 8, 8, 3
+    rewards = rng.normal(size=(rows, columns)).astype(np.float32)
+    mask = (rng.random((rows, columns)) < 0.8).astype(np.float32)
+    pi = rng.uniform(0.05, 0.9, size=(rows, columns)).astype(np.float32)
+    spp = (pi**2 + (1 - pi) ** 2 / 3).astype(np.float32)
+    ids = np.array([0, 1, 2, 0, 1, 2, 0, 1], np.int32)
+    options = dict(num_groups=groups, mesh=mesh, data_axis=data_axis, context_axis=context_axis, align=align,
+                   leave_one_out=leave_one_out)
+
+    def call(ids, mask):
+        result = jax_distributed.distributed_token_baseline(rewards, mask, ids, np.log(pi), spp, check_values=False,
+                                                            **options)
+        return np.asarray(result.advantages), np.asarray(result.baselines)
+
+    for outside in (-1, groups, groups + 5):
+        bad = ids.copy()
+        bad[3] = outside
+        advantages, baselines = call(bad, mask)
+        assert np.isnan(advantages[3]).all() and np.isnan(baselines[3]).all(), outside
+        keep = np.arange(rows) != 3
+        reference = (otb.leave_one_out_token_baseline(rewards[keep], mask[keep], ids[keep], np.log(pi[keep]),
+                                                      spp[keep], align=align) if leave_one_out else
+                     (otb.optimal_token_baseline if align == "position" else otb.multi_turn_optimal_token_baseline)(
+                         rewards[keep], mask[keep], ids[keep], np.log(pi[keep]), spp[keep]))
+        tolerance, _ = otb_comparison_tolerance(rewards[keep], mask[keep], ids[keep], np.log(pi[keep]), spp[keep],
+                                                align=align, leave_one_out=leave_one_out,
+                                                handle_zero_tail=not leave_one_out, compute_dtype=np.float32)
+        tolerance.assert_close(advantages[keep], reference.advantages, f"the other rows, id {outside}")
+    np.testing.assert_array_equal(call(ids, 2 * mask)[0], call(ids, mask)[0])
+
+
 def _psums(jaxpr) -> list[tuple[tuple, tuple]]:
     """(axes, operand shapes) of every psum in a traced program, nested programs included."""
     found = []
@@ -206,3 +247,31 @@ def test_the_grid_is_summed_over_the_devices_that_add_to_its_cells(mesh_name, al
     traced = jax.make_jaxpr(program)(cells, cells, rows, cells, cells)
     grids = [(axes, shapes[0]) for axes, shapes in _psums(traced.jaxpr) if len(shapes[0]) == 2]
     assert grids == expected, grids
+
+
+def test_the_shard_map_snippet_of_the_docs_runs_as_written():
+    """docs/distributed.md's `shard_map` example, executed verbatim on a 2 × 2 (dp, cp) mesh, equals the reference."""
+    import pathlib
+    import re
+
+    from jax.sharding import PartitionSpec
+
+    import otb_jax
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "distributed.md").read_text(encoding="utf-8")
+    snippet = re.search(r"\*\*JAX, inside your own jitted step:\*\*.*?```python\n(.*?)```", text, re.S).group(1)
+    rng = np.random.default_rng(0)
+    rows, columns = 8, 16
+    rewards = rng.normal(size=(rows, columns)).astype(np.float32)
+    mask = (rng.random((rows, columns)) < 0.9).astype(np.float32)
+    pi = rng.uniform(0.1, 0.9, (rows, columns)).astype(np.float32)
+    spp = (pi**2 + (1 - pi) ** 2 / 3).astype(np.float32)
+    uids = np.array(["a", "b", "c", "d", "b", "a", "d", "c"])
+    devices = np.array(jax.devices("cpu")[:4]).reshape(2, 2)
+    namespace = dict(jax=jax, otb_jax=otb_jax, P=PartitionSpec, mesh=Mesh(devices, ("dp", "cp")), uids=uids,
+                     distributed_token_baseline_local=jax_distributed.distributed_token_baseline_local)
+    exec(snippet, namespace)
+    got = namespace["advantages"](rewards, mask, namespace["ids"], np.log(pi), spp)
+    expected = otb.leave_one_out_token_baseline(rewards, mask, uids, np.log(pi), spp)
+    tolerance, _ = otb_comparison_tolerance(rewards, mask, uids, np.log(pi), spp, leave_one_out=True,
+                                            handle_zero_tail=False, compute_dtype=np.float32)
+    tolerance.assert_close(np.asarray(got), expected.advantages, "the snippet's advantages")

@@ -138,8 +138,8 @@ def _merge_lengths(gathered: jax.Array) -> jax.Array:
                       jnp.maximum(jnp.where(reaches, second, longest), -1).max(0)])
 
 
-def _group_lengths(lengths: jax.Array, ids: jax.Array, num_groups: int, align: str) -> jax.Array:
-    members = lengths > 0 if align == "valid_token" else jnp.ones(lengths.shape, dtype=bool)
+def _group_lengths(lengths: jax.Array, ids: jax.Array, inside: jax.Array, num_groups: int, align: str) -> jax.Array:
+    members = inside & (lengths > 0) if align == "valid_token" else inside
     count = jnp.zeros(num_groups, jnp.int32).at[ids].add(members.astype(jnp.int32))
     longest = jnp.full(num_groups, -1, jnp.int32).at[ids].max(jnp.where(members, lengths, -1))
     at_longest = members & (lengths == longest[ids])
@@ -156,11 +156,13 @@ def distributed_token_baseline_local(rewards: jax.Array, response_mask: jax.Arra
     """Inside ``shard_map``: this device's block [B_d, T_c] of the batch's (advantages, returns, baselines).
 
     ``group_ids`` are global integers in [0, num_groups); ``context_axis`` (optional) cuts rows into equal column
-    blocks in axis order; ``data_axis`` may be a tuple of axis names or None (no data split).
+    blocks in axis order; ``data_axis`` may be a tuple of axis names or None (no data split). Values are not
+    checked here: an id outside [0, num_groups) gives NaN advantages and baselines on its row (which joins no group),
+    and a mask is read as valid where nonzero.
     """
     handle_zero_tail = check.zero_tail(handle_zero_tail, leave_one_out)
     compute = check.compute_dtype(rewards, log_probs, sum_pi_squared, is_weights)
-    m = response_mask.astype(compute)
+    m = (response_mask != 0).astype(compute)                     # as the one-device port reads a mask
     returns = reward_to_go(rewards.astype(compute), m)           # this block's rows; whole rows after the scan
     energy = realized_energy(token_energy(log_probs.astype(compute), sum_pi_squared.astype(compute)), m,
                              None if is_weights is None else is_weights.astype(compute))
@@ -193,10 +195,14 @@ def distributed_token_baseline_local(rewards: jax.Array, response_mask: jax.Arra
     if num_groups * grid_width >= 2**31:
         raise ValueError(f"num_groups: the grid of groups × columns ({num_groups} × {grid_width}) has more than 2³¹ "
                          "cells, beyond int32 indexing; split the batch into fewer groups per call")
-    ids = group_ids.astype(jnp.int32)
+    # an id outside [0, num_groups) — unchecked inside a trace — joins no group and gets NaN rows, as in the
+    # one-device port (a scatter would wrap a negative id into another group and drop a large one)
+    inside = (group_ids >= 0) & (group_ids < num_groups)
+    ids = jnp.where(inside, group_ids, 0).astype(jnp.int32)
     cells = (ids[:, None] * grid_width + local_columns).reshape(-1)
     weights = energy * m
-    planes = [returns * weights, weights] + ([m] if leave_one_out else [])
+    member = inside[:, None].astype(compute)
+    planes = [returns * weights * member, weights * member] + ([m * member] if leave_one_out else [])
     grid = jnp.zeros((len(planes), num_groups * grid_width), compute).at[:, cells].add(
         jnp.stack([plane.reshape(-1) for plane in planes]))
     if grid_axes:
@@ -209,7 +215,7 @@ def distributed_token_baseline_local(rewards: jax.Array, response_mask: jax.Arra
         forced = grid[2][cells].reshape(m.shape) - m <= 0
     else:
         ratio_num, ratio_den = numerator, denominator + epsilon
-        stats = _group_lengths(lengths, ids, num_groups, align)
+        stats = _group_lengths(lengths, ids, inside, num_groups, align)
         if data_axes:
             stats = _merge_lengths(lax.all_gather(stats, data_axes))
         members, longest, count_longest, second = stats
@@ -219,8 +225,10 @@ def distributed_token_baseline_local(rewards: jax.Array, response_mask: jax.Arra
             forced = forced | (unique[:, None] & (columns >= second[ids][:, None]))
     zero = ratio_den == 0
     baselines = jnp.where(zero | forced, 0.0, ratio_num / jnp.where(zero, 1.0, ratio_den)) * m
+    advantages = jnp.where(inside[:, None], (returns - baselines) * m, jnp.nan)
+    baselines = jnp.where(inside[:, None], baselines, jnp.nan)
     out = check.output_dtype(rewards)
-    return AdvantageResult(((returns - baselines) * m).astype(out), returns.astype(out), baselines.astype(out))
+    return AdvantageResult(advantages.astype(out), returns.astype(out), baselines.astype(out))
 
 
 def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any, log_probs: Any, sum_pi_squared: Any,
@@ -240,7 +248,9 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
       mesh, data_axis, context_axis: the mesh and its axis names (``data_axis`` None: rows are not split;
         ``context_axis`` None: rows are not cut).
       align, leave_one_out, handle_zero_tail, epsilon: as :func:`otb_spec.token_baseline`.
-      check_values: check values on the host first (concrete inputs only).
+      check_values: check values on the host first (concrete inputs only). Unchecked (``check_values=False``, or
+        traced inside your ``jit``), as in the one-device port: a group id outside [0, num_groups) gives NaN
+        advantages and baselines on its row, which joins no group, and a mask is read as valid where nonzero.
     """
     if align not in _ALIGNMENTS:
         raise ValueError(f"align: expected one of {_ALIGNMENTS}, got {align!r}")
