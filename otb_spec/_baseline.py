@@ -104,11 +104,20 @@ def grid_baseline(returns: np.ndarray, energy: np.ndarray, grid: Grid, segments:
     denominator = segment_sums(weights, segments)
     if leave_one_out:                                         # per member: the group total minus its own term
         numerator = numerator[segments.index] - weighted_returns
-        denominator = np.maximum(denominator[segments.index] - weights, 0.0)
-        baselines = safe_ratio(numerator, denominator + epsilon)
+        others = denominator[segments.index] - weights        # Dᵢ = Σ_{j≠i} Wⱼmⱼ
+        baselines = safe_ratio(numerator, others_denominator(others, epsilon))
     else:                                                     # one ratio per group and position, then per member
         baselines = safe_ratio(numerator, denominator + epsilon)[segments.index]
     return np.where(forced_zero(grid, segments, leave_one_out, handle_zero_tail), 0.0, baselines)
+
+
+def others_denominator(others: np.ndarray, epsilon: float) -> np.ndarray:
+    """The leave-one-out denominator: Dᵢ + ε where the other members' energy Dᵢ = Σ_{j≠i} Wⱼmⱼ is positive, 0 (so
+    that :func:`safe_ratio` gives B = 0) where it is not. On consistent inputs (W ≥ 0) Dᵢ ≤ 0 only where every other
+    Wⱼmⱼ is 0, and then the numerator is 0 too: the rule changes nothing. Where statistics within the input slack make
+    energies negative (proofs/N1), it keeps the baseline bounded — no baseline, as with no other valid member —
+    instead of Nᵢ/ε."""
+    return np.where(others <= 0, 0.0, others + epsilon)
 
 
 def safe_ratio(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from otb_spec import _validation as check
-from otb_spec._baseline import safe_ratio, validated_otb_inputs
+from otb_spec._baseline import others_denominator, safe_ratio, validated_otb_inputs
 from otb_spec.groups import group_segments
 from otb_spec.otb import AdvantageResult
 from otb_spec.proxy import _energy
@@ -358,7 +358,7 @@ def shard_token_baseline(totals: GroupTotals, group_lengths: GroupLengths, retur
     denominator = totals.energy[ids[:, None], columns]
     if leave_one_out:
         own = energy * mask
-        baselines = safe_ratio(numerator - returns64 * own, np.maximum(denominator - own, 0.0) + epsilon)
+        baselines = safe_ratio(numerator - returns64 * own, others_denominator(denominator - own, epsilon))
         forced = totals.valid[ids[:, None], columns] - mask <= 0
     else:
         baselines = safe_ratio(numerator, denominator + epsilon)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from otb_spec import _validation as check
-from otb_spec._baseline import Grid, forced_zero, safe_ratio
+from otb_spec._baseline import Grid, forced_zero, others_denominator, safe_ratio
 from otb_spec.groups import group_segments, segment_sums
 from otb_spec.otb import AdvantageResult
 from otb_spec.proxy import _energy
@@ -50,7 +50,7 @@ def leave_one_out_from_self_inclusive(
     With W, D and D₋ᵢ as in the module docstring (on the grid ``align`` chooses), at every valid token:
 
         Aₜ^loo = Aₜ^self · D/D₋ᵢ     where the self-inclusive baseline was the ratio and D₋ᵢ > 0 (the identity),
-        Aₜ^loo = Gₜ                  where no other member is valid at t, or D₋ᵢ = 0 (the leave-one-out baseline is 0),
+        Aₜ^loo = Gₜ                  where no other member is valid at t, or D₋ᵢ ≤ 0 (the leave-one-out baseline is 0),
         Aₜ^loo = Gₜ − Σ_{j≠i} GₜʲWₜʲmₜʲ/D₋ᵢ   where verl forced the baseline to 0 (zero tail) although another member is
                                       valid — only possible with ``align="position"`` and masks that are not a prefix
                                       (left padding, tool-output holes); A^self = G carries nothing there, so the
@@ -102,11 +102,11 @@ def leave_one_out_from_self_inclusive(
     energy = grid.gather(cumulative_energy(_energy(log_probs64, spp64), mask, weights)) * grid.valid
     G, A = grid.gather(returns64), grid.gather(given)
     total = segment_sums(energy, segments)[segments.index]                      # Σⱼ Wⱼmⱼ
-    others = np.maximum(total - energy, 0.0)                                     # Σ_{j≠i} Wⱼmⱼ
-    rescaled = safe_ratio(A * (total + epsilon), others + epsilon)              # A^self / (1 − λ)
+    others = others_denominator(total - energy, epsilon)                        # Σ_{j≠i} Wⱼmⱼ + ε, 0 where ≤ 0
+    rescaled = safe_ratio(A * (total + epsilon), others)                        # A^self / (1 − λ)
     weighted = G * energy
-    from_returns = G - safe_ratio(segment_sums(weighted, segments)[segments.index] - weighted, others + epsilon)
-    alone = forced_zero(grid, segments, leave_one_out=True, handle_zero_tail=False) | (others + epsilon == 0)
+    from_returns = G - safe_ratio(segment_sums(weighted, segments)[segments.index] - weighted, others)
+    alone = forced_zero(grid, segments, leave_one_out=True, handle_zero_tail=False) | (others == 0)
     forced = forced_zero(grid, segments, leave_one_out=False, handle_zero_tail=handle_zero_tail)
     on_grid = np.where(alone, G, np.where(forced, from_returns, rescaled)) * grid.valid
     recovered = grid.scatter(on_grid)

@@ -171,7 +171,14 @@ def leave_one_out_token_baseline(
 
     Bₜ⁽⁻ⁱ⁾ = Σ_{j≠i} GₜʲWₜʲmₜʲ / (Σ_{j≠i} Wₜʲmₜʲ + ε)   where some other member j is valid at t,
     Bₜ⁽⁻ⁱ⁾ = 0                                           where none is (this also covers singleton groups and
-                                                          replaces the zero-tail rule, which has nothing left to do).
+                                                          replaces the zero-tail rule, which has nothing left to do),
+                                                          or where the others' energy Σ_{j≠i} Wₜʲmₜʲ ≤ 0.
+
+    The last rule changes nothing on consistent statistics (π² ≤ Σπ², so W ≥ 0: the others' energy is 0 only where
+    each of their terms is, and then so is the numerator). Statistics within the input slack below π² — float32
+    near π = 1, or a Σπ² from half-precision logits — can make energies negative (proofs/N1); there the bare ratio
+    is unbounded where Σ_{j≠i}Wm + ε crosses 0, and clamping the others' energy at 0 would give Σ GWm/ε. No baseline
+    (A = G, as for a member with no other valid member) keeps the advantages bounded by the returns.
 
     Because Bₜ⁽⁻ⁱ⁾ is a function of the other trajectories only, which are independent of trajectory i,
     E[mₜ sₜ Bₜ⁽⁻ⁱ⁾] = 0 and the gradient estimator Σₜ mₜ sₜ (Gₜ − Bₜ⁽⁻ⁱ⁾) is unbiased (proofs/T3_unbiasedness.md).

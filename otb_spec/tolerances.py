@@ -351,7 +351,8 @@ def _otb_error_bounds(rewards: np.ndarray, mask: np.ndarray, segments: Segments,
     sum_w_abs = segment_sums(W_abs * v, segments)[segments.index]
     numerator_error = segment_sums((np.abs(G) * dW + W_abs * dG) * v, segments)[segments.index] + sum_unit * sum_gw
     denominator_error = segment_sums(dW * v, segments)[segments.index] + sum_unit * (sum_w_abs + epsilon)
-    denominator = (np.maximum(sum_w - W * v, 0.0) if leave_one_out else sum_w) + epsilon
+    others = sum_w - W * v                                              # leave-one-out: Dᵢ = Σ_{j≠i} Wⱼmⱼ
+    denominator = (np.maximum(others, 0.0) if leave_one_out else sum_w) + epsilon
     if leave_one_out:
         numerator_error = numerator_error + e * (sum_gw + np.abs(G) * W_abs * v)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):   # overflow only where ill-conditioned
@@ -359,6 +360,17 @@ def _otb_error_bounds(rewards: np.ndarray, mask: np.ndarray, segments: Segments,
             denominator_error > 0.5 * np.abs(denominator), np.inf,
             (numerator_error + np.abs(baselines) * denominator_error) / np.where(denominator != 0, np.abs(denominator), 1.0)
             + e * np.abs(baselines))
+        if leave_one_out:
+            # Where the others' energy Dᵢ is not surely positive (Dᵢ ≤ |ΔD|: only with statistics within the input
+            # slack below π², proofs/N1 item 5) the leave-one-out baseline is undetermined: the reference's B = 0
+            # (others_denominator), the bare ratio Nᵢ/(Dᵢ + ε) and a clamp Nᵢ/(max(Dᵢ, 0) + ε) are all readings of
+            # the formula, so such positions are not judged — except where every other term Wⱼmⱼ is 0 (then
+            # |Nᵢ'| ≤ |ΔN| and |B'| ≤ |ΔN|/ε under any reading; 0 when nothing can round).
+            others_abs = sum_w_abs - W_abs * v
+            spread = sum_gw - np.abs(G) * W_abs * v + numerator_error  # ≥ |Nᵢ'|
+            either = np.abs(baselines) + np.where(spread > 0, spread / epsilon if epsilon > 0 else np.inf, 0.0)
+            baseline_error = np.where(others > denominator_error, baseline_error,
+                                      np.where(others_abs == 0, either, np.inf))
     baseline_error = np.where(forced_zero(grid, segments, leave_one_out, handle_zero_tail), 0.0, baseline_error)
     full_baselines = grid.scatter(baselines)
     advantage_error = (return_error + grid.scatter(np.where(v > 0, baseline_error, 0.0))

@@ -132,8 +132,8 @@ def leave_one_out(rewards, mask, ids, log_probs, spp, is_weights=None, epsilon=1
                     baseline = 0.0
                 else:
                     numerator = sum(G[j, t] * W[j, t] for j in others)
-                    denominator = sum(W[j, t] for j in others) + epsilon
-                    baseline = numerator / denominator if denominator != 0 else 0.0
+                    denominator = sum(W[j, t] for j in others)           # no baseline unless positive
+                    baseline = numerator / (denominator + epsilon) if denominator > 0 else 0.0
                 advantages[i, t] = G[i, t] - baseline
     return advantages, G
 

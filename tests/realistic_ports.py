@@ -214,9 +214,9 @@ def numpy_leave_one_out(rewards, response_mask, group_ids, log_probs, sum_pi_squ
         for i in rows:
             others = valid - m[i]
             own_weight = 0.0 if "loo_denominator_keeps_self" in bugs else weight[i]
-            ratio_denominator = np.maximum(denominator - own_weight, 0) + epsilon
-            value = np.divide(numerator - returns[i] * weight[i], ratio_denominator,
-                              out=np.zeros_like(numerator), where=ratio_denominator != 0)
+            other_energy = denominator - own_weight
+            value = np.divide(numerator - returns[i] * weight[i], other_energy + epsilon,
+                              out=np.zeros_like(numerator), where=other_energy > 0)
             baselines[i] = np.where(others > 0, value, 0.0)
     return _np_out(rewards, (returns - baselines) * m, returns)
 
@@ -242,8 +242,8 @@ def numpy_multi_turn_leave_one_out(rewards, response_mask, group_ids, log_probs,
             baseline = 0.0                                     # no other member has a k-th valid token
             if holders:
                 numerator = sum(returns[j, t] * energy[j, t] for j, t in zip(holders, reached))
-                denominator = sum(energy[j, t] for j, t in zip(holders, reached)) + epsilon
-                baseline = numerator / denominator if denominator != 0 else 0.0
+                denominator = sum(energy[j, t] for j, t in zip(holders, reached))
+                baseline = numerator / (denominator + epsilon) if denominator > 0 else 0.0
             advantages[i, position] = returns[i, position] - baseline
     return _np_out(rewards, advantages * m, returns)
 

@@ -221,6 +221,34 @@ def test_leave_one_out_with_two_members_is_the_other_return(adapter, batch):
     tolerance.assert_close(advantages, expected.advantages, f"{adapter.name} leave-one-out N = 2")
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("variant", ["leave_one_out", "leave_one_out_multi_turn"])
+def test_leave_one_out_stays_bounded_where_energies_are_negative(adapter, variant, dtype):
+    """A forced opening (π → 1) whose statistics sit within the input slack below π² (Σπ² = π² − 10⁻³ in float32,
+    π² − 10⁻⁹ in float64, both accepted): w < 0 there, so every member's W is negative for 6 tokens and the other
+    members' energy D is negative. The baseline is then 0 (A = G; others_denominator), as the reference says — not
+    N/ε (10⁵ and more in float32 with ε = 10⁻⁸: the clamp max(D, 0) before 2026-11-27); after the opening the
+    baseline is a weighted mean of the others' returns again, so |A| ≤ 2·max|G| everywhere."""
+    rng = np.random.default_rng(11)
+    rows, positions = 6, 16
+    pi = rng.uniform(0.2, 0.9, size=(rows, positions))
+    spp = pi**2 + (1 - pi) ** 2 * rng.uniform(0.1, 1.0, size=(rows, positions))
+    opening, deficit = (0.999, 1e-3) if dtype == "float32" else (1 - 1e-5, 1e-9)
+    pi[:, :6] = opening
+    spp[:, :6] = pi[:, :6] ** 2 - deficit
+    rewards = np.zeros((rows, positions))
+    rewards[:, -1] = rng.integers(0, 2, size=rows)
+    batch = otb.RolloutBatch(rewards=rewards, response_mask=np.ones((rows, positions)), log_probs=np.log(pi),
+                             sum_pi_squared=spp, group_ids=np.array(["g", "h"] * 3, dtype=object))
+    advantages, returns, seen, mask = _run(adapter, variant, batch, dtype)
+    expected = _reference(variant, seen, mask, batch.group_ids)
+    assert np.all(expected.baselines[:, :6] == 0.0)
+    np.testing.assert_array_equal(advantages[:, :6], returns[:, :6])       # B = 0 (the verifier leaves it unjudged)
+    assert np.abs(advantages).max() <= 2 * np.abs(returns).max() + 1e-6
+    tolerance, _ = _tolerances(adapter, variant, seen, mask, batch.group_ids, dtype)
+    tolerance.assert_close(advantages, expected.advantages, f"{adapter.name} {variant}, negative energies")
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # the layouts trainers produce (verl: groups scattered by balance_batch, unequal sizes from dynamic sampling)
 

@@ -19,9 +19,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import otb_spec as otb
 from otb_spec import _portable as portable
 from otb_spec.conformance._cases import _round_to
-from otb_spec.tolerances import output_rounding, sum_pi_squared_tolerance
+from otb_spec.tolerances import otb_comparison_tolerance, output_rounding, sum_pi_squared_tolerance
 
 torch = pytest.importorskip("torch")
 mpmath = pytest.importorskip("mpmath")
@@ -154,3 +155,42 @@ def test_the_bound_grows_with_the_largest_logit_not_only_the_spread():
     rtol = float(np.asarray(sum_pi_squared_tolerance(z.numpy(), dtype="float64").rtol).max())
     assert abs(got - 0.5) <= rtol * 0.5
     assert rtol > 8 * 2.0**-52 * 256 and abs(got - 0.5) > 8 * 2.0**-52 * 2 * 0.5
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_leave_one_out_positions_whose_other_energy_is_not_positive_are_not_judged(dtype):
+    """Statistics within the slack below π² over a forced opening (w < 0 for 5 tokens; float32: π = 0.999,
+    Σπ² = π² − 10⁻³; float64: π = 1 − 10⁻⁵, Σπ² = π² − 10⁻⁹): there the others' energy D₋ᵢ < 0 and the leave-one-out
+    baseline is undetermined — the reference's B = 0, the bare ratio N/(D₋ᵢ + ε) and the clamp N/(max(D₋ᵢ, 0) + ε)
+    all pass (in float64 the bound resolves D₋ᵢ < 0: before 2026-11-27 it held ports to the clamp's N/ε); after
+    the opening every position is judged, and a denominator that keeps the member's own term fails there."""
+    rng = np.random.default_rng(5)
+    rows, positions, opening = 4, 12, 5
+    pi = rng.uniform(0.2, 0.9, size=(rows, positions))
+    spp = pi**2 + (1 - pi) ** 2 * rng.uniform(0.1, 1.0, size=(rows, positions))
+    certain, deficit = (0.999, 1e-3) if dtype == np.float32 else (1 - 1e-5, 1e-9)
+    pi[:, :opening] = certain
+    spp[:, :opening] = pi[:, :opening] ** 2 - deficit
+    log_pi, spp = np.log(pi).astype(dtype), spp.astype(dtype)
+    rewards = np.zeros((rows, positions), dtype)
+    rewards[:, -1] = [1.0, 0.0, 1.0, 1.0]
+    mask, ids, epsilon = np.ones((rows, positions), dtype), [0, 0, 0, 0], 1e-8
+    expected = otb.leave_one_out_token_baseline(rewards, mask, ids, log_pi, spp, epsilon=epsilon)
+    tolerance, _ = otb_comparison_tolerance(rewards, mask, ids, log_pi, spp, leave_one_out=True,
+                                            handle_zero_tail=False, compute_dtype=dtype, epsilon=epsilon)
+    returns = expected.returns
+    pi64 = np.exp(log_pi.astype(np.float64))
+    energy = np.cumsum(1 - 2 * pi64 + spp.astype(np.float64), axis=1)
+    numerator = (returns * energy).sum(0) - returns * energy
+    others = energy.sum(0) - energy
+
+    def advantages(denominator):
+        return returns - numerator / denominator
+
+    assert (others[:, :opening] < 0).all() and (others[:, opening:] > 0).all()
+    assert np.isinf(tolerance.atol[:, :opening]).all() and np.isfinite(tolerance.atol[:, opening:]).all()
+    for name, denominator in (("bare ratio", others + epsilon), ("clamp", np.maximum(others, 0) + epsilon)):
+        tolerance.assert_close(advantages(denominator), expected.advantages, name)
+    if dtype == np.float32:                                                                 # what the clamp gave
+        assert np.abs(advantages(np.maximum(others, 0) + epsilon)[:, :opening]).max() > 1e3
+    assert tolerance.violations(advantages(energy.sum(0) + epsilon), expected.advantages)[:, opening:].any()

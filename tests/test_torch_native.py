@@ -353,11 +353,12 @@ def test_distributed_kernels_do_not_depend_on_the_number_of_threads(monkeypatch,
 @needs_native
 @pytest.mark.parametrize("kernel", ["native", "eager", "one rank"])
 @pytest.mark.parametrize("align", ["position", "valid_token"])
-def test_leave_one_out_clamps_the_other_members_energy_at_zero(kernel, align):
-    """Float32 inputs may make an energy negative (π² − Σπ² within the input slack): where the other member's
-    realized energy is negative, max(D − Wm, 0) = 0, so with ε = 0 the denominator is 0 and B = 0 exactly (the
-    reference's rule), A = G. Without the clamp, B would be a finite ratio there. (With ε > 0 the reference's
-    derived tolerance is unbounded at such positions, so only ε = 0 pins the rule down.)"""
+@pytest.mark.parametrize("epsilon", [0.0, 1e-8])
+def test_leave_one_out_has_no_baseline_where_the_other_members_energy_is_not_positive(kernel, align, epsilon):
+    """Float32 inputs may make an energy negative (π² − Σπ² within the input slack): where the other members' realized
+    energy D is negative, B = 0 exactly (the reference's rule, others_denominator), A = G, whatever ε — not N/ε (10⁶
+    here with ε = 10⁻⁸: D clamped to 0, the rule until the verl audit of 2026-11-27), nor N/(D + ε) (the bare
+    formula, unbounded where D + ε crosses 0)."""
     positions = 20
     mask = np.ones((2, positions), np.float32)
     pi = np.full((2, positions), 0.5, np.float32)
@@ -368,17 +369,17 @@ def test_leave_one_out_clamps_the_other_members_energy_at_zero(kernel, align):
     rewards[:, -1] = [1.0, 0.5]
     arrays = dict(rewards=rewards, response_mask=mask, log_probs=np.log(pi), sum_pi_squared=spp.astype(np.float32))
     expected = otb.leave_one_out_token_baseline(arrays["rewards"], mask, [0, 0], arrays["log_probs"],
-                                                arrays["sum_pi_squared"], align=align, epsilon=0.0)
+                                                arrays["sum_pi_squared"], align=align, epsilon=epsilon)
     assert np.all(expected.baselines[0, :12] == 0.0)       # the reference's rule, for the record
     tensors = [torch.as_tensor(value) for value in arrays.values()]
     if kernel == "one rank":
         batch = types.SimpleNamespace(**arrays, group_ids=np.array([0, 0]), is_weights=None)
         advantages, returns, baselines = _one_rank(batch, "leave_one_out" if align == "position" else
-                                                   "leave_one_out_multi_turn", epsilon=0.0)
+                                                   "leave_one_out_multi_turn", epsilon=epsilon)
     else:
         with _native.eager_only() if kernel == "eager" else contextlib.nullcontext():
             advantages, returns, baselines = otb_torch.leave_one_out_token_baseline(
-                tensors[0], tensors[1], [0, 0], tensors[2], tensors[3], align=align, epsilon=0.0)
+                tensors[0], tensors[1], [0, 0], tensors[2], tensors[3], align=align, epsilon=epsilon)
     assert torch.all(baselines[0, :12] == 0.0)
     assert torch.equal(advantages[0, :12], returns[0, :12])
 

@@ -98,8 +98,9 @@ def token_baseline(returns: jax.Array, energy: jax.Array, mask: jax.Array, segme
     if leave_one_out:
         others = jax.ops.segment_sum(grid.valid, segment_ids, num_segments)[segment_ids] - grid.valid
         keep = (others > 0).astype(weights.dtype)
+        others = denominator[segment_ids] - weights                                   # Σ_{j≠i} Wⱼmⱼ
         member_baselines = _safe_ratio(numerator[segment_ids] - weighted_returns,
-                                       jnp.maximum(denominator[segment_ids] - weights, 0) + epsilon)
+                                       jnp.where(others <= 0, 0, others + epsilon))    # B = 0 unless positive
     else:
         start = _zero_from(grid, segment_ids, num_segments, handle_zero_tail)
         keep = (grid.positions[None, :] < start[:, None]).astype(weights.dtype)

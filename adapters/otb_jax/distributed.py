@@ -211,7 +211,8 @@ def distributed_token_baseline_local(rewards: jax.Array, response_mask: jax.Arra
     denominator = grid[1][cells].reshape(m.shape)
     if leave_one_out:
         ratio_num = numerator - returns * weights
-        ratio_den = jnp.maximum(denominator - weights, 0.0) + epsilon
+        others = denominator - weights                            # Σ_{j≠i} Wⱼmⱼ: B = 0 unless positive
+        ratio_den = jnp.where(others <= 0, 0.0, others + epsilon)
         forced = grid[2][cells].reshape(m.shape) - m <= 0
     else:
         ratio_num, ratio_den = numerator, denominator + epsilon

@@ -268,6 +268,12 @@ class Grid:
         return torch.mul(values, self.mask, out=out)
 
 
+def others_denominator(others: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """Leave-one-out: Dᵢ + ε where the other members' energy Dᵢ is positive, 0 (B = 0 by :func:`safe_ratio`) where
+    not, in place (:func:`otb_spec._baseline.others_denominator`; a NaN stays NaN)."""
+    return others.masked_fill_(others <= 0, -epsilon).add_(epsilon)
+
+
 def safe_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
     """numerator/denominator, 0 where the denominator is 0 (only possible with ε = 0)."""
     zero = denominator == 0
@@ -315,8 +321,7 @@ def token_baseline(returns: torch.Tensor, energy: torch.Tensor, mask: torch.Tens
     if leave_one_out:
         valid = layout.view(grid.valid)
         keep = ((layout.totals(valid) - valid) > 0).to(weights.dtype)
-        group_baselines = safe_ratio(numerator - weighted_returns,
-                                     (denominator - weights).clamp_(min=0.0).add_(epsilon))
+        group_baselines = safe_ratio(numerator - weighted_returns, others_denominator(denominator - weights, epsilon))
     else:
         start = zero_from(grid, layout, handle_zero_tail)
         if grid.positions.shape[0] <= _EXACT_INTEGERS.get(weights.dtype, 0):

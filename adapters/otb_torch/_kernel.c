@@ -14,7 +14,7 @@
  *   N_c = Σᵢ GᵢₜWᵢₜmᵢₜ,   D_c = Σᵢ Wᵢₜmᵢₜ,   V_c = Σᵢ [mᵢₜ ≠ 0]   (the last for leave-one-out only)
  *
  * self-inclusive:  Bᵢₜ = N_c / (D_c + ε)                           0 where the denominator is 0, or a rule says so
- * leave-one-out:   Bᵢₜ = (N_c − GᵢₜWᵢₜmᵢₜ) / (max(D_c − Wᵢₜmᵢₜ, 0) + ε)   0 where that is 0/…, or V_c − [mᵢₜ ≠ 0] = 0
+ * leave-one-out:   Bᵢₜ = (N_c − GᵢₜWᵢₜmᵢₜ) / (D_c − Wᵢₜmᵢₜ + ε)   0 where D_c − Wᵢₜmᵢₜ ≤ 0, or V_c − [mᵢₜ ≠ 0] = 0
  *
  *   Aᵢₜ = mᵢₜ (Gᵢₜ − Bᵢₜ)   (written to `adv`; mᵢₜBᵢₜ to `base`)
  *
@@ -877,10 +877,9 @@ static void FN(otb_row_final_self)(const M *restrict mr, const T *restrict gr, i
  * v = [mₜ ≠ 0]); branch-free, so that the loops around it vectorise. */
 static inline T FN(otb_leave_one_out)(T nc, T dc, T vc, T g, T w, T v, T eps) {
     const T n = nc - g * w;
-    T d = dc - w;
-    d = (d > 0 ? d : (T)0) + eps;
-    const T ratio = n / (d != 0 ? d : (T)1);
-    return ((vc - v > 0) & (d != 0)) ? ratio : (T)0;
+    const T d = dc - w;                          /* the other members' energy: no baseline unless positive */
+    const T ratio = n / (d <= 0 ? (T)1 : d + eps);  /* a NaN stays NaN */
+    return ((vc - v > 0) & !(d <= 0)) ? ratio : (T)0;
 }
 
 /* Leave-one-out advantages of one member row (scratch mv: width values): ar holds mₜWₜ on the valid span on entry
@@ -922,11 +921,10 @@ static void FN(otb_row_final_loo)(const M *restrict mr, const T *restrict gr, T 
                 const tv8 zero = {0}, one = zero + 1, g = FN(otb_load8)(gr + t), w = FN(otb_load8)(ar + t),
                           m8 = FN(otb_load8)(mv + t);
                 const tv8 n = FN(otb_load8)(num + c) - g * w;
-                tv8 d = FN(otb_load8)(den + c) - w;
-                d = FN(otb_select8)(d > 0, d, zero) + eps;
-                const FN(otb_fv8) nonzero = d != 0;
-                const tv8 ratio = n / FN(otb_select8)(nonzero, d, one);
-                const tv8 b = FN(otb_select8)((FN(otb_load8)(cnt + c) - one > 0) & nonzero, ratio, zero);
+                const tv8 d = FN(otb_load8)(den + c) - w;
+                const FN(otb_fv8) positive = ~(d <= 0);     /* the others' energy (a NaN stays NaN) */
+                const tv8 ratio = n / FN(otb_select8)(positive, d + eps, one);
+                const tv8 b = FN(otb_select8)((FN(otb_load8)(cnt + c) - one > 0) & positive, ratio, zero);
                 FN(otb_store8)(ar + t, (g - b) * m8);
                 if (br) FN(otb_store8)(br + t, b * m8);
                 t += OTB_BLOCK;

@@ -52,7 +52,7 @@ from otb_torch._logits import (
     _out_dtype,
     _row_dot,
 )
-from otb_torch._core import realized_energy, reward_to_go, token_energy
+from otb_torch._core import others_denominator, realized_energy, reward_to_go, token_energy
 from otb_torch._otb import AdvantageResult
 
 __all__ = [
@@ -886,7 +886,7 @@ def _baseline(local: _Local, scan: ContextScan, num_groups: int, width: int, *, 
         others = picked[2] - m
         own = weights
         ratio_num = numerator - scan.returns * own
-        ratio_den = torch.clamp(denominator - own, min=0.0) + epsilon
+        ratio_den = others_denominator(denominator - own, epsilon)
         forced = others <= 0
     else:
         ratio_num, ratio_den = numerator, denominator + epsilon
