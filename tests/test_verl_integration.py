@@ -259,7 +259,7 @@ _OTHER_VALUE_CHECKS = (
 def test_a_sum_pi_squared_is_rounded_only_if_every_valid_value_survives_the_round_trip(monkeypatch, stride):
     """What counts as rounded to half precision: every value at a valid position survives a round trip, also where a
     value that does not lies outside the sample tried first (then the whole test, in steps, decides); padding does
-    not count; NaN does not survive; no valid position is not rounded."""
+    not count; NaN does not survive; no valid position, or only 0s and 1s there (nothing to tell), is not rounded."""
     monkeypatch.setattr(otb_verl, "_ROUND_TRIP_CHUNK", 1000)                        # several steps
     monkeypatch.setattr(otb_verl, "_ROUND_TRIP_SAMPLE", 64)                         # every 80th value: column 0
     generator = torch.Generator().manual_seed(3)
@@ -282,6 +282,8 @@ def test_a_sum_pi_squared_is_rounded_only_if_every_valid_value_survives_the_roun
     nan[40, 3] = float("nan")
     assert rounded(nan) is None
     assert rounded(bf16, torch.zeros_like(mask)) is None
+    certain = torch.where(mask > 0, 1.0, 0.25)                                        # a policy sure of every token
+    assert rounded(certain) is None and rounded(torch.where(mask > 0, 0.0, 0.5)) is None
 
 
 @pytest.mark.parametrize("variant", otb_verl.VARIANTS)

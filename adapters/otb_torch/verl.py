@@ -133,7 +133,8 @@ def compute_leave_one_out_token_baseline_advantage(
     with Gₜ = Σ_{k≥t} mₖrₖ, Wₜ = Σ_{j≤t} mⱼρⱼ²(1 − 2πⱼ + Σπ²ⱼ) (ρ: ``rollout_is_weights``, 1 when None). Bₜ⁽ⁱ⁾ does
     not depend on trajectory i, so E[∇log π⁽ⁱ⁾·Bₜ⁽ⁱ⁾] = 0: the gradient is unbiased (proofs/T3), unlike verl's
     self-inclusive OTB. Where no other member is valid at t, Bₜ⁽ⁱ⁾ = 0 — which is what verl's zero tail does on right
-    padding, so ``handle_zero_tail`` (accepted for verl's signature, must be a bool) has nothing left to do.
+    padding, so ``handle_zero_tail`` (accepted for verl's signature, must be a bool) has nothing left to do; also where
+    the others' energy Σ_{j≠i} Wₜʲmₜʲ ≤ 0 (only from statistics within the input slack below π², proofs/N1 item 5).
     ``index``: verl's NumPy array of uids (any hashable ids) or :class:`otb_torch.Segments`. Extra keywords that verl
     passes (``config``, ``reward_baselines``) are ignored; ``check_values`` and ``compile`` are otb_torch's options.
     """
@@ -222,7 +223,10 @@ def _rounded_to_half_precision(call: dict) -> str | None:
         if fails is None:                                                # no valid position
             return None
         if not fails:
-            return str(half).replace("torch.", "")
+            # only 0s and 1s (a policy sure of every token) survive any rounding: nothing says they were rounded,
+            # and π² ≤ Σπ² ∈ {0, 1} needs no exemption
+            informative = (values != 0) & (values != 1) & (mask != 0)
+            return str(half).replace("torch.", "") if bool(informative.any()) else None
     return None
 
 

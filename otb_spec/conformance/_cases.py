@@ -655,7 +655,9 @@ def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
     [4, 130, 16], a large prime vocabulary (65537: a kernel's vocabulary blocks, whatever their width below it, take
     two or more, so a block-local maximum never rescaled shows in float32), every logit far below zero (about −200:
     a running maximum started at 0 instead of −∞ underflows), and bfloat16 (V = 32768, nearly flat:
-    summing 32768 comparable terms in bfloat16 would stall) and float16 (V = 8191, a prime) hidden states and heads."""
+    summing 32768 comparable terms in bfloat16 would stall) and float16 (V = 8191, a prime) hidden states and heads.
+    OTB kinds also get a batch of a trainer's size (:func:`_trainer_batch_case`: over a hundred rows, groups of up to
+    16 scattered, importance weights above 5)."""
     if kind == FUSED:
         return list(_fused_special())       # built once per process: their references and bounds are kept
     if kind == "sum-pi-squared":
@@ -686,7 +688,34 @@ def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
     base = Case(kind, f"long sequences (T = 4096){layout}", "float64", rewards, mask, ids, log_pi, spp)
     return [base.with_dtype("float32"),
             replace(base, name=f"long sequences as bfloat16 inputs{layout}").with_dtype("bfloat16"),
-            _energy_timing_case(kind, equal_groups).with_dtype("bfloat16")]
+            _energy_timing_case(kind, equal_groups).with_dtype("bfloat16"),
+            _trainer_batch_case(kind, equal_groups).with_dtype("float32")]
+
+
+def _trainer_batch_case(kind: str, equal_groups: bool) -> Case:
+    """A batch of a trainer's size: 16 prompts of 4 to 16 samples (8 each with ``equal_groups``: 128 rows), rows
+    shuffled as verl's balance_batch leaves them, right-padded lengths 1 … 256 (tool-output holes for the valid-token
+    kinds), terminal 0/1 rewards, and importance weights ρ = e^{N(0, 0.6²)} — up to about 10, above 5 at some
+    60 valid tokens, as untruncated rollout corrections give. Every smaller case fits in 24 rows: a port that
+    computes groups per micro-batch (slices of 32 rows, a group cut in two) or truncates ρ again passes them."""
+    rng = portable.PortableRandom(15)
+    sizes = np.full(16, 8) if equal_groups else rng.integers(4, 17, 16)
+    rows, positions = int(sizes.sum()), 256
+    lengths = rng.integers(1, positions + 1, rows)
+    mask = (np.arange(positions)[None, :] < lengths[:, None]).astype(np.float64)
+    if kind in VALID_TOKEN_KINDS:
+        mask[::4, 20:40] = 0.0                                                       # tool output
+    log_pi = portable.log(rng.uniform(0.05, 0.999, (rows, positions)))
+    spp = _consistent_sum_pi_squared(portable.exp(log_pi), rng.uniform(0.05, 1.0, (rows, positions)))
+    rewards = np.zeros((rows, positions))
+    rewards[np.arange(rows), lengths - 1] = rng.integers(0, 2, rows)
+    is_weights = portable.exp(rng.normal((rows, positions), scale=0.6))
+    ids = np.array([f"prompt-{group}" for group, size in enumerate(sizes) for _ in range(int(size))], dtype=object)
+    if not equal_groups:
+        ids = ids[rng.permutation(rows)]
+    layout = ", contiguous groups" if equal_groups else ", rows shuffled"
+    return Case(kind, f"a trainer's batch: {rows} rows in 16 groups, ρ up to ~10{layout}", "float64", rewards, mask,
+                ids, log_pi, spp, is_weights=is_weights)
 
 
 def _energy_timing_case(kind: str, equal_groups: bool) -> Case:
