@@ -185,12 +185,12 @@ def test_unchecked_ids_outside_the_groups_give_nan_rows_and_masks_are_read_as_no
     (a scatter would wrap −1 into the last group and drop or clamp an id ≥ G); a mask of 2s is read as 1s."""
     mesh, data_axis, context_axis = _mesh(mesh_name)
     rng = np.random.default_rng(7)
-    rows, columns, groups = 8, 8, 3
+    rows, columns, groups = ROWS, COLUMNS, GROUPS         # the shapes compiled above: no new program to compile
     rewards = rng.normal(size=(rows, columns)).astype(np.float32)
     mask = (rng.random((rows, columns)) < 0.8).astype(np.float32)
     pi = rng.uniform(0.05, 0.9, size=(rows, columns)).astype(np.float32)
     spp = (pi**2 + (1 - pi) ** 2 / 3).astype(np.float32)
-    ids = np.array([0, 1, 2, 0, 1, 2, 0, 1], np.int32)
+    ids = np.array([0, 1, 2, 0, 1, 2, 0, 1], np.int32)    # three groups of the twelve
     options = dict(num_groups=groups, mesh=mesh, data_axis=data_axis, context_axis=context_axis, align=align,
                    leave_one_out=leave_one_out)
 
@@ -199,7 +199,7 @@ def test_unchecked_ids_outside_the_groups_give_nan_rows_and_masks_are_read_as_no
                                                             **options)
         return np.asarray(result.advantages), np.asarray(result.baselines)
 
-    for outside in (-1, groups, groups + 5):
+    for outside in (-1, groups, groups + 5):             # scattered: −1 into the last group, ≥ G dropped/clamped
         bad = ids.copy()
         bad[3] = outside
         advantages, baselines = call(bad, mask)
