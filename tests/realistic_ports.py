@@ -606,6 +606,28 @@ def _clamps_weights_in_place(token_level_rewards, response_mask, index, old_log_
                            rollout_is_weights, **options)
 
 
+def _groups_per_micro_batch(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                            rollout_is_weights=None, **options):
+    """BUG: OTB computed inside the actor's micro-batch loop (where Σπ² is at hand), 32 rows at a time: a group whose
+    rows straddle two micro-batches is split in two (its parts may be singletons)."""
+    parts = []
+    for start in range(0, token_level_rewards.shape[0], 32):
+        rows = slice(start, start + 32)
+        parts.append(torch_index_add(token_level_rewards[rows], response_mask[rows], np.asarray(index)[rows],
+                                     old_log_probs[rows], sum_pi_squared[rows],
+                                     None if rollout_is_weights is None else rollout_is_weights[rows], **options))
+    return torch.cat([part[0] for part in parts]), torch.cat([part[1] for part in parts])
+
+
+def _truncates_weights_again(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                             rollout_is_weights=None, **options):
+    """BUG: the rollout importance weights truncated again at 5 inside the estimator (a truncated-IS habit; the
+    trainer has already applied its own threshold)."""
+    weights = None if rollout_is_weights is None else rollout_is_weights.clamp(max=5.0)
+    return torch_index_add(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, weights,
+                           **options)
+
+
 def torch_keywords_in_another_order(index, token_level_rewards, response_mask, sum_pi_squared, old_log_probs,
                                     rollout_is_weights=None, epsilon=1e-8, handle_zero_tail=True, **kwargs):
     """Correct: verl's parameter names in another order — verl's trainer passes every argument by keyword."""
@@ -718,6 +740,9 @@ BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
     "epsilon_default_1e6": ("otb", "verl", _epsilon_default_1e6, "ε defaults to 1e-6 (the trainer never passes it)"),
     "names_of_log_pi_and_sum_swapped": ("otb", "verl", _names_of_log_pi_and_sum_swapped,
                                         "old_log_probs and sum_pi_squared named in each other's places"),
+    "groups_per_micro_batch": ("otb", "verl", _groups_per_micro_batch,
+                               "groups formed per 32-row micro-batch (a group straddling two is split)"),
+    "truncates_weights_again": ("otb", "verl", _truncates_weights_again, "ρ truncated again at 5 in the estimator"),
     "tir_keeps_observations": ("tir-otb", "numpy", _variant(numpy_multi_turn_loops, "tir_keeps_observations"),
                                "TIR compaction keeps the observation (tool-output) tokens inside a response"),
     "tir_keeps_empty_members": ("tir-otb", "verl", _variant(torch_multi_turn_scatter, "tir_keeps_empty_members"),
