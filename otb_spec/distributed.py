@@ -328,8 +328,8 @@ def shard_token_baseline(totals: GroupTotals, group_lengths: GroupLengths, retur
     """The shard's rows' (advantages, returns, baselines) from the combined totals.
 
     Self-inclusive:  Bₜ = N_gk / (D_gk + ε), 0 where the group has fewer than two members or (``handle_zero_tail``)
-    the row is its group's unique longest and k ≥ L₂.  Leave-one-out:  Bₜ = (N_gk − GₜWₜ) / (max(D_gk − Wₜ, 0) + ε),
-    0 where no other member is valid at k.  Aₜ = (Gₜ − Bₜ)·mₜ.
+    the row is its group's unique longest and k ≥ L₂.  Leave-one-out:  Bₜ = (N_gk − GₜWₜ) / (D_gk − Wₜ + ε),
+    0 where no other member is valid at k or D_gk − Wₜ ≤ 0.  Aₜ = (Gₜ − Bₜ)·mₜ.
 
     Args:
       totals, group_lengths: combined over every shard (:func:`combine_group_totals`, :func:`combine_group_lengths`).

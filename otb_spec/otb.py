@@ -176,9 +176,10 @@ def leave_one_out_token_baseline(
 
     The last rule changes nothing on consistent statistics (π² ≤ Σπ², so W ≥ 0: the others' energy is 0 only where
     each of their terms is, and then so is the numerator). Statistics within the input slack below π² — float32
-    near π = 1, or a Σπ² from half-precision logits — can make energies negative (proofs/N1); there the bare ratio
-    is unbounded where Σ_{j≠i}Wm + ε crosses 0, and clamping the others' energy at 0 would give Σ GWm/ε. No baseline
-    (A = G, as for a member with no other valid member) keeps the advantages bounded by the returns.
+    near π = 1, or a Σπ² from half-precision logits — can make energies negative (proofs/N1 item 5): where the others'
+    energy is negative, clamping it at 0 would give Σ GWm/ε, and the bare ratio is unbounded where Σ_{j≠i}Wm + ε
+    crosses 0; there B = 0 (A = G, as for a member with no other valid member). Where the others' energies have mixed
+    signs and a small positive sum, B can still be large: such a baseline is undetermined by its inputs.
 
     Because Bₜ⁽⁻ⁱ⁾ is a function of the other trajectories only, which are independent of trajectory i,
     E[mₜ sₜ Bₜ⁽⁻ⁱ⁾] = 0 and the gradient estimator Σₜ mₜ sₜ (Gₜ − Bₜ⁽⁻ⁱ⁾) is unbiased (proofs/T3_unbiasedness.md).

@@ -361,16 +361,17 @@ def _otb_error_bounds(rewards: np.ndarray, mask: np.ndarray, segments: Segments,
             (numerator_error + np.abs(baselines) * denominator_error) / np.where(denominator != 0, np.abs(denominator), 1.0)
             + e * np.abs(baselines))
         if leave_one_out:
-            # Where the others' energy Dᵢ is not surely positive (Dᵢ ≤ |ΔD|: only with statistics within the input
-            # slack below π², proofs/N1 item 5) the leave-one-out baseline is undetermined: the reference's B = 0
-            # (others_denominator), the bare ratio Nᵢ/(Dᵢ + ε) and a clamp Nᵢ/(max(Dᵢ, 0) + ε) are all readings of
-            # the formula, so such positions are not judged — except where every other term Wⱼmⱼ is 0 (then
-            # |Nᵢ'| ≤ |ΔN| and |B'| ≤ |ΔN|/ε under any reading; 0 when nothing can round).
-            others_abs = sum_w_abs - W_abs * v
+            # Where the others' energy Dᵢ is not surely positive (Dᵢ ≤ |ΔD|) a port may compute Dᵢ' ≤ 0 and take
+            # B = 0 (the reference's rule, others_denominator), or read the formula otherwise — the bare ratio
+            # Nᵢ'/(Dᵢ' + ε), a clamp Nᵢ'/(max(Dᵢ', 0) + ε). Each has |B'| ≤ |Nᵢ'|/(ε + Dᵢ − |ΔD|) while that
+            # floor is positive (Dᵢ' ≥ Dᵢ − |ΔD|), with |Nᵢ'| ≤ Σ_{j≠i}|GⱼWⱼ| + |ΔN|: the bound |B| + that. Where the
+            # floor is not positive (ε ≤ |ΔD| − Dᵢ: energies that cancel or go negative beyond ε, proofs/N1 item 5)
+            # the baseline is undetermined and not judged.
             spread = sum_gw - np.abs(G) * W_abs * v + numerator_error  # ≥ |Nᵢ'|
-            either = np.abs(baselines) + np.where(spread > 0, spread / epsilon if epsilon > 0 else np.inf, 0.0)
-            baseline_error = np.where(others > denominator_error, baseline_error,
-                                      np.where(others_abs == 0, either, np.inf))
+            floor = epsilon + others - denominator_error
+            either = np.abs(baselines) + np.where(spread > 0, spread / np.where(floor > 0, floor, 1.0), 0.0)
+            either = np.where((floor > 0) | (spread == 0), either, np.inf)
+            baseline_error = np.where(others > denominator_error, baseline_error, either)
     baseline_error = np.where(forced_zero(grid, segments, leave_one_out, handle_zero_tail), 0.0, baseline_error)
     full_baselines = grid.scatter(baselines)
     advantage_error = (return_error + grid.scatter(np.where(v > 0, baseline_error, 0.0))
