@@ -115,8 +115,8 @@ def others_denominator(others: np.ndarray, epsilon: float) -> np.ndarray:
     """The leave-one-out denominator: Dᵢ + ε where the other members' energy Dᵢ = Σ_{j≠i} Wⱼmⱼ is positive, 0 (so
     that :func:`safe_ratio` gives B = 0) where it is not. On consistent inputs (W ≥ 0) Dᵢ ≤ 0 only where every other
     Wⱼmⱼ is 0, and then the numerator is 0 too: the rule changes nothing. Where statistics within the input slack make
-    energies negative (proofs/N1), it keeps the baseline bounded — no baseline, as with no other valid member —
-    instead of Nᵢ/ε."""
+    the others' energy negative (proofs/N1 item 5), it gives no baseline — as with no other valid member — instead of
+    Nᵢ/ε (a clamp at 0) or a ratio that is unbounded where Dᵢ + ε crosses 0."""
     return np.where(others <= 0, 0.0, others + epsilon)
 
 

@@ -63,6 +63,12 @@ class Grid:
         return values * self.mask
 
 
+def others_denominator(others: jax.Array, epsilon: jax.Array) -> jax.Array:
+    """Leave-one-out: Dᵢ + ε where the other members' energy Dᵢ is positive, 0 (B = 0 by the safe ratio) where not
+    (:func:`otb_spec._baseline.others_denominator`; a NaN stays NaN)."""
+    return jnp.where(others <= 0, 0, others + epsilon)
+
+
 def _safe_ratio(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
     zero = denominator == 0
     return jnp.where(zero, 0, numerator / jnp.where(zero, 1, denominator))
@@ -98,9 +104,8 @@ def token_baseline(returns: jax.Array, energy: jax.Array, mask: jax.Array, segme
     if leave_one_out:
         others = jax.ops.segment_sum(grid.valid, segment_ids, num_segments)[segment_ids] - grid.valid
         keep = (others > 0).astype(weights.dtype)
-        others = denominator[segment_ids] - weights                                   # Σ_{j≠i} Wⱼmⱼ
         member_baselines = _safe_ratio(numerator[segment_ids] - weighted_returns,
-                                       jnp.where(others <= 0, 0, others + epsilon))    # B = 0 unless positive
+                                       others_denominator(denominator[segment_ids] - weights, epsilon))
     else:
         start = _zero_from(grid, segment_ids, num_segments, handle_zero_tail)
         keep = (grid.positions[None, :] < start[:, None]).astype(weights.dtype)

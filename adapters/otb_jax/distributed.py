@@ -30,7 +30,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from otb_jax import _checks as check
-from otb_jax._core import realized_energy, reward_to_go, token_energy
+from otb_jax._core import others_denominator, realized_energy, reward_to_go, token_energy
 from otb_jax._logits import TokenStatistics
 from otb_jax._otb import AdvantageResult
 from otb_spec import _validation as reference_checks
@@ -211,8 +211,7 @@ def distributed_token_baseline_local(rewards: jax.Array, response_mask: jax.Arra
     denominator = grid[1][cells].reshape(m.shape)
     if leave_one_out:
         ratio_num = numerator - returns * weights
-        others = denominator - weights                            # Σ_{j≠i} Wⱼmⱼ: B = 0 unless positive
-        ratio_den = jnp.where(others <= 0, 0.0, others + epsilon)
+        ratio_den = others_denominator(denominator - weights, epsilon)
         forced = grid[2][cells].reshape(m.shape) - m <= 0
     else:
         ratio_num, ratio_den = numerator, denominator + epsilon
