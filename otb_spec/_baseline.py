@@ -97,8 +97,9 @@ def token_baseline(returns: np.ndarray, energy: np.ndarray, mask: np.ndarray, se
 
 def grid_baseline(returns: np.ndarray, energy: np.ndarray, grid: Grid, segments: Segments, *,
                    leave_one_out: bool, handle_zero_tail: bool, epsilon: float) -> np.ndarray:
-    """Baselines on the aligned grid [B, K] (0 where the rules force it)."""
-    weights = energy * grid.valid
+    """Baselines on the aligned grid [B, K] (0 where the rules force it); leave-one-out weighs each member by
+    :func:`leave_one_out_energy` (W⁺ = max(W, 0))."""
+    weights = (leave_one_out_energy(energy) if leave_one_out else energy) * grid.valid
     weighted_returns = returns * weights
     numerator = segment_sums(weighted_returns, segments)      # [G, K] group totals
     denominator = segment_sums(weights, segments)
@@ -109,6 +110,17 @@ def grid_baseline(returns: np.ndarray, energy: np.ndarray, grid: Grid, segments:
     else:                                                     # one ratio per group and position, then per member
         baselines = safe_ratio(numerator, denominator + epsilon)[segments.index]
     return np.where(forced_zero(grid, segments, leave_one_out, handle_zero_tail), 0.0, baselines)
+
+
+def leave_one_out_energy(energy: np.ndarray) -> np.ndarray:
+    """W⁺ = max(W, 0), the leave-one-out weight of a member (a NaN stays NaN).
+
+    W is a sum of squared norms ρ²‖∇_z log π‖² ≥ 0, so on consistent statistics (π² ≤ Σπ²) the clamp changes nothing
+    but a rounding hair; where statistics within the input slack make W negative (bf16 Σπ² a little below π² at
+    confident tokens, proofs/N1 item 5) it keeps every weight non-negative, so each leave-one-out baseline stays a
+    weighted mean of the other members' returns (times D₋ᵢ/(D₋ᵢ + ε)) — bounded — where the bare weights of mixed
+    sign and small sum gave |B| ≫ max|G|. The self-inclusive variant keeps verl's bare W."""
+    return np.where(energy < 0, 0.0, energy)
 
 
 def others_denominator(others: np.ndarray, epsilon: float) -> np.ndarray:

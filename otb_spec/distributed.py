@@ -39,7 +39,7 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from otb_spec import _validation as check
-from otb_spec._baseline import others_denominator, safe_ratio, validated_otb_inputs
+from otb_spec._baseline import leave_one_out_energy, others_denominator, safe_ratio, validated_otb_inputs
 from otb_spec.groups import group_segments
 from otb_spec.otb import AdvantageResult
 from otb_spec.proxy import _energy
@@ -234,8 +234,9 @@ def _checked_width(width: Any, columns: np.ndarray, mask: np.ndarray) -> int:
 
 def shard_group_totals(returns: Any, realized_energy: Any, response_mask: Any, group_ids: Any, *, num_groups: int,
                        width: int, align: str = "position", columns_before: int = 0,
-                       valid_before: Any = None) -> GroupTotals:
-    """This shard's terms of the group sums (N, D, V) on the [G, K] aligned grid.
+                       valid_before: Any = None, leave_one_out: bool = False) -> GroupTotals:
+    """This shard's terms of the group sums (N, D, V) on the [G, K] aligned grid (leave-one-out: of the weights
+    W⁺ = max(W, 0), :func:`otb_spec._baseline.leave_one_out_energy`).
 
     Args:
       returns: [B, T_c] Gₜ of the shard's rows (whole-row returns: :func:`context_shard_returns_and_energy` for a
@@ -247,10 +248,13 @@ def shard_group_totals(returns: Any, realized_energy: Any, response_mask: Any, g
       width: K, the same on every shard: at least every aligned column + 1.
       align: ``"position"`` or ``"valid_token"``.
       columns_before, valid_before: a context shard's offsets (:class:`ContextOffsets`); 0 / None otherwise.
+      leave_one_out: the totals of the leave-one-out variant (the same on every shard).
     """
     shape = check.batch_shape("returns", returns)
     returns64 = check.float_array("returns", returns, shape=shape)
     energy = check.float_array("realized_energy", realized_energy, shape=shape, like="returns")
+    if check.flag("leave_one_out", leave_one_out):
+        energy = leave_one_out_energy(energy)
     mask = check.mask_array("response_mask", response_mask, shape, like="returns")
     ids, groups = _group_ids(group_ids, shape[0], num_groups)
     columns = _columns(mask, _align(align), columns_before, valid_before)
@@ -328,8 +332,9 @@ def shard_token_baseline(totals: GroupTotals, group_lengths: GroupLengths, retur
     """The shard's rows' (advantages, returns, baselines) from the combined totals.
 
     Self-inclusive:  Bₜ = N_gk / (D_gk + ε), 0 where the group has fewer than two members or (``handle_zero_tail``)
-    the row is its group's unique longest and k ≥ L₂.  Leave-one-out:  Bₜ = (N_gk − GₜWₜ) / (D_gk − Wₜ + ε),
-    0 where no other member is valid at k or D_gk − Wₜ ≤ 0.  Aₜ = (Gₜ − Bₜ)·mₜ.
+    the row is its group's unique longest and k ≥ L₂.  Leave-one-out:  Bₜ = (N_gk − GₜWₜ⁺) / (D_gk − Wₜ⁺ + ε) with
+    W⁺ = max(W, 0) (the totals too: ``shard_group_totals(..., leave_one_out=True)``), 0 where no other member is
+    valid at k or D_gk − Wₜ⁺ ≤ 0.  Aₜ = (Gₜ − Bₜ)·mₜ.
 
     Args:
       totals, group_lengths: combined over every shard (:func:`combine_group_totals`, :func:`combine_group_lengths`).
@@ -357,7 +362,7 @@ def shard_token_baseline(totals: GroupTotals, group_lengths: GroupLengths, retur
     numerator = totals.weighted_returns[ids[:, None], columns]
     denominator = totals.energy[ids[:, None], columns]
     if leave_one_out:
-        own = energy * mask
+        own = leave_one_out_energy(energy) * mask
         baselines = safe_ratio(numerator - returns64 * own, others_denominator(denominator - own, epsilon))
         forced = totals.valid[ids[:, None], columns] - mask <= 0
     else:
@@ -426,7 +431,8 @@ def sharded_token_baseline(rewards: Any, response_mask: Any, group_ids: Any, log
         shard_results.append(row)
     group_totals = combine_group_totals([
         shard_group_totals(returns, energy, mask, segments.index[rows], width=total_columns,
-                           columns_before=offsets.columns_before, valid_before=offsets.valid_before, **options)
+                           columns_before=offsets.columns_before, valid_before=offsets.valid_before,
+                           leave_one_out=leave_one_out, **options)
         for rows, row in zip(shards, shard_results) for returns, energy, mask, offsets in row])
     group_lengths = combine_group_lengths([                       # each row counted once: on its first context shard
         shard_group_lengths(row[0][3].length, segments.index[rows], **options)

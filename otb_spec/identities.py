@@ -56,7 +56,10 @@ def leave_one_out_from_self_inclusive(
                                       (left padding, tool-output holes); A^self = G carries nothing there, so the
                                       others' returns are used.
 
-    The result equals :func:`otb_spec.leave_one_out_token_baseline` on the same inputs (tests/test_claims.py).
+    The result equals :func:`otb_spec.leave_one_out_token_baseline` on the same inputs (tests/test_claims.py) where
+    every W ≥ 0, as on consistent statistics. Where statistics within the input slack make some W negative, the
+    identity (which verl's A^self carries) is that of the bare weights, while leave_one_out_token_baseline weighs by
+    max(W, 0) (proofs/N1 item 5): recompute from the returns there.
 
     Conditioning: the identity multiplies A^self by D/D₋ᵢ = 1/(1 − λ), so an absolute error δ in the advantages given
     (e.g. verl's float32 rounding, ≈ 2⁻²⁴·(|G| + |B|)) becomes δ/(1 − λ). Where one member carries almost all of its

@@ -169,17 +169,18 @@ def leave_one_out_token_baseline(
 ) -> AdvantageResult:
     """Leave-one-out OTB: member i's baseline uses only the *other* members of its group.
 
-    Bₜ⁽⁻ⁱ⁾ = Σ_{j≠i} GₜʲWₜʲmₜʲ / (Σ_{j≠i} Wₜʲmₜʲ + ε)   where some other member j is valid at t,
+    Bₜ⁽⁻ⁱ⁾ = Σ_{j≠i} GₜʲWₜʲmₜʲ / (Σ_{j≠i} Wₜʲmₜʲ + ε)   where some other member j is valid at t, each W read as
+                                                          W⁺ = max(W, 0),
     Bₜ⁽⁻ⁱ⁾ = 0                                           where none is (this also covers singleton groups and
                                                           replaces the zero-tail rule, which has nothing left to do),
                                                           or where the others' energy Σ_{j≠i} Wₜʲmₜʲ ≤ 0.
 
-    The last rule changes nothing on consistent statistics (π² ≤ Σπ², so W ≥ 0: the others' energy is 0 only where
-    each of their terms is, and then so is the numerator). Statistics within the input slack below π² — float32
-    near π = 1, or a Σπ² from half-precision logits — can make energies negative (proofs/N1 item 5): where the others'
-    energy is negative, clamping it at 0 would give Σ GWm/ε, and the bare ratio is unbounded where Σ_{j≠i}Wm + ε
-    crosses 0; there B = 0 (A = G, as for a member with no other valid member). Where the others' energies have mixed
-    signs and a small positive sum, B can still be large: such a baseline is undetermined by its inputs.
+    The clamp and the last rule change nothing on consistent statistics (π² ≤ Σπ², so W ≥ 0 but for a rounding hair:
+    the others' energy is 0 only where each of their terms is, and then so is the numerator). Statistics within the
+    input slack below π² — float32 near π = 1, or a Σπ² rounded to bf16 — make energies negative at confident tokens
+    (proofs/N1 item 5); with the bare W of mixed signs the others' energy can be a small positive sum of large terms
+    and B ≫ max|G| (10⁴ on bf16 statistics of a forced opening). With the weights W⁺ every baseline is a weighted mean
+    of the other members' returns, |B| ≤ max|G|, and still a function of the others only (unbiased).
 
     Because Bₜ⁽⁻ⁱ⁾ is a function of the other trajectories only, which are independent of trajectory i,
     E[mₜ sₜ Bₜ⁽⁻ⁱ⁾] = 0 and the gradient estimator Σₜ mₜ sₜ (Gₜ − Bₜ⁽⁻ⁱ⁾) is unbiased (proofs/T3_unbiasedness.md).
@@ -257,7 +258,8 @@ def token_baseline(
 ) -> AdvantageResult:
     """The general energy-weighted token baseline, for returns and energies computed any way you like.
 
-    Bₜ = Σᵢ GₜⁱWₜⁱmₜⁱ / (Σᵢ Wₜⁱmₜⁱ + ε) (or the leave-one-out sum over j ≠ i), aligned as ``align`` says.
+    Bₜ = Σᵢ GₜⁱWₜⁱmₜⁱ / (Σᵢ Wₜⁱmₜⁱ + ε) (or the leave-one-out sum over j ≠ i, each W read as max(W, 0)), aligned as
+    ``align`` says.
     Every OTB variant in this module is this function applied to a particular (G, W); use it for discounted returns
     (:func:`otb_spec.returns_to_go` with γ < 1) or your own energy.
 

@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from otb_spec import _validation
-from otb_spec._baseline import Grid, forced_zero, grid_baseline, validated_otb_inputs
+from otb_spec._baseline import Grid, forced_zero, grid_baseline, leave_one_out_energy, validated_otb_inputs
 from otb_spec._dtypes import dtype_name as _dtype_name
 from otb_spec._dtypes import input_range_slack, machine_epsilon, smallest_normal
 from otb_spec.groups import Segments, segment_sums
@@ -341,6 +341,12 @@ def _otb_error_bounds(rewards: np.ndarray, mask: np.ndarray, segments: Segments,
 
     grid = Grid(mask, align)
     G, W, dW, dG = (grid.gather(array) for array in (returns, realized, energy_error, return_error))
+    if leave_one_out:
+        # The reference weighs by W⁺ = max(W, 0) (leave_one_out_energy); a port may weigh by its W' as the formula is
+        # written, or clamp it too: |W' − W⁺| ≤ |ΔW| + max(−W, 0) and |max(W', 0) − W⁺| ≤ |ΔW|, so both are judged
+        # around W⁺ with that error (the clamp's term is a rounding hair on consistent statistics).
+        dW = dW + np.maximum(-W, 0.0)
+        W = leave_one_out_energy(W)
     baselines = grid_baseline(G, W, grid, segments, leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail,
                               epsilon=epsilon)
     v = grid.valid

@@ -249,6 +249,35 @@ def test_leave_one_out_stays_bounded_where_energies_are_negative(adapter, varian
     tolerance.assert_close(advantages, expected.advantages, f"{adapter.name} {variant}, negative energies")
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("variant", ["leave_one_out", "leave_one_out_multi_turn"])
+def test_leave_one_out_stays_a_weighted_mean_where_energies_have_mixed_signs(adapter, variant, dtype):
+    """A forced opening whose Σπ² sits within the input slack on either side of π² (π² ± 10⁻³ in float32, ± 10⁻⁹
+    in float64, token by token: what bf16 or float32 rounding of Σπ² gives at confident tokens): the members' W
+    there are tiny and of both signs, so the bare others' energy D₋ᵢ can be positive and far smaller than the terms
+    it sums — the baseline N₋ᵢ/(D₋ᵢ + ε) was then 10¹–10⁴ times max|G| (before 2026-11-27). Leave-one-out weighs
+    by W⁺ = max(W, 0), so every baseline is a weighted mean of the other members' returns (times D₋ᵢ/(D₋ᵢ + ε)):
+    |B| ≤ max|G| up to the rounding of D − own, and |A| ≤ 2·max|G|; the verifier's tolerance still holds."""
+    rng = np.random.default_rng(5)
+    rows, positions, opening = 16, 12, 6
+    pi = rng.uniform(0.2, 0.9, size=(rows, positions))
+    spp = pi**2 + (1 - pi) ** 2 * rng.uniform(0.1, 1.0, size=(rows, positions))
+    confident, slack = (0.999, 1e-3) if dtype == "float32" else (1 - 1e-5, 1e-9)
+    pi[:, :opening] = confident
+    spp[:, :opening] = pi[:, :opening] ** 2 + slack * rng.choice([-1.0, 1.0], size=(rows, opening))
+    rewards = np.zeros((rows, positions))
+    rewards[:, -1] = rng.integers(0, 2, size=rows)
+    batch = otb.RolloutBatch(rewards=rewards, response_mask=np.ones((rows, positions)), log_probs=np.log(pi),
+                             sum_pi_squared=spp, group_ids=np.repeat(["g", "h"], rows // 2).astype(object))
+    advantages, returns, seen, mask = _run(adapter, variant, batch, dtype)
+    expected = _reference(variant, seen, mask, batch.group_ids)
+    largest = np.abs(returns).max()
+    assert np.abs(expected.baselines).max() <= largest * (1 + 1e-6)
+    assert np.abs(advantages).max() <= 2 * largest * (1 + 1e-6), f"max |A| = {np.abs(advantages).max():.3g}"
+    tolerance, _ = _tolerances(adapter, variant, seen, mask, batch.group_ids, dtype)
+    tolerance.assert_close(advantages, expected.advantages, f"{adapter.name} {variant}, mixed-sign energies")
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # the layouts trainers produce (verl: groups scattered by balance_batch, unequal sizes from dynamic sampling)
 

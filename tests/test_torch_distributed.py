@@ -123,6 +123,7 @@ def _check_split(pool, batch, row_shards, *, layout, column_cuts=(), align="posi
                                                          f"rank {rank} returns")
         mask = np.asarray(batch.response_mask)[rows][:, columns]
         assert np.all(result.baselines[mask == 0] == 0) and np.all(result.advantages[mask == 0] == 0)
+    return [result for _, result in outcomes]
 
 
 def test_the_ranks_have_the_native_kernel(pool):
@@ -205,6 +206,36 @@ def test_adversarial_splits(pool, align, leave_one_out, kernel):
     # a context piece of a single column, and a piece with no valid token in any row
     _check_split(pool, batch, [np.arange(8)], layout="context", column_cuts=(1, 2, 5), align=align,
                  leave_one_out=leave_one_out, kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("align", ["position", "valid_token"])
+def test_leave_one_out_weighs_whole_energies_clamped_at_zero_across_pieces(pool, align, kernel):
+    """Leave-one-out weighs by max(W, 0) (proofs/N1 item 5), where W is the whole row's energy: a context piece must
+    clamp after the earlier pieces' energy is added, not its own partial sum. float32 statistics of a forced opening
+    with Σπ² = π² ± 10⁻³ token by token (within the input slack) make energies small and of both signs, with the cut
+    inside the opening and between data shards; every rank matches the reference within the verifier's tolerance,
+    and every baseline stays a weighted mean of the others' returns (|A| ≤ 2·max|G|; up to 10²·max|G| with the
+    bare weights)."""
+    rng = np.random.default_rng(5)
+    rows, positions, opening = 16, 12, 6
+    pi = rng.uniform(0.2, 0.9, size=(rows, positions))
+    spp = pi**2 + (1 - pi) ** 2 * rng.uniform(0.1, 1.0, size=(rows, positions))
+    pi[:, :opening] = 0.999
+    spp[:, :opening] = pi[:, :opening] ** 2 + 1e-3 * rng.choice([-1.0, 1.0], size=(rows, opening))
+    rewards = np.zeros((rows, positions))
+    rewards[:, -1] = rng.integers(0, 2, size=rows)
+    batch = otb.RolloutBatch(rewards=rewards.astype(np.float32), response_mask=np.ones((rows, positions), np.float32),
+                             group_ids=np.repeat([0, 1], rows // 2), log_probs=np.log(pi).astype(np.float32),
+                             sum_pi_squared=spp.astype(np.float32), is_weights=None)
+    expected = _reference(batch, group_segments(batch.group_ids).index, align=align, leave_one_out=True,
+                          epsilon=1e-8)
+    assert np.abs(expected.advantages).max() <= 2.0
+    results = _check_split(pool, batch, [np.arange(0, rows, 2), np.arange(1, rows, 2)], layout="mesh",
+                           column_cuts=(3,), align=align, leave_one_out=True, kernel=kernel)
+    results += _check_split(pool, batch, [np.arange(rows)], layout="context", column_cuts=(2, 4, 8), align=align,
+                            leave_one_out=True, kernel=kernel)
+    assert max(np.abs(result.advantages).max() for result in results) <= 2.0
 
 
 @pytest.mark.parametrize("align", ["position", "valid_token"])

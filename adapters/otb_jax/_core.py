@@ -63,6 +63,12 @@ class Grid:
         return values * self.mask
 
 
+def leave_one_out_energy(energy: jax.Array) -> jax.Array:
+    """W⁺ = max(W, 0), a member's leave-one-out weight (:func:`otb_spec._baseline.leave_one_out_energy`; a NaN stays
+    NaN)."""
+    return jnp.where(energy < 0, 0, energy).astype(energy.dtype)
+
+
 def others_denominator(others: jax.Array, epsilon: jax.Array) -> jax.Array:
     """Leave-one-out: Dᵢ + ε where the other members' energy Dᵢ is positive, 0 (B = 0 by the safe ratio) where not
     (:func:`otb_spec._baseline.others_denominator`; a NaN stays NaN)."""
@@ -97,7 +103,7 @@ def token_baseline(returns: jax.Array, energy: jax.Array, mask: jax.Array, segme
     """(advantages, baselines) from G and W (compute dtype, [B, T]); ``mask`` 0/1 in the compute dtype."""
     grid = Grid(mask, align)
     grid_returns = grid.gather(returns)
-    weights = grid.gather(energy) * grid.valid
+    weights = grid.gather(leave_one_out_energy(energy) if leave_one_out else energy) * grid.valid
     weighted_returns = grid_returns * weights
     numerator = jax.ops.segment_sum(weighted_returns, segment_ids, num_segments)     # [G, T]  (all-reduce to scale)
     denominator = jax.ops.segment_sum(weights, segment_ids, num_segments)

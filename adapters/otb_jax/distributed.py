@@ -30,7 +30,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from otb_jax import _checks as check
-from otb_jax._core import others_denominator, realized_energy, reward_to_go, token_energy
+from otb_jax._core import leave_one_out_energy, others_denominator, realized_energy, reward_to_go, token_energy
 from otb_jax._logits import TokenStatistics
 from otb_jax._otb import AdvantageResult
 from otb_spec import _validation as reference_checks
@@ -200,7 +200,7 @@ def distributed_token_baseline_local(rewards: jax.Array, response_mask: jax.Arra
     inside = (group_ids >= 0) & (group_ids < num_groups)
     ids = jnp.where(inside, group_ids, 0).astype(jnp.int32)
     cells = (ids[:, None] * grid_width + local_columns).reshape(-1)
-    weights = energy * m
+    weights = (leave_one_out_energy(energy) if leave_one_out else energy) * m      # leave-one-out: W⁺ = max(W, 0)
     member = inside[:, None].astype(compute)
     planes = [returns * weights * member, weights * member] + ([m * member] if leave_one_out else [])
     grid = jnp.zeros((len(planes), num_groups * grid_width), compute).at[:, cells].add(

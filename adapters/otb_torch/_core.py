@@ -268,6 +268,12 @@ class Grid:
         return torch.mul(values, self.mask, out=out)
 
 
+def leave_one_out_energy(energy: torch.Tensor) -> torch.Tensor:
+    """W⁺ = max(W, 0), a member's leave-one-out weight (:func:`otb_spec._baseline.leave_one_out_energy`; a NaN stays
+    NaN)."""
+    return energy.clamp(min=0.0)
+
+
 def others_denominator(others: torch.Tensor, epsilon: float) -> torch.Tensor:
     """Leave-one-out: Dᵢ + ε where the other members' energy Dᵢ is positive, 0 (B = 0 by :func:`safe_ratio`) where
     not, in place (:func:`otb_spec._baseline.others_denominator`; a NaN stays NaN)."""
@@ -314,7 +320,7 @@ def token_baseline(returns: torch.Tensor, energy: torch.Tensor, mask: torch.Tens
     grid = Grid(mask, align)
     layout = Layout(segments, sorted_sizes)
     grid_returns = layout.view(grid.gather(returns))
-    weights = layout.view(grid.gather(energy) * grid.valid)
+    weights = layout.view(grid.gather(leave_one_out_energy(energy) if leave_one_out else energy) * grid.valid)
     weighted_returns = grid_returns * weights
     numerator = layout.totals(weighted_returns)          # all-reduce these two to scale out
     denominator = layout.totals(weights)

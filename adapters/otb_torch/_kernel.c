@@ -15,6 +15,7 @@
  *
  * self-inclusive:  Bᵢₜ = N_c / (D_c + ε)                           0 where the denominator is 0, or a rule says so
  * leave-one-out:   Bᵢₜ = (N_c − GᵢₜWᵢₜmᵢₜ) / (D_c − Wᵢₜmᵢₜ + ε)   0 where D_c − Wᵢₜmᵢₜ ≤ 0, or V_c − [mᵢₜ ≠ 0] = 0
+ *                  (with every W, in N_c and D_c too, the weight max(W, 0): otb_nonnegative)
  *
  *   Aᵢₜ = mᵢₜ (Gᵢₜ − Bᵢₜ)   (written to `adv`; mᵢₜBᵢₜ to `base`)
  *
@@ -629,6 +630,12 @@ static inline void FN(otb_scan_returns)(const T *restrict rr, const T *restrict 
     *total = sum;
 }
 
+/* The leave-one-out weights: w = max(w, 0) in place on [lo, hi) (a NaN stays NaN), as
+ * otb_spec._baseline.leave_one_out_energy: energies a hair negative from statistics within the input slack weigh 0. */
+static inline void FN(otb_nonnegative)(T *restrict w, int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) w[t] = w[t] < 0 ? (T)0 : w[t];
+}
+
 /* Adds one member row's terms into its group's columns: num[c] += GₜWₜmₜ, den[c] += Wₜmₜ, cnt[c] += [mₜ ≠ 0] (cnt
  * may be NULL) at c = col0 + t (position) or col0 + #valid before t (valid token), for c < columns; gr, wm: Gₜ and
  * mₜWₜ on the valid span [lo, hi). */
@@ -728,16 +735,17 @@ static void FN(otb_prefetch_verify)(const T *rr, const M *mr, const T *lr, const
 /* The first sweep over one member row (scratch mv, pi: width values each).
  *
  * Writes Gₜ (plus `ret_offset`, the rewards of later context pieces) to gr. With `need_energy`, writes mₜWₜ (Wₜ plus
- * `energy_offset`, the energy of earlier pieces) to wm on the valid span (elsewhere wm is left as it is) and, when
- * num is given, adds the row's terms into the group's columns (otb_row_accumulate). Returns the valid count; ORs the
+ * `energy_offset`, the energy of earlier pieces) to wm on the valid span (elsewhere wm is left as it is; with
+ * `nonnegative`, the leave-one-out weights mₜ·max(Wₜ, 0)) and, when num is given, adds the row's terms into the
+ * group's columns (otb_row_accumulate). The running total in `sums` stays the bare Σw. Returns the valid count; ORs the
  * value checks into *bad; with `sums`, stores the scans' last values there (Σmr and Σw, offsets included). With pf,
  * prefetches the next row while it runs (otb_prefetch). */
 static int64_t FN(otb_row_first)(const T *restrict rr, const M *restrict mr, const T *restrict lr,
                                  const T *restrict sr, const T *restrict wr, int64_t width, T *restrict gr,
                                  T *restrict wm, T *restrict mv, T *restrict pi, T *restrict num, T *restrict den,
                                  T *restrict cnt, int valid_token, int64_t col0, int64_t columns, double ret_offset,
-                                 double energy_offset, int need_energy, int check, T slack_lp, T slack_spp,
-                                 int *bad, double *sums, otb_prefetch *pf) {
+                                 double energy_offset, int need_energy, int nonnegative, int check, T slack_lp,
+                                 T slack_spp, int *bad, double *sums, otb_prefetch *pf) {
 #ifdef OTB_PREFETCH_CHECK
     FN(otb_prefetch_verify)(rr, mr, lr, sr, wr, gr, wm, width);
 #endif
@@ -766,6 +774,7 @@ static int64_t FN(otb_row_first)(const T *restrict rr, const M *restrict mr, con
         }
         if (wr) for (int64_t t = lo; t < hi; ++t) wm[t] = wm[t] * wr[t] * wr[t];
         FN(otb_scan_energy)(mv, wm, lo, hi, &running, pf);
+        if (nonnegative) FN(otb_nonnegative)(wm, lo, hi);
     }
     otb_prefetch_lines(pf, INT64_MAX);                     /* the rest of the next row, at once */
 #ifdef OTB_PREFETCH_CHECK
@@ -990,7 +999,7 @@ OTB_EXPORT int FN(otb_groups)(const T *r, const M *m, const T *lp, const T *spp,
             lengths[p] = (T)FN(otb_row_first)(
                 r + at, m + at, lp + at, spp + at, rho ? rho + at : 0, width, ret + at, wm, mv, pi,
                 size > 1 ? num : 0, den, leave_one_out && !valid_token ? cnt : 0, valid_token, 0, width, 0.0, 0.0,
-                size > 1, check, (T)slack_lp, (T)slack_spp, &bad, 0,
+                size > 1, leave_one_out, check, (T)slack_lp, (T)slack_spp, &bad, 0,
                 FN(otb_prefetch_row)(&prefetch, next, width, m, lp, r, spp, rho, ret, leave_one_out ? adv : 0));
             if (size == 1) {                                   /* a group of one: B = 0 */
                 const T *gr = ret + at;
@@ -1056,14 +1065,15 @@ OTB_EXPORT int FN(otb_groups)(const T *r, const M *m, const T *lp, const T *spp,
  * added into grid[global id] = [N; D; V] (planes 2 or 3, each of `columns` K) at column t (position) or #valid before
  * t (valid token), and stats[k·G + id] = (members, longest, count at longest, second longest) of the local rows of
  * each group. Without it (context parallel), totals[b], totals[B + b], totals[2B + b] receive the row piece's Σmr,
- * Σw and Σm (double) for the other pieces' offsets (otb_dist_offsets adds the terms afterwards). */
+ * Σw and Σm (double) for the other pieces' offsets (otb_dist_offsets adds the terms afterwards). With `nonnegative`
+ * (leave-one-out, data parallel only: a context piece's W is whole after the offsets), the weights are mₜ·max(Wₜ, 0). */
 OTB_EXPORT int FN(otb_dist_first)(const T *r, const M *m, const T *lp, const T *spp, const T *rho, int64_t width,
                                   const int64_t *order, const int64_t *offsets, const int64_t *rows_in_order,
                                   const int64_t *row_group, int64_t first_group, int64_t last_group,
                                   const int64_t *group_ids, T *grid, int64_t columns, int planes, int valid_token,
                                   int64_t num_groups, T *ret, T *wm, int64_t *lengths, int64_t *stats,
                                   double *totals, int64_t rows, T *scratch, int check, double slack_lp,
-                                  double slack_spp) {
+                                  double slack_spp, int nonnegative) {
     T *mv = scratch, *pi = scratch + width, *energy = scratch + 2 * width;
     int bad = 0;
     for (int64_t p = offsets[first_group]; p < offsets[last_group]; ++p) {
@@ -1076,7 +1086,8 @@ OTB_EXPORT int FN(otb_dist_first)(const T *r, const M *m, const T *lp, const T *
         OTB_PREFETCH_WM_OUTPUT(wm != 0);
         lengths[row] = FN(otb_row_first)(
             r + at, m + at, lp + at, spp + at, rho ? rho + at : 0, width, ret + at, wm ? wm + at : energy, mv, pi,
-            num, den, cnt, valid_token, 0, columns, 0.0, 0.0, 1, check, (T)slack_lp, (T)slack_spp, &bad, sums,
+            num, den, cnt, valid_token, 0, columns, 0.0, 0.0, 1, nonnegative, check, (T)slack_lp, (T)slack_spp, &bad,
+            sums,
             FN(otb_prefetch_row)(&prefetch, next, width, m, lp, r, spp, rho, ret, wm));
         if (totals) {
             totals[row] = sums[0];
@@ -1099,15 +1110,17 @@ OTB_EXPORT int FN(otb_dist_first)(const T *r, const M *m, const T *lp, const T *
  * (the earlier pieces' energy) — and its terms are added into grid[global id] at columns col0 + t (position) or
  * col_offsets[b] + #valid before t (valid token), less `origin`: the grid's first column (0 for a grid of all K
  * columns; by position a piece whose grid is its own columns alone passes origin = col0); with count_rows (the first
- * piece of its rows, or every piece where each holds every row), the group statistics from total_lengths. scratch:
- * width values of T. */
+ * piece of its rows, or every piece where each holds every row), the group statistics from total_lengths. With
+ * `nonnegative` (leave-one-out), the whole energies become the weights mₜ·max(Wₜ, 0) first. scratch: width values of
+ * T. */
 OTB_EXPORT void FN(otb_dist_offsets)(const M *m, int64_t width, const int64_t *order, const int64_t *offsets,
                                      const int64_t *rows_in_order, const int64_t *row_group, int64_t first_group,
                                      int64_t last_group, const int64_t *group_ids, T *grid, int64_t columns,
                                      int planes, int valid_token, const double *ret_offsets,
                                      const double *energy_offsets, const int64_t *col_offsets, int64_t col0,
                                      int64_t origin, const int64_t *total_lengths, int count_rows,
-                                     int64_t num_groups, T *ret, T *wm, int64_t *stats, T *scratch) {
+                                     int64_t num_groups, T *ret, T *wm, int64_t *stats, int nonnegative,
+                                     T *scratch) {
     T *mv = scratch;
     for (int64_t p = offsets[first_group]; p < offsets[last_group]; ++p) {
         const int64_t row = rows_in_order[p], at = row * width;
@@ -1119,6 +1132,7 @@ OTB_EXPORT void FN(otb_dist_offsets)(const M *m, int64_t width, const int64_t *o
         const T later = (T)ret_offsets[row], earlier = (T)energy_offsets[row];
         for (int64_t t = 0; t < width; ++t) gr[t] = gr[t] + later;
         for (int64_t t = lo; t < hi; ++t) wr[t] = wr[t] + earlier * mv[t];
+        if (nonnegative) FN(otb_nonnegative)(wr, lo, hi);
         FN(otb_row_accumulate)(gr, wr, mv, lo, hi, num, den, cnt, valid_token,
                                (valid_token ? col_offsets[row] : col0) - origin, columns);
     }

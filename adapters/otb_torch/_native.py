@@ -465,6 +465,7 @@ def distributed_first(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torc
     """The first sweep of a rank's rows (``_kernel.c``: otb_dist_first): returns and energies; without ``context``
     the grid of the rank's terms over its own width T and the group statistics; with it (a context piece) the
     pieces' totals instead, the terms waiting for the other pieces' offsets (:func:`distributed_offsets`).
+    Leave-one-out weighs by mₜ·max(Wₜ, 0) (for a context piece, after the offsets).
 
     Extra memory: the grid (G·planes·T values) and 3·T values per thread; the energies live in what becomes the
     advantages' buffer."""
@@ -493,7 +494,7 @@ def distributed_first(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torc
         populate([returns, energy], share, len(bounds) - 1)
         return function(*head, ctypes.c_int64(bounds[share]), ctypes.c_int64(bounds[share + 1]), *tail,
                         _pointer(scratch[share]), ctypes.c_int(int(check)), ctypes.c_double(slack_lp),
-                        ctypes.c_double(slack_spp))
+                        ctypes.c_double(slack_spp), ctypes.c_int(int(leave_one_out and not context)))
 
     bad = any(_in_parallel(work, len(bounds) - 1))
     return FirstSweep(buffer, grid, returns, energy, lengths, stats, totals, bad)
@@ -524,7 +525,8 @@ def distributed_offsets(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep
     tail = [_array(plan.ids), _pointer(grid), ctypes.c_int64(columns), ctypes.c_int(planes),
             ctypes.c_int(int(align != "position")), *(_array(value) for value in arrays[:3]),
             ctypes.c_int64(columns_before), ctypes.c_int64(origin), _array(arrays[3]), ctypes.c_int(int(count_rows)),
-            ctypes.c_int64(num_groups), _pointer(first.returns), _pointer(first.energy), _pointer(stats)]
+            ctypes.c_int64(num_groups), _pointer(first.returns), _pointer(first.energy), _pointer(stats),
+            ctypes.c_int(int(leave_one_out))]
     owners = (mask, plan, rows_in_order, first, buffer, stats, arrays, scratch)
 
     _run_in_shares(function, head, tail, bounds, scratch, owners)

@@ -52,7 +52,7 @@ from otb_torch._logits import (
     _out_dtype,
     _row_dot,
 )
-from otb_torch._core import others_denominator, realized_energy, reward_to_go, token_energy
+from otb_torch._core import leave_one_out_energy, others_denominator, realized_energy, reward_to_go, token_energy
 from otb_torch._otb import AdvantageResult
 
 __all__ = [
@@ -861,7 +861,8 @@ def _baseline(local: _Local, scan: ContextScan, num_groups: int, width: int, *, 
     else:
         columns = (torch.cumsum(m, -1) - m).to(torch.int64) + scan.valid_before[:, None]
     columns = columns.clamp(max=width - 1)
-    weights = scan.energy * m                                       # 0 at masked positions: they add nothing
+    energy = leave_one_out_energy(scan.energy) if leave_one_out else scan.energy       # W⁺ = max(W, 0)
+    weights = energy * m                                            # 0 at masked positions: they add nothing
     planes = [scan.returns * weights, weights] + ([m] if leave_one_out else [])
     if align == "position":                                         # whole rows of the grid: row-wise adds
         # a complete grid: this rank's columns alone (no other rank adds to them), else all K

@@ -12,8 +12,8 @@ policy and TRL's importance-sampling ratio ρ (vLLM generation, 1 otherwise):
 
     Gₜ = Σ_{k≥t} mₖrₖ,   Wₜ = Σ_{j≤t} mⱼρⱼ²(1 − 2πⱼ + Σπ²ⱼ),
     Bₜ = Σⱼ GₜʲWₜʲmₜʲ / (Σⱼ Wₜʲmₜʲ + ε)     (variant "otb": the sums run over the whole group, verl's estimator)
-    Bₜ⁽ⁱ⁾ = Σ_{j≠i} … / (Σ_{j≠i} … + ε)     (variant "leave_one_out": the other members only, 0 unless their energy
-                                            is positive; unbiased, proofs/T3)
+    Bₜ⁽ⁱ⁾ = Σ_{j≠i} … / (Σ_{j≠i} … + ε)     (variant "leave_one_out": the other members only, each W read as
+                                            max(W, 0), 0 unless their energy is positive; unbiased, proofs/T3)
     Aₜ = (Gₜ − Bₜ)·mₜ  → TRL's loss as [B, T] advantages.
 
 How TRL 1.16.0 is entered (line numbers of the installed ``trl/trainer/grpo_trainer.py``; docs/trl.md has them all):
