@@ -118,17 +118,19 @@ def leave_one_out_energy(energy: np.ndarray) -> np.ndarray:
     W is a sum of squared norms ρ²‖∇_z log π‖² ≥ 0, so on consistent statistics (π² ≤ Σπ²) the clamp changes nothing
     but a rounding hair; where statistics within the input slack make W negative (bf16 Σπ² a little below π² at
     confident tokens, proofs/N1 item 5) it keeps every weight non-negative, so each leave-one-out baseline stays a
-    weighted mean of the other members' returns (times D₋ᵢ/(D₋ᵢ + ε)) — bounded — where the bare weights of mixed
-    sign and small sum gave |B| ≫ max|G|. The self-inclusive variant keeps verl's bare W."""
+    weighted mean of the other members' returns (times D₋ᵢ/(D₋ᵢ + ε), up to the rounding of D − Wᵢ) where the bare
+    weights of mixed sign and small sum gave |B| ≫ max|G|. The self-inclusive variant keeps verl's bare W."""
     return np.where(energy < 0, 0.0, energy)
 
 
 def others_denominator(others: np.ndarray, epsilon: float) -> np.ndarray:
     """The leave-one-out denominator: Dᵢ + ε where the other members' energy Dᵢ = Σ_{j≠i} Wⱼmⱼ is positive, 0 (so
-    that :func:`safe_ratio` gives B = 0) where it is not. On consistent inputs (W ≥ 0) Dᵢ ≤ 0 only where every other
-    Wⱼmⱼ is 0, and then the numerator is 0 too: the rule changes nothing. Where statistics within the input slack make
-    the others' energy negative (proofs/N1 item 5), it gives no baseline — as with no other valid member — instead of
-    Nᵢ/ε (a clamp at 0) or a ratio that is unbounded where Dᵢ + ε crosses 0."""
+    that :func:`safe_ratio` gives B = 0) where it is not. With the weights W⁺ = max(W, 0) of
+    :func:`leave_one_out_energy` Dᵢ = D − Wᵢ ≥ 0 (rounding is monotone), so the rule fires only where every other
+    weight is 0 — and then the numerator is 0 too. It matters where bare energies are summed
+    (:func:`otb_spec.identities.leave_one_out_from_self_inclusive`): there it gives no baseline where statistics
+    within the input slack make the others' energy negative (proofs/N1 item 5), instead of Nᵢ/ε (a clamp at 0) or a
+    ratio that is unbounded where Dᵢ + ε crosses 0."""
     return np.where(others <= 0, 0.0, others + epsilon)
 
 

@@ -97,11 +97,14 @@ class GroupTotals(NamedTuple):
       weighted_returns: N_gk = Σᵢ Gᵢ Wᵢ mᵢ.
       energy: D_gk = Σᵢ Wᵢ mᵢ.
       valid: V_gk = Σᵢ mᵢ (valid members at column k).
+      leave_one_out: the sums of the leave-one-out variant, whose weights are W⁺ = max(W, 0) — what
+        :func:`shard_token_baseline` checks against its own ``leave_one_out``.
     """
 
     weighted_returns: np.ndarray
     energy: np.ndarray
     valid: np.ndarray
+    leave_one_out: bool = False
 
 
 class GroupLengths(NamedTuple):
@@ -253,7 +256,8 @@ def shard_group_totals(returns: Any, realized_energy: Any, response_mask: Any, g
     shape = check.batch_shape("returns", returns)
     returns64 = check.float_array("returns", returns, shape=shape)
     energy = check.float_array("realized_energy", realized_energy, shape=shape, like="returns")
-    if check.flag("leave_one_out", leave_one_out):
+    leave_one_out = check.flag("leave_one_out", leave_one_out)
+    if leave_one_out:
         energy = leave_one_out_energy(energy)
     mask = check.mask_array("response_mask", response_mask, shape, like="returns")
     ids, groups = _group_ids(group_ids, shape[0], num_groups)
@@ -268,7 +272,7 @@ def shard_group_totals(returns: Any, realized_energy: Any, response_mask: Any, g
 
     weights = energy[rows, cols]
     return GroupTotals(grid(returns64[rows, cols] * weights), grid(weights),
-                       np.bincount(cells, minlength=size).reshape(groups, width).astype(np.int64))
+                       np.bincount(cells, minlength=size).reshape(groups, width).astype(np.int64), leave_one_out)
 
 
 def _same_shape_items(name: str, items: Sequence[Any], kind: type, hint: str) -> list[Any]:
@@ -280,7 +284,7 @@ def _same_shape_items(name: str, items: Sequence[Any], kind: type, hint: str) ->
     for position, item in enumerate(items):
         if not isinstance(item, kind):
             raise TypeError(f"{name}[{position}]: expected {kind.__name__}, got {type(item).__name__}")
-        if any(np.shape(field) != shape for field in item):
+        if any(np.shape(field) != shape for field in item[:3]):
             raise ValueError(f"{name}[{position}]: shape differs from {name}[0] ({shape}); {hint}")
     return items
 
@@ -288,7 +292,12 @@ def _same_shape_items(name: str, items: Sequence[Any], kind: type, hint: str) ->
 def combine_group_totals(totals: Sequence[GroupTotals]) -> GroupTotals:
     """Σ over shards of their :class:`GroupTotals` (an all-reduce SUM)."""
     items = _same_shape_items("totals", totals, GroupTotals, "every shard must use the same num_groups and width")
-    return GroupTotals(*(np.sum([np.asarray(item[k]) for item in items], axis=0) for k in range(3)))
+    variants = {bool(item.leave_one_out) for item in items}
+    if len(variants) > 1:
+        raise ValueError("totals: some shards summed for leave-one-out and some not; pass the same leave_one_out to "
+                         "shard_group_totals on every shard")
+    return GroupTotals(*(np.sum([np.asarray(item[k]) for item in items], axis=0) for k in range(3)),
+                       leave_one_out=variants.pop())
 
 
 def shard_group_lengths(lengths: Any, group_ids: Any, *, num_groups: int, align: str = "position") -> GroupLengths:
@@ -354,6 +363,10 @@ def shard_token_baseline(totals: GroupTotals, group_lengths: GroupLengths, retur
         raise ValueError(f"lengths: expected {shape[0]} counts (one per row), got shape {counts.shape}")
     align = _align(align)
     leave_one_out = check.flag("leave_one_out", leave_one_out)
+    if bool(getattr(totals, "leave_one_out", False)) != leave_one_out:
+        raise ValueError(f"totals: summed with leave_one_out={not leave_one_out}, but leave_one_out={leave_one_out} "
+                         "here; pass the same leave_one_out to shard_group_totals (leave-one-out sums the weights "
+                         "max(W, 0))")
     zero_tail = check.zero_tail(handle_zero_tail, leave_one_out)
     epsilon = check.epsilon(epsilon)
     columns = _columns(mask, align, columns_before, valid_before)

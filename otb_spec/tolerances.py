@@ -259,6 +259,7 @@ def otb_tolerance(
     epsilon: float = 1e-8,
     dtype: Any = np.float32,
     input_dtype: Any = None,
+    clamped_weights: bool = False,
 ) -> tuple[Tolerance, Tolerance]:
     """Per-element tolerances (advantages, returns) for an OTB implementation.
 
@@ -282,20 +283,27 @@ def otb_tolerance(
       leave_one_out: the leave-one-out variant.
       dtype: the precision the implementation accumulates in.
       input_dtype: the dtype it was given (default: ``dtype``).
+      clamped_weights: leave-one-out only. The reference weighs each member by W⁺ = max(W, 0)
+        (:func:`otb_spec.leave_one_out_token_baseline`); W < 0 only where statistics within the input slack sit
+        below π². False (default): the implementation may also weigh by its bare W, as the formula is written — where
+        some W < 0 the bound then allows for both readings (docs/tolerances.md item 5), so it cannot tell whether the
+        clamp is there. True: it claims the clamp, and is judged around W⁺ by its rounding alone.
     """
     prepared = validated_otb_inputs(rewards, response_mask, group_ids, log_probs, sum_pi_squared, is_weights)
     return _otb_bounds(prepared, align=align, leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail,
-                       epsilon=epsilon, dtype=dtype, input_dtype=dtype if input_dtype is None else input_dtype)
+                       epsilon=epsilon, dtype=dtype, input_dtype=dtype if input_dtype is None else input_dtype,
+                       clamped_weights=_validation.flag("clamped_weights", clamped_weights))
 
 
 def _otb_bounds(prepared: tuple, *, align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float,
-                dtype: Any, input_dtype: Any) -> tuple[Tolerance, Tolerance]:
+                dtype: Any, input_dtype: Any, clamped_weights: bool) -> tuple[Tolerance, Tolerance]:
     """:func:`otb_tolerance` on inputs already validated by ``otb_spec._baseline.validated_otb_inputs``."""
     accumulation = machine_epsilon(dtype)
     elementwise = max(machine_epsilon(input_dtype), accumulation)
     advantage_bound, returns_bound = _otb_error_bounds(
         *prepared, align=align, leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail and not leave_one_out,
-        epsilon=float(epsilon), elementwise_unit=elementwise, accumulation_unit=accumulation)
+        epsilon=float(epsilon), elementwise_unit=elementwise, accumulation_unit=accumulation,
+        clamped_weights=clamped_weights)
     name = _dtype_name(dtype)
     given = _dtype_name(input_dtype)
     where = name if given == name else f"{given} (sums in {name})"
@@ -310,7 +318,7 @@ def _otb_bounds(prepared: tuple, *, align: str, leave_one_out: bool, handle_zero
 
 def _otb_error_bounds(rewards: np.ndarray, mask: np.ndarray, segments: Segments, token_energy: np.ndarray,
                       is_weights: np.ndarray | None, *, align: str, leave_one_out: bool, handle_zero_tail: bool,
-                      epsilon: float, elementwise_unit: float, accumulation_unit: float
+                      epsilon: float, elementwise_unit: float, accumulation_unit: float, clamped_weights: bool
                       ) -> tuple[np.ndarray, np.ndarray]:
     """Rigorous first-order bounds on |computed − exact| for (advantages, returns) of an implementation whose per-token
     operations (and stored intermediates) have relative error ≤ e = ``elementwise_unit`` and whose sums have relative
@@ -323,7 +331,7 @@ def _otb_error_bounds(rewards: np.ndarray, mask: np.ndarray, segments: Segments,
       |ΔGₜ|    ≤ (a(T+1) + e)·Σₖ|mₖrₖ|                               also covers G = total − prefix
       |ΔN|     ≤ Σᵢ(|Gᵢ||ΔWᵢ| + Wᵢ|ΔGᵢ|) + (a(n_g+2) + e)·Σᵢ|Gᵢ|Wᵢ     N = Σᵢ GᵢWᵢ (leave-one-out: full-group sums)
       |ΔD|     ≤ Σᵢ|ΔWᵢ| + (a(n_g+2) + e)·(ΣᵢWᵢ + ε)                  D = ΣᵢWᵢ + ε (or over j ≠ i)
-      |ΔB|     ≤ (|ΔN| + |B||ΔD|)/D + e|B|                          first order; +inf when |ΔD| > D/2 (ill-conditioned)
+      |ΔB|     ≤ (|ΔN| + |B||ΔD|)/(D − |ΔD|) + e|B|                 the ratio's exact bound; +inf when |ΔD| > D/2
       |ΔA|     ≤ |ΔG| + |ΔB| + e(|G| + |B|)
 
     where the baseline is 0 by rule (singleton, zero tail, no other member) ΔB = 0: those decisions use exact integer
@@ -342,10 +350,12 @@ def _otb_error_bounds(rewards: np.ndarray, mask: np.ndarray, segments: Segments,
     grid = Grid(mask, align)
     G, W, dW, dG = (grid.gather(array) for array in (returns, realized, energy_error, return_error))
     if leave_one_out:
-        # The reference weighs by W⁺ = max(W, 0) (leave_one_out_energy); a port may weigh by its W' as the formula is
-        # written, or clamp it too: |W' − W⁺| ≤ |ΔW| + max(−W, 0) and |max(W', 0) − W⁺| ≤ |ΔW|, so both are judged
-        # around W⁺ with that error (the clamp's term is a rounding hair on consistent statistics).
-        dW = dW + np.maximum(-W, 0.0)
+        # The reference weighs by W⁺ = max(W, 0) (leave_one_out_energy). A port that clamps its W' too is within
+        # |max(W', 0) − W⁺| ≤ |ΔW| of it; one that weighs by the bare W' (the formula as written) within
+        # |ΔW| + max(−W, 0), which is what it gets unless it claims the clamp (a rounding hair on consistent
+        # statistics, where W ≥ 0 up to rounding).
+        if not clamped_weights:
+            dW = dW + np.maximum(-W, 0.0)
         W = leave_one_out_energy(W)
     baselines = grid_baseline(G, W, grid, segments, leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail,
                               epsilon=epsilon)
@@ -364,8 +374,8 @@ def _otb_error_bounds(rewards: np.ndarray, mask: np.ndarray, segments: Segments,
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):   # overflow only where ill-conditioned
         baseline_error = np.where(
             denominator_error > 0.5 * np.abs(denominator), np.inf,
-            (numerator_error + np.abs(baselines) * denominator_error) / np.where(denominator != 0, np.abs(denominator), 1.0)
-            + e * np.abs(baselines))
+            (numerator_error + np.abs(baselines) * denominator_error)
+            / np.where(denominator != 0, np.abs(denominator) - denominator_error, 1.0) + e * np.abs(baselines))
         if leave_one_out:
             # Where the others' energy Dᵢ is not surely positive (Dᵢ ≤ |ΔD|) a port may compute Dᵢ' ≤ 0 and take
             # B = 0 (the reference's rule, others_denominator), or read the formula otherwise — the bare ratio
@@ -408,19 +418,23 @@ def otb_comparison_tolerance(
     compute_dtype: Any = np.float32,
     output_dtype: Any = None,
     input_dtype: Any = None,
+    clamped_weights: bool = False,
 ) -> tuple[Tolerance, Tolerance]:
     """Tolerances (advantages, returns) for |implementation − float64 reference| on the same inputs.
 
     = the implementation's bound (:func:`otb_tolerance`: given ``input_dtype``, default ``compute_dtype``, and
     accumulating in ``compute_dtype``) + the reference's float64 bound + the rounding of the output to ``output_dtype``
-    (default: the lower precision of ``input_dtype`` and ``compute_dtype``).
+    (default: the lower precision of ``input_dtype`` and ``compute_dtype``). ``clamped_weights``: as
+    :func:`otb_tolerance` (for the implementation; the reference weighs by W⁺).
     """
     prepared = validated_otb_inputs(rewards, response_mask, group_ids, log_probs, sum_pi_squared, is_weights)
     options = dict(align=align, leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail, epsilon=epsilon)
     given = compute_dtype if input_dtype is None else input_dtype
-    implementation = _otb_bounds(prepared, dtype=compute_dtype, input_dtype=given, **options)
-    reference = tuple(replace(bound, reason="the reference's own float64 bound")
-                      for bound in _otb_bounds(prepared, dtype=np.float64, input_dtype=np.float64, **options))
+    implementation = _otb_bounds(prepared, dtype=compute_dtype, input_dtype=given,
+                                 clamped_weights=_validation.flag("clamped_weights", clamped_weights), **options)
+    reference = tuple(replace(bound, reason="the reference's own float64 bound")   # the reference weighs by W⁺
+                      for bound in _otb_bounds(prepared, dtype=np.float64, input_dtype=np.float64,
+                                               clamped_weights=True, **options))
     if output_dtype is None:
         output_dtype = given if machine_epsilon(given) >= machine_epsilon(compute_dtype) else compute_dtype
     rounding = output_rounding(output_dtype)

@@ -114,7 +114,8 @@ def multi_turn(rewards, mask, ids, log_probs, spp, is_weights=None, handle_zero_
 
 
 def leave_one_out(rewards, mask, ids, log_probs, spp, is_weights=None, epsilon=1e-8):
-    """Position-aligned leave-one-out OTB: for member i at t, sums over the other valid members."""
+    """Position-aligned leave-one-out OTB: for member i at t, sums over the other valid members, each weighed by
+    max(W, 0) (the spec's leave-one-out weights: negative energies come only from statistics within the slack)."""
     rewards, mask, log_probs, spp = (np.asarray(a, dtype=np.float64) for a in (rewards, mask, log_probs, spp))
     is_weights = None if is_weights is None else np.asarray(is_weights, dtype=np.float64)
     ids = list(np.asarray(ids, dtype=object))
@@ -131,8 +132,8 @@ def leave_one_out(rewards, mask, ids, log_probs, spp, is_weights=None, epsilon=1
                 if not others:
                     baseline = 0.0
                 else:
-                    numerator = sum(G[j, t] * W[j, t] for j in others)
-                    denominator = sum(W[j, t] for j in others)           # no baseline unless positive
+                    numerator = sum(G[j, t] * max(W[j, t], 0.0) for j in others)
+                    denominator = sum(max(W[j, t], 0.0) for j in others)     # no baseline unless positive
                     baseline = numerator / (denominator + epsilon) if denominator > 0 else 0.0
                 advantages[i, t] = G[i, t] - baseline
     return advantages, G

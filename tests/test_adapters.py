@@ -102,12 +102,15 @@ def _reference(variant, seen, mask, group_ids, **options):
 
 
 def _tolerances(adapter, variant, seen, mask, group_ids, dtype, **options):
+    """The bound for this adapter against the reference; leave-one-out judged as weighing by max(W, 0), which every
+    adapter here claims (``clamped_weights``)."""
     _, _, bound_options = VARIANTS[variant]
     bound_options = dict(bound_options)
     bound_options.setdefault("handle_zero_tail", options.get("handle_zero_tail", True))
     return otb_comparison_tolerance(seen["rewards"], mask, group_ids, seen["log_probs"], seen["sum_pi_squared"],
                                     is_weights=seen["is_weights"], epsilon=options.get("epsilon", 1e-8),
-                                    compute_dtype=adapter.compute_dtype(dtype), output_dtype=dtype, **bound_options)
+                                    compute_dtype=adapter.compute_dtype(dtype), output_dtype=dtype,
+                                    clamped_weights=True, **bound_options)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

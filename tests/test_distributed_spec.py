@@ -127,6 +127,15 @@ def test_zero_tail_from_local_lengths_is_caught():
     assert not np.allclose(buggy.advantages, expected.advantages[shards[0]], atol=1e-6)
 
 
+def _totals(leave_one_out: bool):
+    return spec.shard_group_totals(np.ones((2, 3)), np.ones((2, 3)), np.ones((2, 3)), [0, 1], num_groups=2, width=3,
+                                   leave_one_out=leave_one_out)
+
+
+def _lengths():
+    return spec.shard_group_lengths([3, 3], [0, 1], num_groups=2)
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: spec.shard_group_totals(np.ones((2, 3)), np.ones((2, 3)), np.ones((2, 3)), [0, 2], num_groups=2,
                                      width=3), r"group_ids: must lie in \[0, 2\)"),
@@ -137,6 +146,11 @@ def test_zero_tail_from_local_lengths_is_caught():
     (lambda: spec.shard_group_totals(np.ones((2, 3)), np.ones((2, 3)), np.ones((2, 3)), [0, 1], num_groups=0,
                                      width=3), "num_groups: expected a positive integer"),
     (lambda: spec.combine_group_totals([]), "totals: need at least one shard"),
+    (lambda: spec.combine_group_totals([_totals(False), _totals(True)]), "totals: some shards summed for leave-one"),
+    (lambda: spec.shard_token_baseline(_totals(False), _lengths(), np.ones((2, 3)), np.ones((2, 3)), np.ones((2, 3)),
+                                       [0, 1], [3, 3], leave_one_out=True), "totals: summed with leave_one_out=False"),
+    (lambda: spec.shard_token_baseline(_totals(True), _lengths(), np.ones((2, 3)), np.ones((2, 3)), np.ones((2, 3)),
+                                       [0, 1], [3, 3]), "totals: summed with leave_one_out=True"),
     (lambda: spec.context_offsets([], [], 0), "totals: need at least one context shard"),
     (lambda: spec.shard_group_lengths([-1, 2], [0, 0], num_groups=1), "lengths: expected"),
     (lambda: spec.sharded_token_baseline(np.ones((2, 3)), np.ones((2, 3)), [0, 0], np.zeros((2, 3)), np.ones((2, 3)),

@@ -114,7 +114,7 @@ def _check_split(pool, batch, row_shards, *, layout, column_cuts=(), align="posi
     advantage_tol, returns_tol = otb_comparison_tolerance(
         batch.rewards, batch.response_mask, ids, batch.log_probs, batch.sum_pi_squared, is_weights=batch.is_weights,
         align=align, leave_one_out=leave_one_out, handle_zero_tail=not leave_one_out, epsilon=epsilon,
-        compute_dtype=dtype)
+        compute_dtype=dtype, clamped_weights=True)
     for rank, ((status, result), (rows, columns)) in enumerate(zip(outcomes, pieces)):
         assert status == "ok", f"rank {rank}: {result[0]}: {result[1]}\n{result[2]}"
         _sliced(advantage_tol, rows, columns).assert_close(result.advantages, expected.advantages[rows][:, columns],

@@ -1066,7 +1066,8 @@ OTB_EXPORT int FN(otb_groups)(const T *r, const M *m, const T *lp, const T *spp,
  * t (valid token), and stats[k·G + id] = (members, longest, count at longest, second longest) of the local rows of
  * each group. Without it (context parallel), totals[b], totals[B + b], totals[2B + b] receive the row piece's Σmr,
  * Σw and Σm (double) for the other pieces' offsets (otb_dist_offsets adds the terms afterwards). With `nonnegative`
- * (leave-one-out, data parallel only: a context piece's W is whole after the offsets), the weights are mₜ·max(Wₜ, 0). */
+ * (leave-one-out, data parallel only: a context piece's W is whole after the offsets), the weights are
+ * mₜ·max(Wₜ, 0). */
 OTB_EXPORT int FN(otb_dist_first)(const T *r, const M *m, const T *lp, const T *spp, const T *rho, int64_t width,
                                   const int64_t *order, const int64_t *offsets, const int64_t *rows_in_order,
                                   const int64_t *row_group, int64_t first_group, int64_t last_group,

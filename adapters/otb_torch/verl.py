@@ -134,8 +134,9 @@ def compute_leave_one_out_token_baseline_advantage(
     not depend on trajectory i, so E[∇log π⁽ⁱ⁾·Bₜ⁽ⁱ⁾] = 0: the gradient is unbiased (proofs/T3), unlike verl's
     self-inclusive OTB. Where no other member is valid at t, Bₜ⁽ⁱ⁾ = 0 — which is what verl's zero tail does on right
     padding, so ``handle_zero_tail`` (accepted for verl's signature, must be a bool) has nothing left to do; also where
-    the others' energy Σ_{j≠i} Wₜʲmₜʲ ≤ 0. Each W is read as max(W, 0), so every baseline is a weighted mean of the
-    other members' returns even where a bf16 Σπ² below π² makes energies negative (proofs/N1 item 5).
+    the others' energy Σ_{j≠i} Wₜʲmₜʲ ≤ 0. Each W is read as max(W, 0), so every baseline stays a weighted mean of
+    the other members' returns (up to rounding) even where a bf16 Σπ² below π² makes energies negative (proofs/N1
+    item 5).
     ``index``: verl's NumPy array of uids (any hashable ids) or :class:`otb_torch.Segments`. Extra keywords that verl
     passes (``config``, ``reward_baselines``) are ignored; ``check_values`` and ``compile`` are otb_torch's options.
     """
