@@ -127,7 +127,8 @@ def others_denominator(others: np.ndarray, epsilon: float) -> np.ndarray:
     """The leave-one-out denominator: Dᵢ + ε where the other members' energy Dᵢ = Σ_{j≠i} Wⱼmⱼ is positive, 0 (so
     that :func:`safe_ratio` gives B = 0) where it is not. With the weights W⁺ = max(W, 0) of
     :func:`leave_one_out_energy` Dᵢ = D − Wᵢ ≥ 0 (rounding is monotone), so the rule fires only where every other
-    weight is 0 — and then the numerator is 0 too. It matters where bare energies are summed
+    weight is 0 — and then the numerator is 0 too — or below the rounding of D next to the member's own (absorbed:
+    an ill-conditioned position, which the verifier does not judge). It matters where bare energies are summed
     (:func:`otb_spec.identities.leave_one_out_from_self_inclusive`): there it gives no baseline where statistics
     within the input slack make the others' energy negative (proofs/N1 item 5), instead of Nᵢ/ε (a clamp at 0) or a
     ratio that is unbounded where Dᵢ + ε crosses 0."""

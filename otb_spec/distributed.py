@@ -98,7 +98,8 @@ class GroupTotals(NamedTuple):
       energy: D_gk = Σᵢ Wᵢ mᵢ.
       valid: V_gk = Σᵢ mᵢ (valid members at column k).
       leave_one_out: the sums of the leave-one-out variant, whose weights are W⁺ = max(W, 0) — what
-        :func:`shard_token_baseline` checks against its own ``leave_one_out``.
+        :func:`shard_token_baseline` checks against its own ``leave_one_out`` (a fourth field since 2026-11-27:
+        totals built by hand after one's own all-reduce pass it by name).
     """
 
     weighted_returns: np.ndarray
@@ -284,7 +285,7 @@ def _same_shape_items(name: str, items: Sequence[Any], kind: type, hint: str) ->
     for position, item in enumerate(items):
         if not isinstance(item, kind):
             raise TypeError(f"{name}[{position}]: expected {kind.__name__}, got {type(item).__name__}")
-        if any(np.shape(field) != shape for field in item[:3]):
+        if any(np.shape(getattr(item, field)) != shape for field in item._fields if field != "leave_one_out"):
             raise ValueError(f"{name}[{position}]: shape differs from {name}[0] ({shape}); {hint}")
     return items
 
@@ -365,8 +366,9 @@ def shard_token_baseline(totals: GroupTotals, group_lengths: GroupLengths, retur
     leave_one_out = check.flag("leave_one_out", leave_one_out)
     if bool(getattr(totals, "leave_one_out", False)) != leave_one_out:
         raise ValueError(f"totals: summed with leave_one_out={not leave_one_out}, but leave_one_out={leave_one_out} "
-                         "here; pass the same leave_one_out to shard_group_totals (leave-one-out sums the weights "
-                         "max(W, 0))")
+                         "here; pass the same leave_one_out to shard_group_totals, or build "
+                         f"GroupTotals(..., leave_one_out={leave_one_out}) from totals of the weights "
+                         f"{'max(W, 0)' if leave_one_out else 'W'}")
     zero_tail = check.zero_tail(handle_zero_tail, leave_one_out)
     epsilon = check.epsilon(epsilon)
     columns = _columns(mask, align, columns_before, valid_before)

@@ -185,7 +185,8 @@ def leave_one_out_token_baseline(
 
     Because Bₜ⁽⁻ⁱ⁾ is a function of the other trajectories only, which are independent of trajectory i,
     E[mₜ sₜ Bₜ⁽⁻ⁱ⁾] = 0 and the gradient estimator Σₜ mₜ sₜ (Gₜ − Bₜ⁽⁻ⁱ⁾) is unbiased (proofs/T3_unbiasedness.md).
-    With N = 2 and ε = 0 the baseline is exactly the other member's Gₜ wherever its Wₜ > 0.
+    With N = 2 and ε = 0 the baseline is exactly the other member's Gₜ wherever its Wₜ > 0 (in floating point: where
+    it is not absorbed below the rounding of the member's own in the group sum).
 
     Args:
       rewards, response_mask, group_ids, log_probs, sum_pi_squared, is_weights, epsilon: as

@@ -356,12 +356,13 @@ def _otb_error_bounds(rewards: np.ndarray, mask: np.ndarray, segments: Segments,
         # statistics, where W ≥ 0 up to rounding).
         if not clamped_weights:
             dW = dW + np.maximum(-W, 0.0)
+            bare_magnitude = np.abs(W)      # the bare reading's products and sums carry |W'| ≈ |W| ≥ W⁺: bound with it
         W = leave_one_out_energy(W)
     baselines = grid_baseline(G, W, grid, segments, leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail,
                               epsilon=epsilon)
     v = grid.valid
     sum_unit = a * (segments.sizes[segments.index] + 2.0)[:, None] + e
-    W_abs = np.abs(W)   # inputs within the accepted slack can make w (hence W) a hair negative
+    W_abs = bare_magnitude if leave_one_out and not clamped_weights else np.abs(W)   # W < 0 within the input slack
     sum_gw = segment_sums(np.abs(G) * W_abs * v, segments)[segments.index]
     sum_w = segment_sums(W * v, segments)[segments.index]
     sum_w_abs = segment_sums(W_abs * v, segments)[segments.index]

@@ -146,6 +146,7 @@ def _lengths():
     (lambda: spec.shard_group_totals(np.ones((2, 3)), np.ones((2, 3)), np.ones((2, 3)), [0, 1], num_groups=0,
                                      width=3), "num_groups: expected a positive integer"),
     (lambda: spec.combine_group_totals([]), "totals: need at least one shard"),
+    (lambda: spec.combine_group_lengths([_lengths()._replace(second=np.array([-1]))] * 2), "lengths\\[0\\]: shape"),
     (lambda: spec.combine_group_totals([_totals(False), _totals(True)]), "totals: some shards summed for leave-one"),
     (lambda: spec.shard_token_baseline(_totals(False), _lengths(), np.ones((2, 3)), np.ones((2, 3)), np.ones((2, 3)),
                                        [0, 1], [3, 3], leave_one_out=True), "totals: summed with leave_one_out=False"),

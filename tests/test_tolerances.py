@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import otb_spec as otb
 from otb_spec import _portable as portable
 from otb_spec.conformance._cases import _round_to
-from otb_spec.tolerances import otb_comparison_tolerance, output_rounding, sum_pi_squared_tolerance
+from otb_spec.tolerances import otb_comparison_tolerance, otb_tolerance, output_rounding, sum_pi_squared_tolerance
 
 torch = pytest.importorskip("torch")
 mpmath = pytest.importorskip("mpmath")
@@ -220,3 +220,72 @@ def test_leave_one_out_positions_of_tiny_positive_energy_stay_judged():
     wrong = expected.advantages.copy()
     wrong[:, :opening] += 1e3
     assert tolerance.violations(wrong, expected.advantages)[:, :opening].all()
+
+
+def test_leave_one_out_bare_weights_pass_by_default_and_fail_where_the_clamp_is_claimed():
+    """W < 0 from float32 statistics within the slack (Σπ² = π² − 0.029 on one member's confident tokens, 0.03 being
+    float32's slack): the reference weighs that member by max(W, 0) = 0, a port of the formula as written by its
+    negative W. By default (``clamped_weights=False``, what ``verify`` uses) both readings pass — the bound grows by
+    max(−W, 0) and divides by D − |ΔD|; with ``clamped_weights=True`` the bare reading fails and the clamping one
+    still passes (the review of 2026-11-27: the first version of the bound counted the allowance twice, and a
+    single port's bound rejected the bare reading by 1.7×)."""
+    positions = 16
+    pi = np.empty((3, positions))
+    spp = np.empty((3, positions))
+    pi[0], spp[0] = 0.8, 0.67
+    pi[1], spp[1] = 0.999, 0.999**2 - 0.029
+    pi[2], spp[2] = 0.5, 0.5
+    log_pi, spp = np.log(pi).astype(np.float32), spp.astype(np.float32)
+    rewards = np.zeros((3, positions), np.float32)
+    rewards[0, -1], rewards[1, -1] = 1.0, -1.0
+    mask, ids = np.ones((3, positions), np.float32), np.zeros(3, np.int64)
+    expected = otb.leave_one_out_token_baseline(rewards, mask, ids, log_pi, spp)
+    returns = expected.returns
+    energy = np.cumsum(1 - 2 * np.exp(log_pi.astype(np.float64)) + spp.astype(np.float64), axis=1)
+    assert (energy[1] < 0).all()
+
+    def port(weights):
+        numerator = (returns * weights).sum(0) - returns * weights
+        others = weights.sum(0) - weights
+        return returns - np.where(others > 0, numerator / np.where(others > 0, others + 1e-8, 1.0), 0.0)
+
+    bare, clamped = port(energy), port(np.maximum(energy, 0.0))
+    assert np.abs(bare - expected.advantages).max() > 0.5          # the readings differ by far more than rounding
+    common = dict(leave_one_out=True, handle_zero_tail=False, compute_dtype=np.float64, input_dtype=np.float32)
+    either, _ = otb_comparison_tolerance(rewards, mask, ids, log_pi, spp, **common)
+    claimed, _ = otb_comparison_tolerance(rewards, mask, ids, log_pi, spp, clamped_weights=True, **common)
+    single, _ = otb_tolerance(rewards, mask, ids, log_pi, spp, leave_one_out=True, handle_zero_tail=False,
+                              dtype=np.float64, input_dtype=np.float32)
+    for tolerance in (either, single):
+        tolerance.assert_close(bare, expected.advantages, "bare weights, by default")
+        tolerance.assert_close(clamped, expected.advantages, "clamped weights, by default")
+    claimed.assert_close(clamped, expected.advantages, "clamped weights, claimed")
+    assert claimed.violations(bare, expected.advantages).any()
+
+
+def test_leave_one_out_bare_weights_are_bounded_with_their_own_magnitude():
+    """A float32 port of the formula as written, with a member whose W < 0 (Σπ² = π² − 0.0299 on 4 tokens, within the
+    slack) and whose rewards are large and cancel (|r| ~ 10⁶, G₁(0) ≈ 0): its G₁ carries a rounding error of ~1 that
+    multiplies the bare |W|, where W⁺ = 0. The default bound takes the sums' terms with |W| for that reading (the
+    review of 2026-11-27: bounded with W⁺ it allowed 0.079 against an error of 0.127)."""
+    positions, f32 = 16, np.float32
+    pi, spp = np.full((3, positions), 0.5), np.full((3, positions), 0.5)
+    pi[1, :4] = 0.999
+    spp[1, :4] = 0.999**2 - 0.0299
+    rewards = np.zeros((3, positions), f32)
+    rewards[0, -1] = rewards[2, -1] = 1.0
+    large = (np.random.default_rng(13).normal(size=positions - 1) * 1e6).astype(f32)
+    rewards[1, 1:] = large
+    rewards[1, 0] = f32(-large.astype(np.float64).sum())
+    mask, ids = np.ones((3, positions), f32), np.zeros(3, np.int64)
+    log_pi, spp = np.log(pi).astype(f32), spp.astype(f32)
+    expected = otb.leave_one_out_token_baseline(rewards, mask, ids, log_pi, spp)
+    energy = np.cumsum(mask * (f32(1) - f32(2) * np.exp(log_pi) + spp), axis=1, dtype=f32)
+    returns = np.flip(np.cumsum(np.flip(rewards * mask, 1), axis=1, dtype=f32), 1)
+    numerator = (returns * energy).sum(0, dtype=f32) - returns * energy
+    others = energy.sum(0, dtype=f32) - energy
+    port = returns - np.where(others > 0, numerator / np.where(others > 0, others + f32(1e-8), f32(1)), f32(0))
+    assert (energy[1, :4] < 0).all() and np.abs(port - expected.advantages)[0, 0] > 0.1
+    tolerance, _ = otb_comparison_tolerance(rewards, mask, ids, log_pi, spp, leave_one_out=True,
+                                            handle_zero_tail=False)
+    tolerance.assert_close(port, expected.advantages, "float32 bare-weight port, large cancelling rewards")
