@@ -820,6 +820,53 @@ def test_float32_deterministic_opening_leaves_the_baseline_undetermined():
     assert np.isinf(bound[:, :4]).all() and np.isfinite(bound[:, 4:]).all()
 
 
+def _bfloat16(values):
+    """float32 values rounded to the nearest bfloat16 (ties to even), returned as float32."""
+    bits = np.asarray(values, np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) & np.uint32(0xFFFF0000)).view(np.float32)
+
+
+def _forced_opening_groups(groups=100, members=8, positions=16, opening=6, vocab=4096, gap=15.0, seed=0):
+    """Groups whose responses open with `opening` forced tokens (logit gap 15 over V = 4096): log π and Σπ² from
+    float32 logits, Σπ² rounded to bf16 as a bf16 trainer stores it; then consistent free tokens; rewards in {0, 1}."""
+    rng = np.random.default_rng(seed)
+    for _ in range(groups):
+        logits = rng.normal(size=(members, opening, vocab)).astype(np.float32)
+        logits[..., 7] += gap
+        shifted = logits - logits.max(-1, keepdims=True)
+        lse = np.log(np.exp(shifted).sum(-1, dtype=np.float32))
+        log_pi = np.empty((members, positions), np.float32)
+        spp = np.empty((members, positions), np.float32)
+        log_pi[:, :opening] = shifted[..., 7] - lse
+        spp[:, :opening] = _bfloat16(np.square(np.exp(shifted - lse[..., None])).sum(-1, dtype=np.float32))
+        pi = rng.uniform(0.2, 0.9, size=(members, positions - opening))
+        log_pi[:, opening:] = np.log(pi)
+        spp[:, opening:] = _bfloat16(pi**2 + (1 - pi) ** 2 * rng.uniform(0.1, 1.0, size=pi.shape))
+        rewards = np.zeros((members, positions), np.float32)
+        rewards[:, -1] = rng.integers(0, 2, members)
+        yield rewards, np.ones((members, positions), np.float32), np.zeros(members, np.int64), log_pi, spp
+
+
+def test_bfloat16_statistics_of_a_forced_opening_leave_one_out_stays_a_weighted_mean():
+    """N1.5 as printed: over 100 groups of 8 with a 6-token forced opening and bf16 Σπ² (accepted by the value
+    checks), max|A| per group — verl's self-inclusive formula above 10 in 20 groups (worst 253), leave-one-out with the
+    bare weights W in 37 (worst 386), leave-one-out with W⁺ = max(W, 0) (the reference) in none: |A| ≤ max|G| = 1."""
+    self_inclusive, clamped, bare = [], [], []
+    for rewards, mask, ids, log_pi, spp in _forced_opening_groups():
+        self_inclusive.append(np.abs(otb_spec.optimal_token_baseline(rewards, mask, ids, log_pi, spp).advantages).max())
+        clamped.append(np.abs(otb_spec.leave_one_out_token_baseline(rewards, mask, ids, log_pi, spp).advantages).max())
+        returns = otb_spec.returns_to_go(rewards, mask)
+        energy = np.cumsum(otb_spec.token_energy(log_pi, spp) * mask, axis=-1)       # the bare W, some < 0
+        numerator = (returns * energy).sum(0) - returns * energy
+        others = energy.sum(0) - energy
+        bare.append(np.abs(returns - np.where(others > 0, numerator / np.where(others > 0, others + 1e-8, 1.0),
+                                              0.0)).max())
+    self_inclusive, clamped, bare = map(np.asarray, (self_inclusive, clamped, bare))
+    assert (self_inclusive > 10).sum() == 20 and round(float(self_inclusive.max())) == 253
+    assert (bare > 10).sum() == 37 and round(float(bare.max())) == 386
+    assert clamped.max() <= 1.0 + 1e-12
+
+
 def test_verls_sum_pi_squared_of_bfloat16_logits_breaks_the_rule_pi_squared_at_most_sum():
     """N1.4 as printed there: verl's exp(lse(2z) − 2·lse(z)) evaluated in bfloat16 on logits ~N(0, 8²), V = 32768
     (512 rows, seed 0), against the exact Σπ² of the same bf16 values: its largest and median relative errors, how far
