@@ -179,9 +179,10 @@ def leave_one_out_token_baseline(
     the others' energy is 0 only where each of their terms is, and then so is the numerator). Statistics within the
     input slack below π² — float32 near π = 1, or a Σπ² rounded to bf16 — make energies negative at confident tokens
     (proofs/N1 item 5); with the bare W of mixed signs the others' energy can be a small positive sum of large terms
-    and B ≫ max|G| (up to 386·max|G| on bf16 statistics of a forced opening, proofs/N1 item 5). With the weights W⁺ every baseline is a weighted mean
-    of the other members' returns — |B| ≤ max|G| up to the rounding of D − Wᵢ, which matters only where the others'
-    weights are within rounding of 0 next to the member's own — and still a function of the others only (unbiased).
+    and B ≫ max|G| (|A| up to 386·max|G| on bf16 statistics of a forced opening). With the weights W⁺ every baseline
+    is a weighted mean of the other members' returns — |B| ≤ max|G| up to the rounding of D − Wᵢ, which matters only
+    where the others' weights are within rounding of 0 next to the member's own — and still a function of the others
+    only (unbiased).
 
     Because Bₜ⁽⁻ⁱ⁾ is a function of the other trajectories only, which are independent of trajectory i,
     E[mₜ sₜ Bₜ⁽⁻ⁱ⁾] = 0 and the gradient estimator Σₜ mₜ sₜ (Gₜ − Bₜ⁽⁻ⁱ⁾) is unbiased (proofs/T3_unbiasedness.md).
