@@ -108,6 +108,21 @@ def test_errors_name_verl_arguments():
                                                            epsilon=-1.0)
 
 
+@pytest.mark.parametrize("ids, message", [
+    (torch.zeros(6, 1, dtype=torch.long), r"expected a 1-D array of B ids, got shape \(6, 1\)"),
+    (np.array([0.0, np.nan, 1.0, 1.0, 2.0, 2.0]), "contains NaN"),
+    (np.array(["a", "b"] * 2 + ["c"]), r"expected 6 ids \(one per trajectory\), got 5"),
+])
+@pytest.mark.parametrize("function", ["optimal_token_baseline", "leave_one_out_token_baseline"])
+def test_errors_name_group_ids_where_the_function_calls_it_so(ids, message, function):
+    """otb_torch's own functions take ``group_ids`` (verl's drop-ins ``index``): a bad one is named so, whatever the
+    kind of id (a tensor, floats, strings — each takes its own path to the groups)."""
+    _, tensors = _verl_batch()
+    with pytest.raises(ValueError, match="^group_ids: " + message):
+        getattr(otb_torch, function)(tensors["rewards"], tensors["response_mask"], ids, tensors["log_probs"],
+                                     tensors["sum_pi_squared"])
+
+
 def test_device_mismatch_is_reported():
     batch, tensors = _verl_batch()
     with pytest.raises(ValueError, match=r"old_log_probs: on meta but token_level_rewards is on cpu"):

@@ -102,19 +102,20 @@ def _plan(index: np.ndarray, num_groups: int) -> tuple[np.ndarray, tuple[Run, ..
     return order, tuple(runs)
 
 
-def segments_from_index(index: Any, device: torch.device | str | None = None) -> Segments:
+def segments_from_index(index: Any, device: torch.device | str | None = None, *, name: str = "index") -> Segments:
     """Map arbitrary group ids (a NumPy array of any hashable ids, a list, or an integer tensor) to segments.
 
     Uses the reference's :func:`otb_spec.group_segments` on the host (the partition verl's dict of ids builds) — for
     strings (verl's uids) the same partition from one dict pass — numbers the groups in order of first appearance,
     plans the blocks (:class:`Segments`), and copies the result to ``device`` once. An integer tensor is mapped with
-    ``torch.unique`` on its own device and planned on the host (one synchronisation).
+    ``torch.unique`` on its own device and planned on the host (one synchronisation). Errors name the argument
+    ``name`` (verl's ``index`` by default; otb_torch's functions pass ``group_ids``).
     """
     if isinstance(index, Segments):
         return index if device is None else index.to(device)
     if isinstance(index, torch.Tensor):
         if index.dim() != 1:
-            raise ValueError(f"index: expected a 1-D array of B ids, got shape {tuple(index.shape)}")
+            raise ValueError(f"{name}: expected a 1-D array of B ids, got shape {tuple(index.shape)}")
         if device is None:
             device = index.device
         if not (index.is_floating_point() or index.is_complex()):
@@ -123,9 +124,9 @@ def segments_from_index(index: Any, device: torch.device | str | None = None) ->
         else:
             index = index.detach().cpu().numpy()
     ids = index if isinstance(index, np.ndarray) else np.asarray(index)
-    relabelled = _string_labels(ids)
+    relabelled = _string_labels(ids, name)
     if relabelled is None:
-        segments = group_segments(ids, name="index")
+        segments = group_segments(ids, name=name)
         _, first_rows = np.unique(segments.index, return_index=True)
         rank = np.empty(segments.n_groups, dtype=np.int64)
         rank[np.argsort(first_rows, kind="stable")] = np.arange(segments.n_groups)
@@ -142,7 +143,7 @@ def plan_sizes(runs: tuple[Run, ...]) -> np.ndarray:
     return np.repeat(np.array([run.size for run in runs], dtype=np.int64), [run.count for run in runs])
 
 
-def _string_labels(ids: np.ndarray) -> np.ndarray | None:
+def _string_labels(ids: np.ndarray, name: str = "index") -> np.ndarray | None:
     """Group labels in order of first appearance for a non-empty 1-D array of strings (verl's uids: an object array of
     str), from one dict pass — the partition :func:`otb_spec.group_segments` finds by sorting, for strings, where
     equality and order agree; None for any other array (the reference then plans it)."""
@@ -151,7 +152,7 @@ def _string_labels(ids: np.ndarray) -> np.ndarray | None:
     keys = ids.tolist()
     if ids.dtype.kind == "O" and not all(type(key) is str for key in keys):
         return None
-    return first_appearance_labels(keys, "index")
+    return first_appearance_labels(keys, name)
 
 
 def segment_sum(values: torch.Tensor, segments: Segments) -> torch.Tensor:

@@ -53,7 +53,7 @@ class AdvantageResult(NamedTuple):
 
 
 def _segments(group_ids: Any, rows: int, device: torch.device, name: str) -> Segments:
-    segments = segments_from_index(group_ids, device)
+    segments = segments_from_index(group_ids, device, name=name)
     if segments.index.shape[0] != rows:
         raise ValueError(f"{name}: expected {rows} ids (one per trajectory), got {segments.index.shape[0]}")
     if segments.index.device != device:

@@ -585,7 +585,7 @@ def _check_config(config: Any) -> None:
     if config.scale_rewards != "none":
         raise ValueError(
             f"scale_rewards: OTBGRPOTrainer needs scale_rewards='none' (or False), got {config.scale_rewards!r}"
-            + (" (TRL turns True into 'group')" if config.scale_rewards == "group" else "") + ". "
+            + (" (TRL's default; True becomes 'group' too)" if config.scale_rewards == "group" else "") + ". "
             "OTB's advantages are returns minus a per-token baseline, in reward units; TRL's scaling divides them by "
             "the group's (or batch's) reward std + 1e-4, which multiplies the advantages of a zero-std group by 10⁴ "
             "where the baseline is 0 (verl's zero tail, or no other member valid with leave_one_out). Set "
