@@ -542,23 +542,25 @@ def test_invalid_options_raise_value_errors_naming_the_argument(name, tiny_model
                                processing_class=trl_tiny.tokenizer(), **options)
 
 
-@pytest.mark.parametrize("bad", ["inf", "overflow"])
+@pytest.mark.parametrize("bad", ["inf", "overflow", "overflow in OTB"])
 def test_an_infinite_reward_raises_naming_the_reward_function(bad, tmp_path):
     """±inf from a reward function is refused where the rewards are computed, naming the function and the completion
-    in TRL's generation batch; a weighted sum that overflows float32, naming the weights. (NaN — a function's None —
-    stays "not scored".)"""
+    in TRL's generation batch; a weighted sum that overflows float32, naming the weights; finite rewards whose OTB
+    sums Σ GᵢWᵢ overflow float32 (10³⁸ on every other completion), naming the rewards, before any metric is logged or
+    any loss formed. (NaN — a function's None — stays "not scored".)"""
     def reward_huge(completion_ids, **_):
-        return [math.inf if bad == "inf" and i == 3 else 3e38 if bad == "overflow" else 0.0
-                for i, _ in enumerate(completion_ids)]
+        return [math.inf if bad == "inf" and i == 3 else 3e38 if bad == "overflow" else
+                1e38 * (i % 2) if bad == "overflow in OTB" else 0.0 for i, _ in enumerate(completion_ids)]
 
     trainer = otb_trl.OTBGRPOTrainer(model=trl_tiny.model(), reward_funcs=[trl_tiny.reward_a, reward_huge],
                                      args=trl_tiny.config(str(tmp_path), max_steps=1,
-                                                          reward_weights=[1.0, 1.0 if bad == "inf" else 2.0]),
+                                                          reward_weights=[1.0, 2.0 if bad == "overflow" else 1.0]),
                                      train_dataset=trl_tiny.dataset(), processing_class=trl_tiny.tokenizer())
     message = (r"^reward function 'reward_huge' returned inf \(in float32, TRL's reward dtype\) for completion 3 "
                r"of the generation batch" if bad == "inf"
                else r"^reward_weights: the weighted sum of the rewards of completion 0 of the generation batch "
-                    r"overflows float32")
+                    r"overflows float32" if bad == "overflow"
+               else r"^rewards: finite, but OTB's advantages came out ±inf or NaN")
     with pytest.raises(ValueError, match=message):
         trainer.train()
 

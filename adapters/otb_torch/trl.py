@@ -499,6 +499,7 @@ class OTBGRPOTrainer(GRPOTrainer):
         local = torch.stack([count(a), a.sum(), a.square().sum(), g.sum(), b.sum(), count(w), w.sum(), p.sum(),
                              *extremes(a), *extremes(g), *extremes(b), *extremes(w)])
         totals = self.accelerator.gather(local.to(self.accelerator.device)).reshape(-1, local.numel()).cpu()
+        _check_finite_advantages(totals)
         tokens, trajectories = totals[:, 0].sum().item(), totals[:, 5].sum().item()
         metrics = self._metrics[mode]
         if tokens > 0:
@@ -552,6 +553,21 @@ def _check_rewards(rewards_per_func: torch.Tensor, names: list[str], weights: to
         row = int(torch.nonzero(~torch.isfinite(total))[0])
         raise ValueError(f"reward_weights: the weighted sum of the rewards of completion {row} of the generation batch "
                          f"overflows float32 ({rewards_per_func[row].tolist()} weighted by {weights.tolist()})")
+
+
+def _check_finite_advantages(totals: torch.Tensor) -> None:
+    """Finite rewards so large that OTB's float32 sums Σᵢ GᵢWᵢ overflow give ±inf or NaN advantages: raise, naming the
+    rewards, instead of training on them. ``totals`` [P, 16] are the processes' gathered metrics (token count; the
+    advantages', returns' and baselines' (min, −max) at columns 8–13, +inf where a process has no valid token), the
+    same on every process, so every process raises alike."""
+    scored = totals[:, 0] > 0
+    extremes = totals[scored][:, 8:14]
+    if bool(torch.isfinite(extremes).all()):
+        return
+    largest = float(torch.nan_to_num(extremes[:, 2:4].abs(), nan=0.0, posinf=math.inf).max()) if len(extremes) else 0.0
+    raise ValueError(f"rewards: finite, but OTB's advantages came out ±inf or NaN — the returns (up to {largest:.3g} in "
+                     "magnitude) times the realized energies overflow float32 in the group sums Σᵢ GᵢWᵢ; scale the "
+                     "rewards down (reward_weights) so that |G|·ΣW stays far below 3.4e38")
 
 
 def _check_trl_version() -> None:
