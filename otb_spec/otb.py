@@ -242,7 +242,9 @@ def exact_norm_token_baseline(
     norms = check.float_array("cumulative_score_sq_norms", raw_norms, shape=shape, like="rewards")
     check.nonnegative_where("cumulative_score_sq_norms", norms, mask > 0, raw_norms.dtype)
     leave_one_out = check.flag("leave_one_out", leave_one_out)
-    return _token_baseline(reward_to_go(rewards64, mask), norms, mask, segments, align=_align(align),
+    with np.errstate(over="ignore", invalid="ignore"):      # returns-to-go beyond float64: _token_baseline raises
+        returns = reward_to_go(rewards64, mask)
+    return _token_baseline(returns, norms, mask, segments, align=_align(align),
                            leave_one_out=leave_one_out,
                            handle_zero_tail=check.zero_tail(handle_zero_tail, leave_one_out),
                            epsilon=check.epsilon(epsilon))
@@ -286,7 +288,7 @@ def token_baseline(
     leave_one_out = check.flag("leave_one_out", leave_one_out)
     return _token_baseline(returns64, energy, mask, segments, align=_align(align), leave_one_out=leave_one_out,
                            handle_zero_tail=check.zero_tail(handle_zero_tail, leave_one_out),
-                           epsilon=check.epsilon(epsilon))
+                           epsilon=check.epsilon(epsilon), name="returns")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -298,7 +300,9 @@ def _prepare(rewards: Any, response_mask: Any, group_ids: Any, log_probs: Any, s
     """Validate the verl-style arguments and return (G, W, m, segments)."""
     rewards64, mask, segments, energy, weights = validated_otb_inputs(rewards, response_mask, group_ids, log_probs,
                                                                      sum_pi_squared, is_weights)
-    return reward_to_go(rewards64, mask), cumulative_energy(energy, mask, weights), mask, segments
+    with np.errstate(over="ignore", invalid="ignore"):      # returns-to-go beyond float64: _token_baseline raises
+        returns = reward_to_go(rewards64, mask)
+    return returns, cumulative_energy(energy, mask, weights), mask, segments
 
 
 def _align(align: Any) -> str:
@@ -312,7 +316,20 @@ def _align(align: Any) -> str:
 
 
 def _token_baseline(returns: np.ndarray, energy: np.ndarray, mask: np.ndarray, segments: Segments, *,
-                    align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float) -> AdvantageResult:
-    return AdvantageResult(*_core_token_baseline(returns, energy, mask, segments, align=align,
-                                                 leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail,
-                                                 epsilon=epsilon))
+                    align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float,
+                    name: str = "rewards") -> AdvantageResult:
+    """The computation, and a ValueError naming ``name`` where finite inputs overflow float64 (returns-to-go beyond
+    its range, or products GₜⁱWₜⁱ and their group sums): every output is then finite, or the call raises."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        result = AdvantageResult(*_core_token_baseline(returns, energy, mask, segments, align=align,
+                                                       leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail,
+                                                       epsilon=epsilon))
+    if not all(np.isfinite(array).all() for array in result):
+        valid = mask > 0
+        largest_return = float(np.abs(np.where(valid, returns, 0.0)).max(initial=0.0))
+        largest_energy = float(np.abs(np.where(valid, energy, 0.0)).max(initial=0.0))
+        raise ValueError(f"{name}: finite, but the baseline's float64 arithmetic overflows: returns up to "
+                         f"{largest_return:.3g} in magnitude times realized energies up to {largest_energy:.3g}, summed "
+                         f"over a group (Σᵢ GₜⁱWₜⁱ), exceed {np.finfo(np.float64).max:.3g} (or the returns-to-go do); "
+                         "scale them down")
+    return result

@@ -74,6 +74,11 @@ CASES = [
     ("complex rewards", dict(rewards=np.zeros((B, T), dtype=complex)), TypeError, r"rewards: expected real numbers"),
     ("None log_probs", dict(log_probs=None), TypeError, r"log_probs: expected an array, got None"),
     ("ragged rewards", dict(rewards=[[0.0, 1.0], [0.0]]), (TypeError, ValueError), r"rewards: "),
+    # finite, but Σᵢ GₜⁱWₜⁱ (or the returns-to-go) beyond float64: an error, not ±inf/NaN and RuntimeWarnings
+    ("rewards whose weighted sums overflow", dict(rewards=_with(GOOD["rewards"], (slice(None), -1), 1.5e308)),
+     ValueError, r"rewards: finite, but the baseline's float64 arithmetic overflows"),
+    ("rewards whose returns-to-go overflow", dict(rewards=_with(GOOD["rewards"], (1, slice(2, None)), 1.5e308)),
+     ValueError, r"rewards: finite, but the baseline's float64 arithmetic overflows: returns up to inf"),
 ]
 
 
@@ -138,6 +143,15 @@ def test_energy_and_norm_arguments_must_be_nonnegative():
         otb.sequence_optimal_advantage(np.zeros((B, T)), np.ones((B, T)), [0, 0, 1], [-1.0, 0.0, 0.0])
     with pytest.raises(ValueError, match=r"sequence_score_sq_norms: expected shape \(3,\)"):
         otb.sequence_optimal_advantage(np.zeros((B, T)), np.ones((B, T)), [0, 0, 1], [1.0, 0.0])
+
+
+def test_finite_arguments_whose_weighted_sums_overflow_are_named():
+    """The general functions name their own argument where Σᵢ GₜⁱWₜⁱ leaves float64 (each product alone fits)."""
+    with pytest.raises(ValueError, match=r"^returns: finite, but the baseline's float64 arithmetic overflows"):
+        otb.token_baseline(np.full((B, T), 1e308), np.full((B, T), 1.5), np.ones((B, T)), [0, 0, 1])
+    with pytest.raises(ValueError, match=r"^rewards: finite, but the baseline's float64 arithmetic overflows"):
+        otb.exact_norm_token_baseline(_with(np.zeros((B, T)), (slice(None), -1), 1e308), np.ones((B, T)), [0, 0, 1],
+                                      np.full((B, T), 1.5))
 
 
 def test_gamma_must_be_a_discount():
