@@ -329,7 +329,7 @@ def _token_baseline(returns: np.ndarray, energy: np.ndarray, mask: np.ndarray, s
         largest_return = float(np.abs(np.where(valid, returns, 0.0)).max(initial=0.0))
         largest_energy = float(np.abs(np.where(valid, energy, 0.0)).max(initial=0.0))
         raise ValueError(f"{name}: finite, but the baseline's float64 arithmetic overflows: returns up to "
-                         f"{largest_return:.3g} in magnitude times realized energies up to {largest_energy:.3g}, summed "
-                         f"over a group (Σᵢ GₜⁱWₜⁱ), exceed {np.finfo(np.float64).max:.3g} (or the returns-to-go do); "
-                         "scale them down")
+                         f"{largest_return:.3g} in magnitude times realized energies up to {largest_energy:.3g}, "
+                         f"summed over a group (Σᵢ GₜⁱWₜⁱ), exceed {np.finfo(np.float64).max:.3g} (or the "
+                         "returns-to-go do); scale them down")
     return result

@@ -565,9 +565,9 @@ def _check_finite_advantages(totals: torch.Tensor) -> None:
     if bool(torch.isfinite(extremes).all()):
         return
     largest = float(torch.nan_to_num(extremes[:, 2:4].abs(), nan=0.0, posinf=math.inf).max()) if len(extremes) else 0.0
-    raise ValueError(f"rewards: finite, but OTB's advantages came out ±inf or NaN — the returns (up to {largest:.3g} in "
-                     "magnitude) times the realized energies overflow float32 in the group sums Σᵢ GᵢWᵢ; scale the "
-                     "rewards down (reward_weights) so that |G|·ΣW stays far below 3.4e38")
+    raise ValueError(f"rewards: finite, but OTB's advantages came out ±inf or NaN — the returns (up to {largest:.3g} "
+                     "in magnitude) times the realized energies overflow float32 in the group sums Σᵢ GᵢWᵢ; scale "
+                     "the rewards down (reward_weights) so that |G|·ΣW stays far below 3.4e38")
 
 
 def _check_trl_version() -> None:
