@@ -123,6 +123,40 @@ def test_errors_name_group_ids_where_the_function_calls_it_so(ids, message, func
                                      tensors["sum_pi_squared"])
 
 
+@pytest.mark.parametrize("kernel", ["native", "eager"])
+@pytest.mark.parametrize("function", ["optimal_token_baseline", "multi_turn_optimal_token_baseline",
+                                      "leave_one_out_token_baseline"])
+def test_finite_rewards_whose_float32_sums_overflow_raise_naming_the_rewards(kernel, function):
+    """Rewards of 10³⁷ over 64 positions: each return fits float32, the group sums Σᵢ GₜⁱWₜⁱ do not (W up to ~57).
+    The call raises, naming the rewards — not ±inf/NaN advantages (as before: 196 of 256 elements inf, or NaN for
+    leave-one-out); 10³⁵ still computes, finite, and equals the float64 reference."""
+    from otb_torch import _native
+
+    rows, positions = 4, 64
+    mask, group_ids = torch.ones(rows, positions), torch.zeros(rows, dtype=torch.long)
+    log_probs, sum_pi_squared = torch.full((rows, positions), -2.5), torch.full((rows, positions), 0.05)
+    for scale in (1e35, 1e37):
+        context = _native.eager_only() if kernel == "eager" else contextlib.nullcontext()
+        rewards = torch.zeros(rows, positions)
+        rewards[:, -1] = torch.tensor([1.0, 0.0, 0.5, 1.0]) * scale
+        call = lambda: getattr(otb_torch, function)(rewards, mask, group_ids, log_probs,  # noqa: E731
+                                                    sum_pi_squared)
+        with context:
+            if scale > 1e36:
+                with pytest.raises(ValueError, match=r"^rewards: finite, but OTB's arithmetic overflows float32"):
+                    call()
+                continue
+            result = call()
+        arrays = [value.numpy() for value in (rewards, mask, group_ids, log_probs, sum_pi_squared)]
+        expected = getattr(otb, function)(*arrays)
+        leave_one_out = function.startswith("leave")
+        advantage_tolerance, _ = otb_comparison_tolerance(
+            *arrays, align="valid_token" if function.startswith("multi") else "position", leave_one_out=leave_one_out,
+            handle_zero_tail=not leave_one_out, compute_dtype=np.float32)
+        assert torch.isfinite(result.advantages).all()
+        advantage_tolerance.assert_close(result.advantages.numpy(), expected.advantages, f"{function} at {scale:g}")
+
+
 def test_device_mismatch_is_reported():
     batch, tensors = _verl_batch()
     with pytest.raises(ValueError, match=r"old_log_probs: on meta but token_level_rewards is on cpu"):

@@ -965,6 +965,15 @@ static void FN(otb_lengths_to_counts)(T *restrict hist, int64_t columns) {
 }
 
 /* B = N / (D + ε) over `count` columns, in place of N; 0 where the denominator is 0 */
+/* Nonzero if a group's sums N or D (count columns each) left T's range: finite inputs whose products Gₜ·Wₜ or their
+ * sums overflow (NaN included: ∞ − ∞ in a sum). The caller then checks the inputs, and the outputs for ±inf/NaN. */
+static int FN(otb_sums_overflow)(const T *restrict num, const T *restrict den, int64_t count) {
+    FLAG outside = 0;
+    for (int64_t c = 0; c < count; ++c)
+        outside |= !((num[c] <= FINITE_MAX) & (num[c] >= -FINITE_MAX) & (den[c] <= FINITE_MAX) & (den[c] >= -FINITE_MAX));
+    return outside != 0;
+}
+
 static void FN(otb_ratio)(T *restrict num, const T *restrict den, int64_t count, T eps) {
     for (int64_t c = 0; c < count; ++c) {
         const T d = den[c] + eps;
@@ -1010,6 +1019,7 @@ OTB_EXPORT int FN(otb_groups)(const T *r, const M *m, const T *lp, const T *spp,
             }
         }
         if (size == 1) continue;
+        if (check) bad |= FN(otb_sums_overflow)(num, den, width);
         if (leave_one_out) {
             if (valid_token) {                                 /* V from the members' lengths */
                 for (int64_t p = begin; p < end; ++p)

@@ -316,17 +316,36 @@ def _run(names: tuple[str, str, str, str, str, str], rewards: Any, response_mask
                                              **options)
     # integer token statistics have no input slack and π² may underflow in float32: the reference's validators decide
     exact = not (lp_t.is_floating_point() and spp_t.is_floating_point())
+    if check_values and not native:             # the eager kernels' group sums are not checked for overflow on the way
+        overflow = ~torch.isfinite(outputs[0]).all()
+        bad = overflow if bad is None else bad | overflow
     if check_values and not native and mask_t.dtype == torch.float64 and options["dtype"] != torch.float64:
         bad = bool(bad) or bool(check.not_binary(mask_t))   # the eager kernels read this mask rounded to float32
         # (the native kernel checks the mask in its own dtype)
-    if check_values and (exact or bool(bad)):                           # the one synchronisation
+    flagged = check_values and (exact or bool(bad))                     # the one synchronisation
+    if flagged:
         check.check_values(True, rewards=(r_name, rewards_t), mask=(m_name, mask_t), log_probs=(lp_name, lp_t),
                            sum_pi_squared=(spp_name, spp_t),
                            is_weights=None if weights_t is None else (w_name, weights_t), exact=exact)
     if lengths is not None:
         _apply_zero_rules(segments, lengths, outputs, mask_t, align=align, handle_zero_tail=handle_zero_tail,
                           dtype=options["dtype"])
+    if flagged:                                 # valid inputs: a flag left is a sum that overflowed, or nothing
+        _check_finite_outputs(outputs, r_name, options["dtype"])
     return AdvantageResult(outputs[0], outputs[1], outputs[2] if need_baselines else None)
+
+
+def _check_finite_outputs(outputs: list[torch.Tensor], name: str, dtype: torch.dtype) -> None:
+    """Valid finite inputs whose arithmetic leaves ``dtype``'s range — the returns-to-go, or the group sums Σᵢ GₜⁱWₜⁱ
+    (the native kernel flags a sum outside the range, the eager path a non-finite advantage): raise, naming the
+    rewards, instead of returning ±inf/NaN. (Results beyond a half-precision output dtype are not caught.)"""
+    if all(bool(torch.isfinite(value).all()) for value in outputs):
+        return
+    returns = torch.nan_to_num(outputs[1].abs(), nan=0.0)
+    largest = float(returns.max()) if returns.numel() else 0.0
+    raise ValueError(f"{name}: finite, but OTB's arithmetic overflows {str(dtype).replace('torch.', '')}: the returns "
+                     f"(up to {largest:.3g} in magnitude) times the realized energies, summed over a group "
+                     "(Σᵢ GₜⁱWₜⁱ), leave its range; scale the rewards down, or pass float64")
 
 
 def _grouped(blocks: list[_Block], inputs: list[torch.Tensor], *, align: str, handle_zero_tail: bool, epsilon: float,
