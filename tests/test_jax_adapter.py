@@ -190,6 +190,24 @@ def test_errors_name_the_argument():
         otb_jax.sum_pi_squared(jnp.full((2, 3), -jnp.inf))
 
 
+@pytest.mark.parametrize("function", ["optimal_token_baseline", "multi_turn_optimal_token_baseline",
+                                      "leave_one_out_token_baseline"])
+def test_finite_rewards_whose_float32_sums_overflow_raise_naming_the_rewards(function):
+    """Rewards of 10³⁷ over 64 positions: each return fits float32, the group sums Σᵢ GₜⁱWₜⁱ do not. The call
+    raises, naming the rewards, instead of returning ±inf/NaN; under the caller's jit (values unchecked, as every
+    value rule there) it returns them; 10³⁵ computes, finite."""
+    rows, positions = 4, 64
+    arguments = lambda scale: (jnp.zeros((rows, positions)).at[:, -1].set(  # noqa: E731
+        jnp.asarray([1.0, 0.0, 0.5, 1.0]) * scale), jnp.ones((rows, positions)), jnp.zeros(rows, jnp.int32), 1,
+        jnp.full((rows, positions), -2.5), jnp.full((rows, positions), 0.05))
+    call = getattr(otb_jax, function)
+    assert bool(jnp.isfinite(call(*arguments(1e35)).advantages).all())
+    with pytest.raises(ValueError, match=r"^rewards: finite, but OTB's arithmetic overflows float32"):
+        call(*arguments(1e37))
+    traced = jax.jit(lambda r: call(r, *arguments(1e37)[1:]).advantages)
+    assert not bool(jnp.isfinite(traced(arguments(1e37)[0])).all())
+
+
 @pytest.mark.gpu
 @requires_jax_gpu
 def test_gpu_matches_cpu():

@@ -34,6 +34,22 @@ def concrete_flag(flag: Any) -> bool | None:
         return None
 
 
+def finite_outputs(enabled: bool, name: str, outputs: Any, compute_dtype: Any) -> None:
+    """After the computation (a second synchronisation, skipped while tracing): valid finite inputs whose arithmetic
+    left ``compute_dtype``'s range — the returns-to-go, or the group sums Σᵢ GₜⁱWₜⁱ — raise, naming ``name``, instead of
+    returning ±inf/NaN (the reference's rule, otb_spec.otb)."""
+    if not enabled or is_traced(*outputs):
+        return
+    finite = concrete_flag(jnp.all(jnp.stack([jnp.all(jnp.isfinite(value)) for value in outputs])))
+    if finite is None or finite:
+        return
+    returns = np.nan_to_num(np.abs(np.asarray(outputs[1], dtype=np.float64)), nan=0.0)
+    largest = float(returns.max()) if returns.size else 0.0
+    raise ValueError(f"{name}: finite, but OTB's arithmetic overflows {np.dtype(compute_dtype).name}: the returns (up "
+                     f"to {largest:.3g} in magnitude) times the realized energies, summed over a group (Σᵢ GₜⁱWₜⁱ), "
+                     "leave its range; scale the rewards down, or pass float64 (with jax_enable_x64)")
+
+
 def concrete_values(values: Any) -> np.ndarray | None:
     """The host copy of a concrete array; None inside the caller's trace (as :func:`concrete_flag`)."""
     try:

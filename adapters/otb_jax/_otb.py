@@ -62,11 +62,12 @@ def _run(rewards: Any, response_mask: Any, segment_ids: Any, num_segments: int, 
     check.check_values(check_values, rewards=("rewards", rewards_a), mask=("response_mask", mask_a),
                        log_probs=("log_probs", lp_a), sum_pi_squared=("sum_pi_squared", spp_a),
                        is_weights=None if weights_a is None else ("is_weights", weights_a))
+    compute_dtype = check.compute_dtype(rewards_a, lp_a, spp_a, weights_a)
     outputs = otb_pipeline_jit(rewards_a, mask_a, ids, lp_a, spp_a, weights_a, check.epsilon(epsilon),
                                num_segments=int(num_segments), align=align, leave_one_out=leave_one_out,
-                               handle_zero_tail=handle_zero_tail,
-                               compute_dtype=check.compute_dtype(rewards_a, lp_a, spp_a, weights_a),
+                               handle_zero_tail=handle_zero_tail, compute_dtype=compute_dtype,
                                output_dtype=check.output_dtype(rewards_a))
+    check.finite_outputs(check_values, "rewards", outputs, compute_dtype)
     return AdvantageResult(*outputs)
 
 
@@ -126,11 +127,12 @@ def _energy_variant(names: tuple[str, str], first: Any, energy: Any, response_ma
         raise ValueError(f"align: expected one of {_ALIGNMENTS}, got {align!r}")
     leave_one_out = check.flag("leave_one_out", leave_one_out)
     handle_zero_tail = check.zero_tail(handle_zero_tail, leave_one_out)
+    compute_dtype = check.compute_dtype(first_a, energy_a)
     outputs = energy_pipeline_jit(first_a, energy_a, mask_a, ids, check.epsilon(epsilon),
                                   num_segments=int(num_segments), from_rewards=from_rewards, align=align,
                                   leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail,
-                                  compute_dtype=check.compute_dtype(first_a, energy_a),
-                                  output_dtype=check.output_dtype(first_a))
+                                  compute_dtype=compute_dtype, output_dtype=check.output_dtype(first_a))
+    check.finite_outputs(check.flag("check_values", check_values), first_name, outputs, compute_dtype)
     return AdvantageResult(*outputs)
 
 

@@ -970,7 +970,8 @@ static void FN(otb_lengths_to_counts)(T *restrict hist, int64_t columns) {
 static int FN(otb_sums_overflow)(const T *restrict num, const T *restrict den, int64_t count) {
     FLAG outside = 0;
     for (int64_t c = 0; c < count; ++c)
-        outside |= !((num[c] <= FINITE_MAX) & (num[c] >= -FINITE_MAX) & (den[c] <= FINITE_MAX) & (den[c] >= -FINITE_MAX));
+        outside |= !((num[c] <= FINITE_MAX) & (num[c] >= -FINITE_MAX) & (den[c] <= FINITE_MAX)
+                     & (den[c] >= -FINITE_MAX));
     return outside != 0;
 }
 
