@@ -964,7 +964,6 @@ static void FN(otb_lengths_to_counts)(T *restrict hist, int64_t columns) {
     for (int64_t c = columns - 2; c >= 0; --c) hist[c] += hist[c + 1];
 }
 
-/* B = N / (D + ε) over `count` columns, in place of N; 0 where the denominator is 0 */
 /* Nonzero if a group's sums N or D (count columns each) left T's range: finite inputs whose products Gₜ·Wₜ or their
  * sums overflow (NaN included: ∞ − ∞ in a sum). The caller then checks the inputs, and the outputs for ±inf/NaN. */
 static int FN(otb_sums_overflow)(const T *restrict num, const T *restrict den, int64_t count) {
@@ -975,6 +974,7 @@ static int FN(otb_sums_overflow)(const T *restrict num, const T *restrict den, i
     return outside != 0;
 }
 
+/* B = N / (D + ε) over `count` columns, in place of N; 0 where the denominator is 0 */
 static void FN(otb_ratio)(T *restrict num, const T *restrict den, int64_t count, T eps) {
     for (int64_t c = 0; c < count; ++c) {
         const T d = den[c] + eps;
