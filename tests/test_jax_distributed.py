@@ -168,6 +168,13 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="^rewards"):
         jax_distributed.distributed_token_baseline(bad, np.ones((4, 3)), np.zeros(4, np.int32), np.zeros((4, 3)),
                                                    np.ones((4, 3)), num_groups=1, mesh=mesh, data_axis=data_axis)
+    huge = np.zeros((4, 64), np.float32)          # finite rewards whose float32 group sums Σᵢ GₜⁱWₜⁱ overflow
+    huge[:, -1] = 1e37
+    with pytest.raises(ValueError, match=r"^rewards: finite, but OTB's arithmetic overflows float32"):
+        jax_distributed.distributed_token_baseline(huge, np.ones((4, 64), np.float32), np.zeros(4, np.int32),
+                                                   np.full((4, 64), -2.5, np.float32),
+                                                   np.full((4, 64), 0.05, np.float32), num_groups=1, mesh=mesh,
+                                                   data_axis=data_axis)
     with pytest.raises(ValueError, match="group_ids"):
         jax_distributed.distributed_token_baseline(np.ones((4, 3)), np.ones((4, 3)), np.array([0, 1, 2, 3]),
                                                    np.zeros((4, 3)), np.ones((4, 3)), num_groups=2, mesh=mesh,

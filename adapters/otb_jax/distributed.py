@@ -248,7 +248,8 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
       mesh, data_axis, context_axis: the mesh and its axis names (``data_axis`` None: rows are not split;
         ``context_axis`` None: rows are not cut).
       align, leave_one_out, handle_zero_tail, epsilon: as :func:`otb_spec.token_baseline`.
-      check_values: check values on the host first (concrete inputs only). Unchecked (``check_values=False``, or
+      check_values: check values on the host first (concrete inputs only), and after the computation that finite
+        rewards did not overflow the compute dtype in the group sums Σᵢ GₜⁱWₜⁱ (else a ValueError). Unchecked (``check_values=False``, or
         traced inside your ``jit``), as in the one-device port: a group id outside [0, num_groups) gives NaN
         advantages and baselines on its row, which joins no group, and a mask is read as valid where nonzero.
     """
@@ -277,7 +278,9 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
                              f"{axis!r}")
     mapped = _sharded_baseline(mesh, data_axis, context_axis, int(num_groups), align, leave_one_out, zero_tail,
                                epsilon, w is not None)
-    return mapped(r, m, ids, lp, spp) if w is None else mapped(r, m, ids, lp, spp, w)
+    result = mapped(r, m, ids, lp, spp) if w is None else mapped(r, m, ids, lp, spp, w)
+    check.finite_outputs(check_values, "rewards", result, check.compute_dtype(r, lp, spp, w))
+    return result
 
 
 @lru_cache(maxsize=64)
