@@ -431,6 +431,40 @@ def test_bad_values_on_one_rank_raise_on_every_rank(pool, kernel, layout, leave_
         assert errors[rank][0] == "ValueError" and "rank 2 rejected its inputs" in errors[rank][1], errors[rank]
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("leave_one_out", [False, True])
+def test_finite_rewards_whose_float32_group_sums_overflow_raise_on_every_rank(pool, kernel, leave_one_out):
+    """Rewards of 2·10³⁷ on every rank's rows of one group (one row per rank): each rank's own sums Σ GW fit float32
+    (about 2.7·10³⁸ at most), the all-reduced ones do not. Every rank raises, naming the rewards, instead of returning
+    ±inf/NaN advantages (as before the check: the whole group's)."""
+    rows, positions = 4, 16
+    batch = otb.RolloutBatch(rewards=np.zeros((rows, positions), np.float32),
+                             response_mask=np.ones((rows, positions), np.float32), group_ids=np.zeros(rows, np.int64),
+                             log_probs=np.full((rows, positions), -2.5, np.float32),
+                             sum_pi_squared=np.full((rows, positions), 0.05, np.float32), is_weights=None)
+    batch.rewards[:, -1] = 2e37
+    arguments, _ = _split_arguments(batch, np.zeros(rows, np.int64), 1, [np.array([row]) for row in range(rows)],
+                                    [], 1, align="position", leave_one_out=leave_one_out, epsilon=1e-8)
+    if kernel == "eager":
+        arguments = [dict(argument, _eager=True) for argument in arguments]
+    outcomes = pool.run("distributed_token_baseline", "world", arguments)
+    for rank, kind, message in _errors(outcomes, range(rows)):
+        assert kind == "ValueError" and message.startswith("rewards: finite, but OTB's arithmetic overflows "
+                                                           "float32"), (rank, kind, message)
+
+
+def test_the_grid_check_tells_a_cell_out_of_range_from_cells_whose_sum_is():
+    """The grid check sums the cells first: cells each finite whose sum overflows pass (the exact check then
+    clears them); a ±inf or NaN cell raises, checked or not by the first sum."""
+    from otb_torch.distributed import _check_grid
+
+    _check_grid(torch.tensor([3e38, 3e38, 1.0]), True)
+    for bad in (float("inf"), float("nan"), -float("inf")):
+        with pytest.raises(ValueError, match="^rewards: finite, but OTB's arithmetic overflows float32"):
+            _check_grid(torch.tensor([1.0, bad, 2.0]), True)
+        _check_grid(torch.tensor([1.0, bad, 2.0]), False)
+
+
 @pytest.mark.parametrize("layout", ["last two", "context two"])
 @pytest.mark.parametrize("leave_one_out", [False, True])
 @pytest.mark.parametrize("name, where, value", [("rewards", "masked", np.nan), ("log_probs", "valid", 0.5)])

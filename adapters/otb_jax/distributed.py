@@ -249,8 +249,9 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
         ``context_axis`` None: rows are not cut).
       align, leave_one_out, handle_zero_tail, epsilon: as :func:`otb_spec.token_baseline`.
       check_values: check values on the host first (concrete inputs only), and after the computation that finite
-        rewards did not overflow the compute dtype in the group sums Σᵢ GₜⁱWₜⁱ (else a ValueError). Unchecked (``check_values=False``, or
-        traced inside your ``jit``), as in the one-device port: a group id outside [0, num_groups) gives NaN
+        rewards did not overflow the compute dtype in the group sums Σᵢ GₜⁱWₜⁱ (else a ValueError). Unchecked
+        (``check_values=False``, or traced inside your ``jit``), as in the one-device port: a group id outside
+        [0, num_groups) gives NaN
         advantages and baselines on its row, which joins no group, and a mask is read as valid where nonzero.
     """
     if align not in _ALIGNMENTS:
