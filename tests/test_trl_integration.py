@@ -542,15 +542,21 @@ def test_invalid_options_raise_value_errors_naming_the_argument(name, tiny_model
                                processing_class=trl_tiny.tokenizer(), **options)
 
 
-@pytest.mark.parametrize("bad", ["inf", "overflow", "overflow in OTB"])
-def test_an_infinite_reward_raises_naming_the_reward_function(bad, tmp_path):
+@pytest.mark.parametrize("bad", ["inf", "overflow", "overflow in OTB", "overflow past otb_torch"])
+def test_an_infinite_reward_raises_naming_the_reward_function(bad, tmp_path, monkeypatch):
     """±inf from a reward function is refused where the rewards are computed, naming the function and the completion
     in TRL's generation batch; a weighted sum that overflows float32, naming the weights; finite rewards whose OTB
     sums Σ GᵢWᵢ overflow float32 (10³⁸ on every other completion), naming the rewards, before any metric is logged or
-    any loss formed. (NaN — a function's None — stays "not scored".)"""
+    any loss formed — by otb_torch's own check, and, were that check gone, by the trainer's on the advantages'
+    gathered extremes. (NaN — a function's None — stays "not scored".)"""
+    if bad == "overflow past otb_torch":
+        import otb_torch._otb
+
+        monkeypatch.setattr(otb_torch._otb, "_check_finite_outputs", lambda *arguments: None)
+
     def reward_huge(completion_ids, **_):
         return [math.inf if bad == "inf" and i == 3 else 3e38 if bad == "overflow" else
-                1e38 * (i % 2) if bad == "overflow in OTB" else 0.0 for i, _ in enumerate(completion_ids)]
+                1e38 * (i % 2) if bad.startswith("overflow ") else 0.0 for i, _ in enumerate(completion_ids)]
 
     trainer = otb_trl.OTBGRPOTrainer(model=trl_tiny.model(), reward_funcs=[trl_tiny.reward_a, reward_huge],
                                      args=trl_tiny.config(str(tmp_path), max_steps=1,
@@ -560,6 +566,7 @@ def test_an_infinite_reward_raises_naming_the_reward_function(bad, tmp_path):
                r"of the generation batch" if bad == "inf"
                else r"^reward_weights: the weighted sum of the rewards of completion 0 of the generation batch "
                     r"overflows float32" if bad == "overflow"
+               else r"^rewards: finite, but OTB's arithmetic overflows float32" if bad == "overflow in OTB"
                else r"^rewards: finite, but OTB's advantages came out ±inf or NaN")
     with pytest.raises(ValueError, match=message):
         trainer.train()
