@@ -74,7 +74,7 @@ class Grid:
     def scatter(self, grid: np.ndarray) -> np.ndarray:
         """[B, K] → [B, T], 0 at masked positions."""
         if self.align == "position":
-            return grid * self.mask
+            return _masked(grid, self.mask)
         array = np.zeros(self.mask.shape)
         array.ravel()[self.source] = grid.ravel()[self.target]
         return array
@@ -91,8 +91,15 @@ def token_baseline(returns: np.ndarray, energy: np.ndarray, mask: np.ndarray, se
     grid_baselines = grid_baseline(grid.gather(returns), grid.gather(energy), grid, segments,
                                     leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail, epsilon=epsilon)
     baselines = grid.scatter(grid_baselines)
-    advantages = (returns - baselines) * mask
+    advantages = _masked(returns - baselines, mask)
     return advantages, returns, baselines
+
+
+def _masked(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """values·m for m ∈ {0, 1}, bit for bit (a masked −x gives −0), except that a masked ±inf gives ±0, not NaN: a
+    cell whose sums overflow where the rules do not use them (a longer member's zero tail) leaks nothing into another
+    member's masked positions."""
+    return np.where(mask > 0, values, np.copysign(0.0, values))
 
 
 def grid_baseline(returns: np.ndarray, energy: np.ndarray, grid: Grid, segments: Segments, *,

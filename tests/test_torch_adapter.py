@@ -157,6 +157,20 @@ def test_finite_rewards_whose_float32_sums_overflow_raise_naming_the_rewards(ker
         advantage_tolerance.assert_close(result.advantages.numpy(), expected.advantages, f"{function} at {scale:g}")
 
 
+@pytest.mark.parametrize("kernel", ["native", "eager"])
+def test_leave_one_out_raises_where_only_the_others_sum_overflows(kernel):
+    """Returns of mixed signs [−2, 2, 2]·10³⁷: the group's sums N and D fit float32, N − G₀W₀ does not — the
+    native kernel checks a leave-one-out row's advantages while the row is in cache (it returned −inf before)."""
+    from otb_torch import _native
+
+    rewards = torch.zeros(3, 16)
+    rewards[:, -1] = torch.tensor([-2e37, 2e37, 2e37])
+    context = _native.eager_only() if kernel == "eager" else contextlib.nullcontext()
+    with context, pytest.raises(ValueError, match=r"^rewards: finite, but OTB's arithmetic overflows float32"):
+        otb_torch.leave_one_out_token_baseline(rewards, torch.ones(3, 16), torch.zeros(3, dtype=torch.long),
+                                               torch.full((3, 16), -2.5), torch.full((3, 16), 0.05))
+
+
 def test_device_mismatch_is_reported():
     batch, tensors = _verl_batch()
     with pytest.raises(ValueError, match=r"old_log_probs: on meta but token_level_rewards is on cpu"):

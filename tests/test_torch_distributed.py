@@ -453,16 +453,50 @@ def test_finite_rewards_whose_float32_group_sums_overflow_raise_on_every_rank(po
                                                            "float32"), (rank, kind, message)
 
 
-def test_the_grid_check_tells_a_cell_out_of_range_from_cells_whose_sum_is():
-    """The grid check sums the cells first: cells each finite whose sum overflows pass (the exact check then
-    clears them); a ±inf or NaN cell raises, checked or not by the first sum."""
-    from otb_torch.distributed import _check_grid
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_huge_finite_rewards_raise_only_where_the_results_overflow(pool, kernel):
+    """Three cases on two data-parallel ranks, float32, rewards of ±2·10³⁷ or 3·10³⁷ at the last position: a
+    singleton group whose sums overflow but whose baseline is 0 by rule (A = G: finite, no error, equal to the
+    reference); leave-one-out with mixed signs [−2, 2, 2]·10³⁷ (rows 0–1 on rank 0, row 2 on rank 1), where every
+    sum fits but N − G₀W₀ does not (rank 0, which holds that member, raises; rank 1 returns); and the same batch
+    self-inclusive, which fits (no error)."""
+    rows, positions = 4, 16
+    statistics = dict(response_mask=np.ones((rows, positions), np.float32),
+                      log_probs=np.full((rows, positions), -2.5, np.float32),
+                      sum_pi_squared=np.full((rows, positions), 0.05, np.float32), is_weights=None)
+    singleton = np.zeros((rows, positions), np.float32)
+    singleton[:, -1] = [3e37, 1.0, 1.0, 1.0]
+    mixed = np.zeros((rows, positions), np.float32)
+    mixed[:, -1] = [-2e37, 2e37, 2e37, 0.0]
+    shards = [np.array([0, 1]), np.array([2, 3])]       # each rank's own part of every sum fits float32
+    for rewards, ids, leave_one_out, raising in ((singleton, [0, 1, 1, 1], False, set()),
+                                                 (mixed, [0, 0, 0, 1], True, {0}), (mixed, [0, 0, 0, 1], False, set())):
+        batch = otb.RolloutBatch(rewards=rewards, group_ids=np.asarray(ids), **statistics)
+        arguments, _ = _split_arguments(batch, np.asarray(ids), 2, shards, [], 1, align="position",
+                                        leave_one_out=leave_one_out, epsilon=1e-8)
+        if kernel == "eager":
+            arguments = [dict(argument, _eager=True) for argument in arguments]
+        outcomes = _run_on_layout(pool, "distributed_token_baseline", "two", arguments)
+        for rank, (status, payload) in enumerate(outcomes):
+            if rank in raising:
+                assert status == "error" and payload[1].startswith("rewards: finite, but OTB's arithmetic"), payload
+            else:
+                assert status == "ok", (leave_one_out, rank, payload)
+                assert np.isfinite(payload.advantages).all()
+        if not raising:
+            _check_split(pool, batch, shards, layout="two", leave_one_out=leave_one_out, kernel=kernel)
 
-    _check_grid(torch.tensor([3e38, 3e38, 1.0]), True)
+
+def test_the_output_check_tells_a_value_out_of_range_from_values_whose_sum_is():
+    """The output check sums each output first: values each finite whose sum overflows pass (the exact check then
+    clears them); a ±inf or NaN value raises; nothing is checked without check_values."""
+    from otb_torch.distributed import _check_outputs
+
+    _check_outputs((torch.tensor([3e38, 3e38, 1.0]), torch.zeros(3)), True)
     for bad in (float("inf"), float("nan"), -float("inf")):
         with pytest.raises(ValueError, match="^rewards: finite, but OTB's arithmetic overflows float32"):
-            _check_grid(torch.tensor([1.0, bad, 2.0]), True)
-        _check_grid(torch.tensor([1.0, bad, 2.0]), False)
+            _check_outputs((torch.zeros(3), torch.tensor([1.0, bad, 2.0])), True)
+        _check_outputs((torch.zeros(3), torch.tensor([1.0, bad, 2.0])), False)
 
 
 @pytest.mark.parametrize("layout", ["last two", "context two"])

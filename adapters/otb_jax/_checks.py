@@ -43,7 +43,7 @@ def finite_outputs(enabled: bool, name: str, outputs: Any, compute_dtype: Any) -
     finite = concrete_flag(jnp.all(jnp.stack([jnp.all(jnp.isfinite(value)) for value in outputs])))
     if finite is None or finite:
         return
-    returns = np.nan_to_num(np.abs(np.asarray(outputs[1], dtype=np.float64)), nan=0.0)
+    returns = np.nan_to_num(np.abs(np.asarray(outputs[1], dtype=np.float64)), nan=0.0, posinf=np.inf)
     largest = float(returns.max()) if returns.size else 0.0
     raise ValueError(f"{name}: finite, but OTB's arithmetic overflows {np.dtype(compute_dtype).name}: the returns (up "
                      f"to {largest:.3g} in magnitude) times the realized energies, summed over a group (Σᵢ GₜⁱWₜⁱ), "

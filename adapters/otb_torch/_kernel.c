@@ -974,6 +974,14 @@ static int FN(otb_sums_overflow)(const T *restrict num, const T *restrict den, i
     return outside != 0;
 }
 
+/* Nonzero if a value of x[0 … count) is ±inf or NaN: a leave-one-out row's advantages, whose N − GᵢWᵢ can leave the
+ * range where N and D do not (returns of mixed signs); read while the row is in cache. */
+static int FN(otb_row_not_finite)(const T *restrict x, int64_t count) {
+    FLAG outside = 0;
+    for (int64_t t = 0; t < count; ++t) outside |= !((x[t] <= FINITE_MAX) & (x[t] >= -FINITE_MAX));
+    return outside != 0;
+}
+
 /* B = N / (D + ε) over `count` columns, in place of N; 0 where the denominator is 0 */
 static void FN(otb_ratio)(T *restrict num, const T *restrict den, int64_t count, T eps) {
     for (int64_t c = 0; c < count; ++c) {
@@ -1031,6 +1039,7 @@ OTB_EXPORT int FN(otb_groups)(const T *r, const M *m, const T *lp, const T *spp,
                 const int64_t at = (order ? order[p] : p) * width;
                 FN(otb_row_final_loo)(m + at, ret + at, adv + at, width, num, den, cnt, valid_token, 0, width, eps,
                                       base ? base + at : 0, mv);
+                if (check) bad |= FN(otb_row_not_finite)(adv + at, width);
             }
             continue;
         }

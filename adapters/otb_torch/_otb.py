@@ -341,7 +341,7 @@ def _check_finite_outputs(outputs: list[torch.Tensor], name: str, dtype: torch.d
     rewards, instead of returning ±inf/NaN. (Results beyond a half-precision output dtype are not caught.)"""
     if all(bool(torch.isfinite(value).all()) for value in outputs):
         return
-    returns = torch.nan_to_num(outputs[1].abs(), nan=0.0)
+    returns = torch.nan_to_num(outputs[1].abs(), nan=0.0, posinf=float("inf"))
     largest = float(returns.max()) if returns.numel() else 0.0
     raise ValueError(f"{name}: finite, but OTB's arithmetic overflows {str(dtype).replace('torch.', '')}: the returns "
                      f"(up to {largest:.3g} in magnitude) times the realized energies, summed over a group "

@@ -698,7 +698,8 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
             local, start, groups, width, columns_before, align=align, leave_one_out=leave_one_out,
             handle_zero_tail=handle_zero_tail, epsilon=epsilon, dtype=dtype, group=group,
             context_group=context_group, timeout=timeout, most_rows=max(verdicts.column(7)), whole_rows=whole_rows,
-            grid_is_complete=grid_is_complete, check_values=check_values)
+            grid_is_complete=grid_is_complete)
+        _check_outputs((advantages, returns, baselines), check_values)
         out = check.output_dtype(local.rewards)
         return AdvantageResult(advantages.to(out), returns.to(out), baselines.to(out))
     scan = _scan(local, dtype, context_group, columns_before, timeout)
@@ -706,7 +707,8 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
                                                leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail,
                                                epsilon=epsilon, dtype=dtype, group=group,
                                                context_group=context_group, timeout=timeout,
-                                               grid_is_complete=grid_is_complete, check_values=check_values)
+                                               grid_is_complete=grid_is_complete)
+    _check_outputs((advantages, returns, baselines), check_values)
     out = check.output_dtype(local.rewards)
     return AdvantageResult(advantages.to(out), returns.to(out), baselines.to(out))
 
@@ -771,7 +773,7 @@ def _raise_rejected(flags: torch.Tensor, failure: ValueError | None, group: Any)
 def _native_baseline(local: _Local, start: _NativeStart, num_groups: int, width: int, columns_before: int, *,
                      align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float, dtype: torch.dtype,
                      group: Any, context_group: Any, timeout: float | None, most_rows: int, whole_rows: bool,
-                     grid_is_complete: bool, check_values: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     grid_is_complete: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The native path after the handshake: (context parallel) the other pieces' totals and the first sweep with
     their offsets; one SUM all-reduce over ``group`` of the grid, the group statistics and the value-check flags
     (every rank raises if one rank's values were rejected); the final sweep. K = ``width``.
@@ -810,7 +812,6 @@ def _native_baseline(local: _Local, start: _NativeStart, num_groups: int, width:
     else:
         first, gathered_statistics = _reduce_grid(first, start, num_groups, width, leave_one_out=leave_one_out,
                                                   dtype=dtype, group=group, timeout=timeout, most_rows=most_rows)
-    _check_grid(first.grid, check_values)
     advantages, baselines = _native.distributed_final(
         local.mask, start.plan, first, gathered_statistics, num_groups=num_groups, align=align,
         leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail, epsilon=epsilon, dtype=dtype, **pieces)
@@ -849,8 +850,7 @@ def _reduce_grid(first: _native.FirstSweep, start: _NativeStart, num_groups: int
 
 def _baseline(local: _Local, scan: ContextScan, num_groups: int, width: int, *, align: str, leave_one_out: bool,
               handle_zero_tail: bool, epsilon: float, dtype: torch.dtype, group: Any, context_group: Any,
-              timeout: float | None, grid_is_complete: bool, check_values: bool
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              timeout: float | None, grid_is_complete: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The eager path after the handshake (values checked before it): the grid, SUM all-reduced over ``group``, and
     (self-inclusive) the group statistics, all-gathered — neither where ``grid_is_complete`` (as
     :func:`_native_baseline`: each rank's cells hold every row's terms, and it counts every row); B and A."""
@@ -875,7 +875,6 @@ def _baseline(local: _Local, scan: ContextScan, num_groups: int, width: int, *, 
         grid[:, :, window].index_add_(1, ids, torch.stack(planes))
         if not grid_is_complete:
             _all_reduce(grid, dist.ReduceOp.SUM, group, timeout)
-        _check_grid(grid, check_values)
         picked = grid[:, :, window].index_select(1, ids)           # [planes, B, T_c]
     else:                                                           # each valid token to its (group, column) cell
         cells = (ids[:, None] * width + columns).reshape(-1)
@@ -884,7 +883,6 @@ def _baseline(local: _Local, scan: ContextScan, num_groups: int, width: int, *, 
                                                                                                      source)
         if not grid_is_complete:
             _all_reduce(grid, dist.ReduceOp.SUM, group, timeout)
-        _check_grid(grid, check_values)
         picked = grid.index_select(0, cells).reshape(m.shape + (len(planes),)).movedim(-1, 0)
     numerator, denominator = picked[0], picked[1]
     if leave_one_out:
@@ -909,18 +907,17 @@ def _baseline(local: _Local, scan: ContextScan, num_groups: int, width: int, *, 
     return advantages, scan.returns, baselines
 
 
-def _check_grid(grid: torch.Tensor, check_values: bool) -> None:
-    """With ``check_values``: finite rewards whose group sums Σᵢ GₜⁱWₜⁱ (or ΣW) overflow the grid's dtype raise,
-    naming the rewards, instead of ±inf/NaN advantages — on every rank alike where the grid was all-reduced (every
-    rank holds the same sums), on the rank alone where its grid is complete without (a context group spanning
-    ``group``). One sum over the G·planes·K cells (18–27 µs at 64 × 2 × 2048 here, where torch.aminmax took
-    43–890 µs), and only if that sum is not finite — a cell is not, or finite cells add up beyond the range — the
-    exact check."""
-    if not check_values or bool(torch.isfinite(grid.sum())) or bool(torch.isfinite(grid).all()):
+def _check_outputs(outputs: tuple[torch.Tensor, ...], check_values: bool) -> None:
+    """With ``check_values``: this rank's results in the compute dtype, where finite rewards whose group sums
+    Σᵢ GₜⁱWₜⁱ (or, leave-one-out, Σ − GᵢWᵢ) left the dtype's range made them ±inf or NaN, raise, naming the rewards.
+    Only the ranks whose own results are not finite raise (no collective is spent on it: the others return theirs).
+    One sum per output (tens of µs at a rank's half of 64×8×2048), and the exact check only if a sum is not finite."""
+    if not check_values or all(bool(torch.isfinite(value.sum())) or bool(torch.isfinite(value).all())
+                               for value in outputs):
         return
-    raise ValueError(f"rewards: finite, but OTB's arithmetic overflows {str(grid.dtype).replace('torch.', '')}: the "
-                     "returns times the realized energies, summed over a group (Σᵢ GₜⁱWₜⁱ), leave its range; scale "
-                     "the rewards down, or pass float64")
+    raise ValueError(f"rewards: finite, but OTB's arithmetic overflows {str(outputs[0].dtype).replace('torch.', '')}:"
+                     " the returns times the realized energies, summed over a group (Σᵢ GₜⁱWₜⁱ), leave its range "
+                     "(this rank's results are ±inf or NaN); scale the rewards down, or pass float64")
 
 
 def _group_lengths(lengths: torch.Tensor, ids: torch.Tensor, num_groups: int, align: str, count_rows: bool
