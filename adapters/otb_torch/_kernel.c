@@ -964,18 +964,10 @@ static void FN(otb_lengths_to_counts)(T *restrict hist, int64_t columns) {
     for (int64_t c = columns - 2; c >= 0; --c) hist[c] += hist[c + 1];
 }
 
-/* Nonzero if a group's sums N or D (count columns each) left T's range: finite inputs whose products Gₜ·Wₜ or their
- * sums overflow (NaN included: ∞ − ∞ in a sum). The caller then checks the inputs, and the outputs for ±inf/NaN. */
-static int FN(otb_sums_overflow)(const T *restrict num, const T *restrict den, int64_t count) {
-    FLAG outside = 0;
-    for (int64_t c = 0; c < count; ++c)
-        outside |= !((num[c] <= FINITE_MAX) & (num[c] >= -FINITE_MAX) & (den[c] <= FINITE_MAX)
-                     & (den[c] >= -FINITE_MAX));
-    return outside != 0;
-}
-
-/* Nonzero if a value of x[0 … count) is ±inf or NaN: a leave-one-out row's advantages, whose N − GᵢWᵢ can leave the
- * range where N and D do not (returns of mixed signs); read while the row is in cache. */
+/* Nonzero if a value of x[0 … count) is ±inf or NaN: a group's sums N and D (finite inputs whose products Gₜ·Wₜ or
+ * their sums overflow; NaN from ∞ − ∞), or a leave-one-out row's advantages, whose N − GᵢWᵢ can leave the range where
+ * N and D do not (returns of mixed signs), read while the row is in cache. The caller then checks the inputs, and
+ * the outputs for ±inf/NaN. */
 static int FN(otb_row_not_finite)(const T *restrict x, int64_t count) {
     FLAG outside = 0;
     for (int64_t t = 0; t < count; ++t) outside |= !((x[t] <= FINITE_MAX) & (x[t] >= -FINITE_MAX));
@@ -1028,7 +1020,7 @@ OTB_EXPORT int FN(otb_groups)(const T *r, const M *m, const T *lp, const T *spp,
             }
         }
         if (size == 1) continue;
-        if (check) bad |= FN(otb_sums_overflow)(num, den, width);
+        if (check) bad |= FN(otb_row_not_finite)(num, width) | FN(otb_row_not_finite)(den, width);
         if (leave_one_out) {
             if (valid_token) {                                 /* V from the members' lengths */
                 for (int64_t p = begin; p < end; ++p)

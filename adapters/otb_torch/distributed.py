@@ -53,7 +53,7 @@ from otb_torch._logits import (
     _row_dot,
 )
 from otb_torch._core import leave_one_out_energy, others_denominator, realized_energy, reward_to_go, token_energy
-from otb_torch._otb import AdvantageResult
+from otb_torch._otb import AdvantageResult, _check_finite_outputs
 
 __all__ = [
     "vocab_parallel_sum_pi_squared",
@@ -909,15 +909,11 @@ def _baseline(local: _Local, scan: ContextScan, num_groups: int, width: int, *, 
 
 def _check_outputs(outputs: tuple[torch.Tensor, ...], check_values: bool) -> None:
     """With ``check_values``: this rank's results in the compute dtype, where finite rewards whose group sums
-    Σᵢ GₜⁱWₜⁱ (or, leave-one-out, Σ − GᵢWᵢ) left the dtype's range made them ±inf or NaN, raise, naming the rewards.
-    Only the ranks whose own results are not finite raise (no collective is spent on it: the others return theirs).
-    One sum per output (tens of µs at a rank's half of 64×8×2048), and the exact check only if a sum is not finite."""
-    if not check_values or all(bool(torch.isfinite(value.sum())) or bool(torch.isfinite(value).all())
-                               for value in outputs):
-        return
-    raise ValueError(f"rewards: finite, but OTB's arithmetic overflows {str(outputs[0].dtype).replace('torch.', '')}:"
-                     " the returns times the realized energies, summed over a group (Σᵢ GₜⁱWₜⁱ), leave its range "
-                     "(this rank's results are ±inf or NaN); scale the rewards down, or pass float64")
+    Σᵢ GₜⁱWₜⁱ (or, leave-one-out, Σ − GᵢWᵢ) left the dtype's range made them ±inf or NaN, raise, naming the rewards
+    (the one-process check, :func:`otb_torch._otb._check_finite_outputs`). Only the ranks whose own results are not
+    finite raise (no collective is spent on it: the others return theirs)."""
+    if check_values:
+        _check_finite_outputs(outputs, "rewards", outputs[0].dtype)
 
 
 def _group_lengths(lengths: torch.Tensor, ids: torch.Tensor, num_groups: int, align: str, count_rows: bool
