@@ -327,7 +327,7 @@ def _otb_error_bounds(rewards: np.ndarray, mask: np.ndarray, segments: Segments,
     Derivation (docs/tolerances.md): with T positions, n_g members,
 
       |Δ(ρ²w)ⱼ| ≤ e(8ρⱼ² + 3ρⱼ²|wⱼ|)                                 w = 1 − 2π + Σπ² from O(1) operands
-      |ΔWₜ|    ≤ e·Σ_{j≤t} mⱼ(8ρⱼ² + 3ρⱼ²|wⱼ|) + (a(T+3) + e)·|Wₜ|     any summation order, then stored
+      |ΔWₜ|    ≤ e·Σ_{j≤t} mⱼρⱼ²(8 + 3|wⱼ|) + a(T+3)·Σⱼ mⱼρⱼ²|wⱼ| + e|Wₜ|   any order; also W = total − suffix
       |ΔGₜ|    ≤ (a(T+1) + e)·Σₖ|mₖrₖ|                               also covers G = total − prefix
       |ΔN|     ≤ Σᵢ(|Gᵢ||ΔWᵢ| + Wᵢ|ΔGᵢ|) + (a(n_g+2) + e)·Σᵢ|Gᵢ|Wᵢ     N = Σᵢ GᵢWᵢ (leave-one-out: full-group sums)
       |ΔD|     ≤ Σᵢ|ΔWᵢ| + (a(n_g+2) + e)·(ΣᵢWᵢ + ε)                  D = ΣᵢWᵢ + ε (or over j ≠ i)
@@ -343,7 +343,11 @@ def _otb_error_bounds(rewards: np.ndarray, mask: np.ndarray, segments: Segments,
     energy_terms = mask * rho2 * (8.0 + 3.0 * np.abs(token_energy))
     realized = cumulative_energy(token_energy, mask, is_weights)
     returns = reward_to_go(rewards, mask)
-    energy_error = e * np.cumsum(energy_terms, axis=-1) + (a * (n_positions + 3) + e) * np.abs(realized)
+    # the sums' rounding is bounded by the whole row's energy mass, as G's by its reward mass: that also covers
+    # W = total − suffix (one reversed scan for both), whose error at t is of the row's mass, not of Wₜ's
+    energy_mass = (mask * rho2 * np.abs(token_energy)).sum(axis=-1, keepdims=True)
+    energy_error = (e * np.cumsum(energy_terms, axis=-1) + a * (n_positions + 3) * energy_mass
+                    + e * np.abs(realized))
     return_error = np.broadcast_to((a * (n_positions + 1) + e) * np.abs(rewards * mask).sum(axis=-1, keepdims=True),
                                    mask.shape)
 

@@ -4,7 +4,8 @@ people really use, and ports carrying the bugs people really make.
 Every port here is written from the math (docs/verl-differences.md), independently of the reference and of one
 another, the way a trainer's author would: dict-of-groups loops, ``index_add_``, ``scatter_add_``,
 ``index_put_(accumulate=True)``, sorted segments with ``np.add.reduceat``, one-hot matrix products, a [B, B]
-same-group matrix, returns as total minus prefix, the energy as (1 − π)² + (Σπ² − π²), and Σπ² as a shifted or
+same-group matrix, returns as total minus prefix, one reversed scan for both the returns and the energy (W as total
+minus suffix), the energy as (1 − π)² + (Σπ² − π²), and Σπ² as a shifted or
 unshifted log-sum-exp, softmax-then-square or a chunked online pass; and, for fused token statistics, the plain
 unfused program (logits, log_softmax, gather) a fused kernel replaces. Half-precision inputs are computed in float32,
 as a correct port must; results come back in the input's dtype (the unfused program returns its float32 statistics).
@@ -328,6 +329,34 @@ def torch_scatter_add(token_level_rewards, response_mask, index, old_log_probs, 
     baselines = numerator.gather(0, spread) / (denominator.gather(0, spread) + epsilon)
     sizes = torch.bincount(labels, minlength=groups)
     baselines = torch.where((sizes[labels] > 1)[:, None], baselines, torch.zeros_like(baselines))
+    if handle_zero_tail:
+        baselines = _torch_zero_tail(baselines, m, labels, groups, sizes)
+    return ((returns - baselines) * m).to(out), returns.to(out)
+
+
+@torch.no_grad()
+def torch_one_reversed_scan(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                            rollout_is_weights=None, handle_zero_tail=True, epsilon=1e-8, bugs=frozenset(), **kwargs):
+    """Single-turn OTB with one reversed cumsum for both scans: the returns are its reward half, and the energy its
+    energy half read backwards — Wₜ = (row total) − (suffix sum from t) + own term."""
+    out = token_level_rewards.dtype
+    dtype, (r, m, lp, spp, rho) = _t_in(token_level_rewards, response_mask, old_log_probs, sum_pi_squared,
+                                        rollout_is_weights)
+    pi = torch.exp(lp.clamp(max=0))
+    w = 1 - 2 * pi + spp
+    if rho is not None:
+        w = w * rho ** 2
+    terms = torch.stack([r * m, w * m])                                     # [2, B, T]
+    suffix = torch.flip(torch.cumsum(torch.flip(terms, [-1]), -1), [-1])
+    returns = suffix[0]
+    energy = suffix[1][:, :1] - suffix[1] + terms[1]
+    labels, groups = _labels(index, r.device)
+    weight = energy * m
+    numerator = torch.zeros(groups, r.shape[1], dtype=dtype).index_add_(0, labels, returns * weight)
+    denominator = torch.zeros(groups, r.shape[1], dtype=dtype).index_add_(0, labels, weight)
+    sizes = torch.bincount(labels, minlength=groups)
+    baselines = (numerator / (denominator + epsilon))[labels]
+    baselines[sizes[labels] < 2] = 0.0
     if handle_zero_tail:
         baselines = _torch_zero_tail(baselines, m, labels, groups, sizes)
     return ((returns - baselines) * m).to(out), returns.to(out)
@@ -681,6 +710,7 @@ CORRECT: dict[str, tuple[str, str, Callable[..., Any]]] = {
     "torch_index_add": ("otb", "verl", torch_index_add),
     "torch_scatter_add": ("otb", "verl", torch_scatter_add),
     "torch_index_put_accumulate": ("otb", "verl", torch_index_put_accumulate),
+    "torch_one_reversed_scan": ("otb", "verl", torch_one_reversed_scan),
     "torch_one_hot_matmul": ("otb", "verl", torch_one_hot_matmul),
     "torch_keywords_in_another_order": ("otb", "verl", torch_keywords_in_another_order),
     "torch_multi_turn_scatter": ("tir-otb", "verl", torch_multi_turn_scatter),

@@ -289,3 +289,41 @@ def test_leave_one_out_bare_weights_are_bounded_with_their_own_magnitude():
     tolerance, _ = otb_comparison_tolerance(rewards, mask, ids, log_pi, spp, leave_one_out=True,
                                             handle_zero_tail=False)
     tolerance.assert_close(port, expected.advantages, "float32 bare-weight port, large cancelling rewards")
+
+
+def test_energy_read_backwards_from_the_row_total_is_within_the_bound():
+    """Wₜ computed as (row total) − (suffix after t) in float32 — one reversed scan for both scans, correct in exact
+    arithmetic — carries the rounding of the whole row's energy at every t > 0. On rows whose first two tokens have
+    w = 2·10⁻⁴ before 4094 tokens of O(0.1–0.7), that error at t = 1 is far beyond what the prefix's mass allows, and
+    differs between members whose rows differ in mass, so the baseline moves: the bound before 2026-11-27 (the
+    prefix's mass; it rejected such a port in about 1 of 8 verifier runs) fails this port at 4 elements. The bound,
+    which charges the row's mass as it does for the returns, admits it (docs/tolerances.md item 2)."""
+    rows, positions = 4, 4096
+    rng = np.random.default_rng(0)
+    pi = rng.uniform(0.1, 0.6, size=(rows, positions))
+    spp = pi**2 + (1 - pi) ** 2 * rng.uniform(0.2, 1.0, size=(rows, positions))
+    pi[1::2, 2:] = rng.uniform(0.7, 0.8, size=(2, positions - 2))          # rows 1, 3: a sevenfold smaller mass
+    spp[1::2, 2:] = pi[1::2, 2:] ** 2 + (1 - pi[1::2, 2:]) ** 2 * 0.5
+    pi[:, :2], spp[:, :2] = 0.99, 0.99**2 + 0.01**2                          # w₀ = w₁ = 2·10⁻⁴
+    rewards = np.zeros((rows, positions))
+    rewards[:, -1] = [1.0, 0.0, 1.0, 0.0]
+    mask, ids = np.ones((rows, positions)), [0, 0, 0, 0]
+    log_pi = np.log(pi)
+
+    f32 = np.float32
+    w = (1 - 2 * np.exp(log_pi.astype(f32)) + spp.astype(f32)).astype(f32)
+    suffix = np.flip(np.cumsum(np.flip(w, 1), 1, dtype=f32), 1)
+    energy = suffix[:, :1] - suffix + w                                     # total − suffix + own term
+    returns = np.flip(np.cumsum(np.flip(rewards.astype(f32), 1), 1, dtype=f32), 1)
+    baselines = (returns * energy).sum(0) / (energy.sum(0) + f32(1e-8))
+    advantages = returns - baselines                                        # one group; no zero tail (equal lengths)
+
+    exact_energy = np.cumsum(1 - 2 * pi + spp, axis=1)
+    prefix_mass_bound = (np.finfo(f32).eps / 2) * (positions + 4) * exact_energy[:, 1] + 18 * np.finfo(f32).eps
+    assert (np.abs(energy[:, 1] - exact_energy[:, 1]) > prefix_mass_bound).all()   # the old bound's W at t = 1
+
+    expected = otb.optimal_token_baseline(rewards, mask, ids, log_pi, spp, handle_zero_tail=False)
+    tolerance, _ = otb_comparison_tolerance(rewards, mask, ids, log_pi, spp, handle_zero_tail=False,
+                                            compute_dtype=np.float32, output_dtype=np.float32)
+    assert tolerance.holds(advantages, expected.advantages)
+    assert tolerance.checked_fraction() > 0.99
