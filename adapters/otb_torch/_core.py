@@ -281,6 +281,23 @@ def others_denominator(others: torch.Tensor, epsilon: float) -> torch.Tensor:
     return others.masked_fill_(others <= 0, -epsilon).add_(epsilon)
 
 
+def others_sums(weighted: torch.Tensor, weights: torch.Tensor, numerator: torch.Tensor, denominator: torch.Tensor,
+                totals: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Leave-one-out: (Nᵢ, Dᵢ) = (Σ_{j≠i} GⱼWⱼmⱼ, Σ_{j≠i} Wⱼmⱼ) per member, from its terms and the group totals N, D
+    (broadcastable against them; ``totals`` sums per-member values into such totals).
+
+    N − GᵢWᵢ and D − Wᵢ lose a few ulps of D, nothing against Dᵢ ≥ D/4 where Wᵢ ≤ ¾D. A member with Wᵢ > ¾D (at
+    most one per column: two would make D > 1.5·D even after rounding) takes the sums of the others, added directly:
+    with one member's energy far above the rest (a forced opening where one member sampled another token), D − Wᵢ
+    cancels in float32 to rounding noise of either sign and the baseline left the range of the returns
+    (docs/tolerances.md item 4). The weights are W⁺ ≥ 0; a NaN stays NaN."""
+    dominant = weights > 0.75 * denominator
+    rest = (~dominant).to(weights.dtype)
+    others_numerator = torch.where(dominant, totals(weighted * rest), numerator - weighted)
+    others_denominator_ = torch.where(dominant, totals(weights * rest), denominator - weights)
+    return others_numerator, others_denominator_
+
+
 def safe_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
     """numerator/denominator, 0 where the denominator is 0 (only possible with ε = 0)."""
     zero = denominator == 0
@@ -328,7 +345,8 @@ def token_baseline(returns: torch.Tensor, energy: torch.Tensor, mask: torch.Tens
     if leave_one_out:
         valid = layout.view(grid.valid)
         keep = ((layout.totals(valid) - valid) > 0).to(weights.dtype)
-        group_baselines = safe_ratio(numerator - weighted_returns, others_denominator(denominator - weights, epsilon))
+        others_n, others_d = others_sums(weighted_returns, weights, numerator, denominator, layout.totals)
+        group_baselines = safe_ratio(others_n, others_denominator(others_d, epsilon))
     else:
         start = zero_from(grid, layout, handle_zero_tail)
         if grid.positions.shape[0] <= _EXACT_INTEGERS.get(weights.dtype, 0):
