@@ -300,9 +300,15 @@ def _prepare(rewards: Any, response_mask: Any, group_ids: Any, log_probs: Any, s
     """Validate the verl-style arguments and return (G, W, m, segments)."""
     rewards64, mask, segments, energy, weights = validated_otb_inputs(rewards, response_mask, group_ids, log_probs,
                                                                      sum_pi_squared, is_weights)
-    with np.errstate(over="ignore", invalid="ignore"):      # returns-to-go beyond float64: _token_baseline raises
+    with np.errstate(over="ignore", invalid="ignore"):      # returns-to-go or ρ² beyond float64: raised below
         returns = reward_to_go(rewards64, mask)
-    return returns, cumulative_energy(energy, mask, weights), mask, segments
+        realized = cumulative_energy(energy, mask, weights)
+    if weights is not None and not np.isfinite(realized[mask > 0]).all():
+        largest = float(np.abs(np.where(mask > 0, weights, 0.0)).max(initial=0.0))
+        raise ValueError(f"is_weights: finite, but the realized energy Σ ρ²·(1 − 2π + Σπ²) overflows float64 (ρ up to "
+                         f"{largest:.3g}); weights this large carry no usable gradient: truncate them, or check how "
+                         "they were computed")
+    return returns, realized, mask, segments
 
 
 def _align(align: Any) -> str:

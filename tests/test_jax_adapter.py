@@ -208,6 +208,20 @@ def test_finite_rewards_whose_float32_sums_overflow_raise_naming_the_rewards(fun
     assert not bool(jnp.isfinite(traced(arguments(1e37)[0])).all())
 
 
+@pytest.mark.parametrize("function", ["optimal_token_baseline", "leave_one_out_token_baseline"])
+def test_importance_weights_whose_squares_overflow_are_named(function):
+    """ρ = 10²⁰ at one valid token in float32: ρ² and the realized energy leave float32 — the error names is_weights,
+    not the rewards; ρ = 10¹⁵ still computes, finite."""
+    rewards = jnp.zeros((4, 16)).at[:, -1].set(jnp.asarray([1.0, 0.0, 1.0, 0.0]))
+    arguments = (rewards, jnp.ones((4, 16)), jnp.zeros(4, jnp.int32), 1, jnp.full((4, 16), -2.5),
+                 jnp.full((4, 16), 0.05))
+    call = getattr(otb_jax, function)
+    assert bool(jnp.isfinite(call(*arguments, is_weights=jnp.ones((4, 16)).at[1, 3].set(1e15)).advantages).all())
+    with pytest.raises(ValueError, match=r"^is_weights: finite, but the realized energy .* float32's range "
+                                         r"\(ρ up to 1e\+20\)"):
+        call(*arguments, is_weights=jnp.ones((4, 16)).at[1, 3].set(1e20))
+
+
 @pytest.mark.gpu
 @requires_jax_gpu
 def test_gpu_matches_cpu():

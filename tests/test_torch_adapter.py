@@ -171,6 +171,29 @@ def test_leave_one_out_raises_where_only_the_others_sum_overflows(kernel):
                                                torch.full((3, 16), -2.5), torch.full((3, 16), 0.05))
 
 
+@pytest.mark.parametrize("kernel", ["native", "eager"])
+@pytest.mark.parametrize("function", ["optimal_token_baseline", "leave_one_out_token_baseline"])
+def test_importance_weights_whose_squares_overflow_are_named(kernel, function):
+    """ρ = 10²⁰ at one valid token in float32: ρ² = 10⁴⁰ leaves float32 and so does the realized energy — the error
+    names is_weights (it named the rewards, which are 0 and 1); ρ = 10¹⁵ (2·T·ρ² within range) still computes."""
+    from otb_torch import _native
+
+    rewards = torch.zeros(4, 16)
+    rewards[:, -1] = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    arguments = (rewards, torch.ones(4, 16), torch.zeros(4, dtype=torch.long), torch.full((4, 16), -2.5),
+                 torch.full((4, 16), 0.05))
+    for rho in (1e15, 1e20):
+        weights = torch.ones(4, 16)
+        weights[1, 3] = rho
+        with _native.eager_only() if kernel == "eager" else contextlib.nullcontext():
+            if rho < 1e16:
+                assert torch.isfinite(getattr(otb_torch, function)(*arguments, is_weights=weights).advantages).all()
+                continue
+            with pytest.raises(ValueError, match=r"^is_weights: finite, but the realized energy .* float32's range "
+                                                 r"\(ρ up to 1e\+20\)"):
+                getattr(otb_torch, function)(*arguments, is_weights=weights)
+
+
 def test_device_mismatch_is_reported():
     batch, tensors = _verl_batch()
     with pytest.raises(ValueError, match=r"old_log_probs: on meta but token_level_rewards is on cpu"):

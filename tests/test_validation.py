@@ -79,6 +79,10 @@ CASES = [
      ValueError, r"rewards: finite, but the baseline's float64 arithmetic overflows"),
     ("rewards whose returns-to-go overflow", dict(rewards=_with(GOOD["rewards"], (1, slice(2, None)), 1.5e308)),
      ValueError, r"rewards: finite, but the baseline's float64 arithmetic overflows: returns up to inf"),
+    # ρ² beyond float64 makes the realized energy overflow: the weights are named, not the rewards
+    ("importance weights whose squares overflow", dict(is_weights=_with(np.ones((B, T)), (0, 1), 1e160)),
+     ValueError, r"is_weights: finite, but the realized energy Σ ρ²·\(1 − 2π \+ Σπ²\) overflows float64 "
+                 r"\(ρ up to 1e\+160\)"),
 ]
 
 

@@ -34,15 +34,27 @@ def concrete_flag(flag: Any) -> bool | None:
         return None
 
 
-def finite_outputs(enabled: bool, name: str, outputs: Any, compute_dtype: Any) -> None:
+def finite_outputs(enabled: bool, name: str, outputs: Any, compute_dtype: Any, is_weights: Any = None,
+                   mask: Any = None) -> None:
     """After the computation (a second synchronisation, skipped while tracing): valid finite inputs whose arithmetic
     left ``compute_dtype``'s range — the returns-to-go, or the group sums Σᵢ GₜⁱWₜⁱ — raise, naming ``name``, instead of
-    returning ±inf/NaN (the reference's rule, otb_spec.otb)."""
+    returning ±inf/NaN (the reference's rule, otb_spec.otb); naming ``is_weights`` (read where ``mask`` is nonzero)
+    where ρ alone can overflow the realized energy (2·T·max ρ² beyond the range, as otb_torch)."""
     if not enabled or is_traced(*outputs):
         return
     finite = concrete_flag(jnp.all(jnp.stack([jnp.all(jnp.isfinite(value)) for value in outputs])))
     if finite is None or finite:
         return
+    if is_weights is not None and np.size(is_weights):
+        rho = np.abs(np.asarray(is_weights, dtype=np.float64))
+        if mask is not None:
+            rho = np.where(np.asarray(mask) != 0, rho, 0.0)
+        largest_rho = float(rho.max())
+        limit = np.log(float(np.finfo(compute_dtype).max)) - np.log(2.0 * rho.shape[-1])
+        if largest_rho > 0 and 2 * np.log(largest_rho) >= limit:
+            raise ValueError(f"is_weights: finite, but the realized energy Σ ρ²·(1 − 2π + Σπ²) can leave "
+                             f"{np.dtype(compute_dtype).name}'s range (ρ up to {largest_rho:.3g}); weights this large "
+                             "carry no usable gradient: truncate them, or check how they were computed")
     returns = np.nan_to_num(np.abs(np.asarray(outputs[1], dtype=np.float64)), nan=0.0, posinf=np.inf)
     largest = float(returns.max()) if returns.size else 0.0
     raise ValueError(f"{name}: finite, but OTB's arithmetic overflows {np.dtype(compute_dtype).name}: the returns (up "

@@ -67,7 +67,7 @@ def _run(rewards: Any, response_mask: Any, segment_ids: Any, num_segments: int, 
                                num_segments=int(num_segments), align=align, leave_one_out=leave_one_out,
                                handle_zero_tail=handle_zero_tail, compute_dtype=compute_dtype,
                                output_dtype=check.output_dtype(rewards_a))
-    check.finite_outputs(check_values, "rewards", outputs, compute_dtype)
+    check.finite_outputs(check_values, "rewards", outputs, compute_dtype, weights_a, mask_a)
     return AdvantageResult(*outputs)
 
 

@@ -280,7 +280,7 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
     mapped = _sharded_baseline(mesh, data_axis, context_axis, int(num_groups), align, leave_one_out, zero_tail,
                                epsilon, w is not None)
     result = mapped(r, m, ids, lp, spp) if w is None else mapped(r, m, ids, lp, spp, w)
-    check.finite_outputs(check_values, "rewards", result, check.compute_dtype(r, lp, spp, w))
+    check.finite_outputs(check_values, "rewards", result, check.compute_dtype(r, lp, spp, w), w, m)
     return result
 
 

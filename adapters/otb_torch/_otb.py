@@ -6,6 +6,8 @@ float64; bfloat16/float16 inputs are accepted), and returns tensors on the input
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, ContextManager, NamedTuple
 
 import numpy as np
@@ -331,19 +333,31 @@ def _run(names: tuple[str, str, str, str, str, str], rewards: Any, response_mask
         _apply_zero_rules(segments, lengths, outputs, mask_t, align=align, handle_zero_tail=handle_zero_tail,
                           dtype=options["dtype"])
     if flagged:                                 # valid inputs: a flag left is a sum that overflowed, or nothing
-        _check_finite_outputs(outputs, r_name, options["dtype"])
+        _check_finite_outputs(outputs, r_name, options["dtype"], None if weights_t is None else (w_name, weights_t),
+                              mask_t)
     return AdvantageResult(outputs[0], outputs[1], outputs[2] if need_baselines else None)
 
 
-def _check_finite_outputs(outputs: list[torch.Tensor] | tuple[torch.Tensor, ...], name: str, dtype: torch.dtype
+def _check_finite_outputs(outputs: list[torch.Tensor] | tuple[torch.Tensor, ...], name: str, dtype: torch.dtype,
+                          is_weights: tuple[str, torch.Tensor] | None = None, mask: torch.Tensor | None = None
                           ) -> None:
     """Valid finite inputs whose arithmetic leaves ``dtype``'s range — the returns-to-go, or the group sums Σᵢ GₜⁱWₜⁱ
     (the native kernel flags a sum outside the range, the eager path a non-finite advantage; otb_torch.distributed
-    calls it on every rank's results) — raise, naming the rewards, instead of returning ±inf/NaN. One sum per
-    output (tens of µs at a rank's half of 64×8×2048), and the exact check only if a sum is not finite. (Results
-    beyond a half-precision output dtype are not caught.)"""
+    calls it on every rank's results) — raise, naming the rewards, instead of returning ±inf/NaN; naming the
+    importance weights (``is_weights`` = (name, ρ), read where ``mask`` is nonzero) where ρ alone can overflow the
+    realized energy (2·T·max ρ² beyond the range: Wₜ ≤ Σ ρ²·2). One sum per output (tens of µs at a rank's half of
+    64×8×2048), and the exact check only if a sum is not finite. (Results beyond a half-precision output dtype are
+    not caught.)"""
     if all(bool(torch.isfinite(value.sum())) or bool(torch.isfinite(value).all()) for value in outputs):
         return
+    if is_weights is not None and is_weights[1].numel():
+        rho = is_weights[1].abs() if mask is None else torch.where(mask != 0, is_weights[1].abs(), 0.0)
+        largest_rho = float(rho.max())
+        limit = math.log(torch.finfo(dtype).max) - math.log(2.0 * rho.shape[-1])
+        if largest_rho > 0 and 2 * math.log(largest_rho) >= limit:
+            raise ValueError(f"{is_weights[0]}: finite, but the realized energy Σ ρ²·(1 − 2π + Σπ²) can leave "
+                             f"{str(dtype).replace('torch.', '')}'s range (ρ up to {largest_rho:.3g}); weights this "
+                             "large carry no usable gradient: truncate them, or check how they were computed")
     returns = torch.nan_to_num(outputs[1].abs(), nan=0.0, posinf=float("inf"))
     largest = float(returns.max()) if returns.numel() else 0.0
     raise ValueError(f"{name}: finite, but OTB's arithmetic overflows {str(dtype).replace('torch.', '')}: the returns "

@@ -699,7 +699,7 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
             handle_zero_tail=handle_zero_tail, epsilon=epsilon, dtype=dtype, group=group,
             context_group=context_group, timeout=timeout, most_rows=max(verdicts.column(7)), whole_rows=whole_rows,
             grid_is_complete=grid_is_complete)
-        _check_outputs((advantages, returns, baselines), check_values)
+        _check_outputs((advantages, returns, baselines), check_values, local)
         out = check.output_dtype(local.rewards)
         return AdvantageResult(advantages.to(out), returns.to(out), baselines.to(out))
     scan = _scan(local, dtype, context_group, columns_before, timeout)
@@ -708,7 +708,7 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
                                                epsilon=epsilon, dtype=dtype, group=group,
                                                context_group=context_group, timeout=timeout,
                                                grid_is_complete=grid_is_complete)
-    _check_outputs((advantages, returns, baselines), check_values)
+    _check_outputs((advantages, returns, baselines), check_values, local)
     out = check.output_dtype(local.rewards)
     return AdvantageResult(advantages.to(out), returns.to(out), baselines.to(out))
 
@@ -907,13 +907,15 @@ def _baseline(local: _Local, scan: ContextScan, num_groups: int, width: int, *, 
     return advantages, scan.returns, baselines
 
 
-def _check_outputs(outputs: tuple[torch.Tensor, ...], check_values: bool) -> None:
+def _check_outputs(outputs: tuple[torch.Tensor, ...], check_values: bool, local: _Local) -> None:
     """With ``check_values``: this rank's results in the compute dtype, where finite rewards whose group sums
     Σᵢ GₜⁱWₜⁱ (or, leave-one-out, Σ − GᵢWᵢ) left the dtype's range made them ±inf or NaN, raise, naming the rewards
-    (the one-process check, :func:`otb_torch._otb._check_finite_outputs`). Only the ranks whose own results are not
-    finite raise (no collective is spent on it: the others return theirs)."""
+    (or the importance weights where ρ² alone can overflow the energy: the one-process check,
+    :func:`otb_torch._otb._check_finite_outputs`). Only the ranks whose own results are not finite raise (no
+    collective is spent on it: the others return theirs)."""
     if check_values:
-        _check_finite_outputs(outputs, "rewards", outputs[0].dtype)
+        _check_finite_outputs(outputs, "rewards", outputs[0].dtype,
+                              None if local.is_weights is None else ("is_weights", local.is_weights), local.mask)
 
 
 def _group_lengths(lengths: torch.Tensor, ids: torch.Tensor, num_groups: int, align: str, count_rows: bool
