@@ -330,6 +330,30 @@ def test_leave_one_out_of_a_member_whose_energy_dwarfs_the_others_stays_a_weight
     tolerance.assert_close(advantages, expected.advantages, f"{adapter.name} {variant}, one deviant member")
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("variant", ["leave_one_out", "leave_one_out_multi_turn"])
+def test_leave_one_out_with_tied_weights_matches_the_reference(adapter, variant, dtype):
+    """Members with the same statistics have the same W at every column: ties for the largest weight, with equal
+    returns (the same G·W too) and with different ones, next to a member whose first tokens dominate the column.
+    A port that sets its largest member apart (the native kernel's FN(otb_top)) must tell the member it set apart
+    from its twins; every member's baseline is the reference's within the bound."""
+    rows, positions = 7, 12
+    rng = np.random.default_rng(4)
+    pi = np.repeat(rng.uniform(0.05, 0.2, size=(1, positions)), rows, axis=0)   # twins: the largest W from t ≈ 6 …
+    pi[:, :3] = 0.99                                               # … after a confident opening, small energies …
+    pi[6, :3], pi[6, 3:] = 0.05, 0.99                              # … where the last member dominates, and only there
+    spp = pi**2 + (1 - pi) ** 2 * 0.5
+    rewards = np.zeros((rows, positions))
+    rewards[:, -1] = [1.0, 1.0, 0.0, 0.0, 1.0, 0.5, 0.25]          # twins in W and G·W (0, 1, 4), in W only (2, 5)
+    batch = otb.RolloutBatch(rewards=rewards, response_mask=np.ones((rows, positions)), log_probs=np.log(pi),
+                             sum_pi_squared=spp, group_ids=np.zeros(rows, dtype=np.int64))
+    advantages, returns, seen, mask = _run(adapter, variant, batch, dtype)
+    expected = _reference(variant, seen, mask, batch.group_ids)
+    tolerance, _ = _tolerances(adapter, variant, seen, mask, batch.group_ids, dtype)
+    assert tolerance.checked_fraction() == 1.0
+    tolerance.assert_close(advantages, expected.advantages, f"{adapter.name} {variant}, tied weights")
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # the layouts trainers produce (verl: groups scattered by balance_batch, unequal sizes from dynamic sampling)
 

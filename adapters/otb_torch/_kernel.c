@@ -495,13 +495,15 @@ typedef T FN(otb_tv4) __attribute__((vector_size(4 * sizeof(T))));    /* four va
 typedef T FN(otb_tv8) __attribute__((vector_size(8 * sizeof(T))));    /* a block of OTB_BLOCK values of T */
 typedef FLAG FN(otb_fv8) __attribute__((vector_size(8 * sizeof(T))));   /* … and its comparison results */
 
-/* Leave-one-out in one process: per column of a group, its largest weight mₜWₜ so far (w), that member's GₜWₜmₜ
- * (gw) and its number in the group from 1 (member; 0: none yet). With them the column sums num and den leave the top
- * member out, so its baseline needs no D − Wᵢ, which cancels to rounding noise where Wᵢ dwarfs the others' energy
- * (a forced opening where one member sampled another token); every other member has D − Wᵢ ≥ Wtop ≥ Wᵢ, so
- * D − Wᵢ ≥ D/2. w NULL: plain sums (the distributed grid, summed across ranks). */
+/* Leave-one-out in one process: per column of a group, its largest weight mₜWₜ so far (w) and that member's GₜWₜmₜ
+ * (gw). With them the column sums num and den leave the top member out, so its baseline needs no D − Wᵢ, which
+ * cancels to rounding noise where Wᵢ dwarfs the others' energy (a forced opening where one member sampled another
+ * token); every other member has D − Wᵢ ≥ Wtop ≥ Wᵢ, so D − Wᵢ ≥ D/2. A member is the top where its own (w, g·w)
+ * equal the column's — the same products, bit for bit: a member tied with the top in both reads the sums without the
+ * top, which hold its twin's terms in place of its own, the same numbers. w NULL: plain sums (the distributed grid,
+ * summed across ranks). */
 typedef struct {
-    T *w, *gw, *member;
+    T *w, *gw;
 } FN(otb_top);
 
 /* The valid-token loops' blocks as explicit vectors (the compiler does not reliably vectorise 8-position loops). */
@@ -650,24 +652,23 @@ static inline void FN(otb_nonnegative)(T *restrict w, int64_t lo, int64_t hi) {
  * mₜWₜ on the valid span [lo, hi). */
 /* One member's terms into a leave-one-out column that keeps its largest weight apart (otb_top): the top's weight
  * and term move into the sums when a larger weight arrives, so num and den hold the sums of the other members. */
-static inline void FN(otb_top_add)(T g, T w, T member, T *restrict n, T *restrict d, FN(otb_top) top, int64_t c) {
+static inline void FN(otb_top_add)(T g, T w, T *restrict n, T *restrict d, FN(otb_top) top, int64_t c) {
     const T gw = g * w;
     const int up = w > top.w[c];
     *n += up ? top.gw[c] : gw;
     *d += up ? top.w[c] : w;
     top.gw[c] = up ? gw : top.gw[c];
     top.w[c] = up ? w : top.w[c];
-    top.member[c] = up ? member : top.member[c];
 }
 
 static void FN(otb_row_accumulate)(const T *restrict gr, const T *restrict wm, const T *restrict mv, int64_t lo,
                                    int64_t hi, T *restrict num, T *restrict den, T *restrict cnt, int valid_token,
-                                   int64_t col0, int64_t columns, FN(otb_top) top, T member) {
+                                   int64_t col0, int64_t columns, FN(otb_top) top) {
     if (!valid_token) {                                     /* c = col0 + t */
         const int64_t stop = hi < columns - col0 ? hi : columns - col0;
         T *n = num + col0, *d = den + col0;
         if (top.w) {                                        /* FN(otb_top_add), in a loop that vectorises */
-            T *restrict tw = top.w + col0, *restrict tg = top.gw + col0, *restrict tm = top.member + col0;
+            T *restrict tw = top.w + col0, *restrict tg = top.gw + col0;
             for (int64_t t = lo; t < stop; ++t) {
                 const T w = wm[t], gw = gr[t] * w, old_w = tw[t], old_gw = tg[t];
                 const int up = w > old_w;
@@ -675,7 +676,6 @@ static void FN(otb_row_accumulate)(const T *restrict gr, const T *restrict wm, c
                 d[t] += up ? old_w : w;
                 tg[t] = up ? gw : old_gw;
                 tw[t] = up ? w : old_w;
-                tm[t] = up ? member : tm[t];
             }
         } else {
             for (int64_t t = lo; t < stop; ++t) {
@@ -702,14 +702,13 @@ static void FN(otb_row_accumulate)(const T *restrict gr, const T *restrict wm, c
                 const FN(otb_tv8) w = FN(otb_load8)(wm + t);
                 if (top.w) {                                    /* FN(otb_top_add), 8 at a time */
                     typedef FN(otb_tv8) tv8;
-                    const tv8 zero = {0}, gw = FN(otb_load8)(gr + t) * w, old_w = FN(otb_load8)(top.w + c),
+                    const tv8 gw = FN(otb_load8)(gr + t) * w, old_w = FN(otb_load8)(top.w + c),
                               old_gw = FN(otb_load8)(top.gw + c);
                     const FN(otb_fv8) up = w > old_w;
                     FN(otb_store8)(num + c, FN(otb_load8)(num + c) + FN(otb_select8)(up, old_gw, gw));
                     FN(otb_store8)(den + c, FN(otb_load8)(den + c) + FN(otb_select8)(up, old_w, w));
                     FN(otb_store8)(top.gw + c, FN(otb_select8)(up, gw, old_gw));
                     FN(otb_store8)(top.w + c, FN(otb_select8)(up, w, old_w));
-                    FN(otb_store8)(top.member + c, FN(otb_select8)(up, zero + member, FN(otb_load8)(top.member + c)));
                 } else {
                     FN(otb_store8)(num + c, FN(otb_load8)(num + c) + FN(otb_load8)(gr + t) * w);
                     FN(otb_store8)(den + c, FN(otb_load8)(den + c) + w);
@@ -722,7 +721,7 @@ static void FN(otb_row_accumulate)(const T *restrict gr, const T *restrict wm, c
         }
         if (mv[t] != 0) {
             if (top.w) {
-                FN(otb_top_add)(gr[t], wm[t], member, num + c, den + c, top, c);
+                FN(otb_top_add)(gr[t], wm[t], num + c, den + c, top, c);
             } else {
                 num[c] += gr[t] * wm[t];
                 den[c] += wm[t];
@@ -787,16 +786,16 @@ static void FN(otb_prefetch_verify)(const T *rr, const M *mr, const T *lr, const
  * Writes Gₜ (plus `ret_offset`, the rewards of later context pieces) to gr. With `need_energy`, writes mₜWₜ (Wₜ plus
  * `energy_offset`, the energy of earlier pieces) to wm on the valid span (elsewhere wm is left as it is; with
  * `nonnegative`, the leave-one-out weights mₜ·max(Wₜ, 0)) and, when num is given, adds the row's terms into the
- * group's columns (otb_row_accumulate; with top.w, keeping each column's largest weight apart, `member` the row's
- * number in its group from 1). The running total in `sums` stays the bare Σw. Returns the valid count; ORs the
- * value checks into *bad; with `sums`, stores the scans' last values there (Σmr and Σw, offsets included). With pf,
- * prefetches the next row while it runs (otb_prefetch). */
+ * group's columns (otb_row_accumulate; with top.w, keeping each column's largest weight apart). The running total
+ * in `sums` stays the bare Σw. Returns the valid count; ORs the value checks into *bad; with `sums`, stores the
+ * scans' last values there (Σmr and Σw, offsets included). With pf, prefetches the next row while it runs
+ * (otb_prefetch). */
 static int64_t FN(otb_row_first)(const T *restrict rr, const M *restrict mr, const T *restrict lr,
                                  const T *restrict sr, const T *restrict wr, int64_t width, T *restrict gr,
                                  T *restrict wm, T *restrict mv, T *restrict pi, T *restrict num, T *restrict den,
                                  T *restrict cnt, int valid_token, int64_t col0, int64_t columns, double ret_offset,
                                  double energy_offset, int need_energy, int nonnegative, int check, T slack_lp,
-                                 T slack_spp, int *bad, double *sums, otb_prefetch *pf, FN(otb_top) top, T member) {
+                                 T slack_spp, int *bad, double *sums, otb_prefetch *pf, FN(otb_top) top) {
 #ifdef OTB_PREFETCH_CHECK
     FN(otb_prefetch_verify)(rr, mr, lr, sr, wr, gr, wm, width);
 #endif
@@ -840,7 +839,7 @@ static int64_t FN(otb_row_first)(const T *restrict rr, const M *restrict mr, con
         sums[1] = running;
     }
     if (num && need_energy)
-        FN(otb_row_accumulate)(gr, wm, mv, lo, hi, num, den, cnt, valid_token, col0, columns, top, member);
+        FN(otb_row_accumulate)(gr, wm, mv, lo, hi, num, den, cnt, valid_token, col0, columns, top);
     return valid;
 }
 
@@ -949,10 +948,10 @@ static inline T FN(otb_leave_one_out)(T nc, T dc, T vc, T g, T w, T v, T eps) {
 
 /* The same from sums that leave column c's top member out (FN(otb_top)): that member takes them as they are, any
  * other adds the top's terms back and takes its own out. */
-static inline T FN(otb_leave_one_out_top)(T nc, T dc, T vc, T g, T w, T v, T eps, FN(otb_top) top, int64_t c,
-                                          T member) {
-    const int own = top.member[c] == member;
-    const T n = own ? nc : (nc + top.gw[c]) - g * w, d = own ? dc : (dc + top.w[c]) - w;
+static inline T FN(otb_leave_one_out_top)(T nc, T dc, T vc, T g, T w, T v, T eps, FN(otb_top) top, int64_t c) {
+    const T gw = g * w;
+    const int own = (top.w[c] == w) & (top.gw[c] == gw);
+    const T n = own ? nc : (nc + top.gw[c]) - gw, d = own ? dc : (dc + top.w[c]) - w;
     return FN(otb_loo_ratio)(n, d, vc, v, eps);
 }
 
@@ -962,7 +961,7 @@ static inline T FN(otb_leave_one_out_top)(T nc, T dc, T vc, T g, T w, T v, T eps
 static void FN(otb_row_final_loo)(const M *restrict mr, const T *restrict gr, T *restrict ar, int64_t width,
                                   const T *restrict num, const T *restrict den, const T *restrict cnt,
                                   int valid_token, int64_t col0, int64_t columns, T eps, T *restrict br,
-                                  T *restrict mv, FN(otb_top) top, T member) {
+                                  T *restrict mv, FN(otb_top) top) {
     int64_t lo, hi;
     FN(otb_row_mask)(mr, mv, width, &lo, &hi);
     FN(otb_outside)(gr, mv, 0, lo, ar, br);
@@ -971,11 +970,11 @@ static void FN(otb_row_final_loo)(const M *restrict mr, const T *restrict gr, T 
         stop = stop < lo ? lo : (stop > hi ? hi : stop);
         const T *n = num + col0, *d = den + col0, *v = cnt + col0;
         if (top.w) {                                        /* FN(otb_leave_one_out_top), vectorised */
-            const T *restrict tw = top.w + col0, *restrict tg = top.gw + col0, *restrict tm = top.member + col0;
+            const T *restrict tw = top.w + col0, *restrict tg = top.gw + col0;
             for (int64_t t = lo; t < stop; ++t) {
-                const T w = ar[t], g = gr[t];
-                const int own = tm[t] == member;
-                const T nt = own ? n[t] : (n[t] + tg[t]) - g * w, dt = own ? d[t] : (d[t] + tw[t]) - w;
+                const T w = ar[t], g = gr[t], gw = g * w;
+                const int own = (tw[t] == w) & (tg[t] == gw);
+                const T nt = own ? n[t] : (n[t] + tg[t]) - gw, dt = own ? d[t] : (d[t] + tw[t]) - w;
                 const T b = FN(otb_loo_ratio)(nt, dt, v[t], mv[t] != 0 ? (T)1 : (T)0, eps);
                 ar[t] = (g - b) * mv[t];
                 if (br) br[t] = b * mv[t];
@@ -1004,9 +1003,10 @@ static void FN(otb_row_final_loo)(const M *restrict mr, const T *restrict gr, T 
                 typedef FN(otb_tv8) tv8;
                 const tv8 zero = {0}, one = zero + 1, g = FN(otb_load8)(gr + t), w = FN(otb_load8)(ar + t),
                           m8 = FN(otb_load8)(mv + t), nc = FN(otb_load8)(num + c), dc = FN(otb_load8)(den + c);
-                const FN(otb_fv8) own = FN(otb_load8)(top.member + c) == zero + member;
-                const tv8 n = FN(otb_select8)(own, nc, (nc + FN(otb_load8)(top.gw + c)) - g * w);
-                const tv8 d = FN(otb_select8)(own, dc, (dc + FN(otb_load8)(top.w + c)) - w);
+                const tv8 gw = g * w, top_w = FN(otb_load8)(top.w + c), top_gw = FN(otb_load8)(top.gw + c);
+                const FN(otb_fv8) own = (top_w == w) & (top_gw == gw);
+                const tv8 n = FN(otb_select8)(own, nc, (nc + top_gw) - gw);
+                const tv8 d = FN(otb_select8)(own, dc, (dc + top_w) - w);
                 const FN(otb_fv8) positive = ~(d <= 0);
                 const tv8 ratio = n / FN(otb_select8)(positive, d + eps, one);
                 const tv8 b = FN(otb_select8)((FN(otb_load8)(cnt + c) - one > 0) & positive, ratio, zero);
@@ -1040,7 +1040,7 @@ static void FN(otb_row_final_loo)(const M *restrict mr, const T *restrict gr, T 
         T b = 0;
         if (mv[t] != 0) {
             if (c < columns)
-                b = top.w ? FN(otb_leave_one_out_top)(num[c], den[c], cnt[c], gr[t], ar[t], (T)1, eps, top, c, member)
+                b = top.w ? FN(otb_leave_one_out_top)(num[c], den[c], cnt[c], gr[t], ar[t], (T)1, eps, top, c)
                           : FN(otb_leave_one_out)(num[c], den[c], cnt[c], gr[t], ar[t], (T)1, eps);
             ++c;
         }
@@ -1076,7 +1076,7 @@ static void FN(otb_ratio)(T *restrict num, const T *restrict den, int64_t count,
 }
 
 /* One process: groups first_group … last_group − 1 of the plan (order NULL: rows in plan order), each by this thread
- * from start to end. scratch holds 9·width values of T (the last 3: leave-one-out's FN(otb_top)). lengths[p]
+ * from start to end. scratch holds 8·width values of T (the last 2: leave-one-out's FN(otb_top)). lengths[p]
  * receives the valid count of the row at plan position p. Returns nonzero if the value checks flag something (only
  * with `check`). */
 OTB_EXPORT int FN(otb_groups)(const T *r, const M *m, const T *lp, const T *spp, const T *rho, int64_t width,
@@ -1085,7 +1085,7 @@ OTB_EXPORT int FN(otb_groups)(const T *r, const M *m, const T *lp, const T *spp,
                               T *base, T *lengths, T *scratch, int check, double slack_lp, double slack_spp) {
     T *mv = scratch, *pi = scratch + width, *energy = scratch + 2 * width, *num = scratch + 3 * width,
       *den = scratch + 4 * width, *cnt = scratch + 5 * width;
-    const FN(otb_top) top = {leave_one_out ? scratch + 6 * width : 0, scratch + 7 * width, scratch + 8 * width};
+    const FN(otb_top) top = {leave_one_out ? scratch + 6 * width : 0, scratch + 7 * width};
     const T eps = (T)epsilon;
     int bad = 0;
     for (int64_t g = first_group; g < last_group; ++g) {
@@ -1095,7 +1095,7 @@ OTB_EXPORT int FN(otb_groups)(const T *r, const M *m, const T *lp, const T *spp,
             memset(den, 0, (size_t)width * sizeof(T));
             if (leave_one_out) {
                 memset(cnt, 0, (size_t)width * sizeof(T));
-                memset(top.w, 0, 3 * (size_t)width * sizeof(T));       /* top.w, top.gw, top.member */
+                memset(top.w, 0, 2 * (size_t)width * sizeof(T));       /* top.w, top.gw */
             }
         }
         for (int64_t p = begin; p < end; ++p) {
@@ -1109,7 +1109,7 @@ OTB_EXPORT int FN(otb_groups)(const T *r, const M *m, const T *lp, const T *spp,
                 size > 1 ? num : 0, den, leave_one_out && !valid_token ? cnt : 0, valid_token, 0, width, 0.0, 0.0,
                 size > 1, leave_one_out, check, (T)slack_lp, (T)slack_spp, &bad, 0,
                 FN(otb_prefetch_row)(&prefetch, next, width, m, lp, r, spp, rho, ret, leave_one_out ? adv : 0),
-                top, (T)(p - begin + 1));
+                top);
             if (size == 1) {                                   /* a group of one: B = 0 */
                 const T *gr = ret + at;
                 const M *mr = m + at;
@@ -1132,7 +1132,7 @@ OTB_EXPORT int FN(otb_groups)(const T *r, const M *m, const T *lp, const T *spp,
             for (int64_t p = begin; p < end; ++p) {
                 const int64_t at = (order ? order[p] : p) * width;
                 FN(otb_row_final_loo)(m + at, ret + at, adv + at, width, num, den, cnt, valid_token, 0, width, eps,
-                                      base ? base + at : 0, mv, top, (T)(p - begin + 1));
+                                      base ? base + at : 0, mv, top);
                 if (check) bad |= FN(otb_row_not_finite)(adv + at, width);
             }
             continue;
@@ -1203,7 +1203,7 @@ OTB_EXPORT int FN(otb_dist_first)(const T *r, const M *m, const T *lp, const T *
             r + at, m + at, lp + at, spp + at, rho ? rho + at : 0, width, ret + at, wm ? wm + at : energy, mv, pi,
             num, den, cnt, valid_token, 0, columns, 0.0, 0.0, 1, nonnegative, check, (T)slack_lp, (T)slack_spp, &bad,
             sums,
-            FN(otb_prefetch_row)(&prefetch, next, width, m, lp, r, spp, rho, ret, wm), (FN(otb_top)){0, 0, 0}, 0);
+            FN(otb_prefetch_row)(&prefetch, next, width, m, lp, r, spp, rho, ret, wm), (FN(otb_top)){0, 0});
         if (totals) {
             totals[row] = sums[0];
             totals[rows + row] = sums[1];
@@ -1249,7 +1249,7 @@ OTB_EXPORT void FN(otb_dist_offsets)(const M *m, int64_t width, const int64_t *o
         for (int64_t t = lo; t < hi; ++t) wr[t] = wr[t] + earlier * mv[t];
         if (nonnegative) FN(otb_nonnegative)(wr, lo, hi);
         FN(otb_row_accumulate)(gr, wr, mv, lo, hi, num, den, cnt, valid_token,
-                               (valid_token ? col_offsets[row] : col0) - origin, columns, (FN(otb_top)){0, 0, 0}, 0);
+                               (valid_token ? col_offsets[row] : col0) - origin, columns, (FN(otb_top)){0, 0});
     }
     if (!count_rows) return;
     for (int64_t g = first_group; g < last_group; ++g) {
@@ -1286,7 +1286,7 @@ OTB_EXPORT void FN(otb_dist_final)(const M *m, int64_t width, const int64_t *off
         if (leave_one_out) {
             FN(otb_row_final_loo)(m + at, ret + at, adv + at, width, num, num + columns, num + 2 * columns,
                                   valid_token, start_column, columns, eps, base ? base + at : 0, scratch,
-                                  (FN(otb_top)){0, 0, 0}, 0);
+                                  (FN(otb_top)){0, 0});
             continue;
         }
         const int64_t start = otb_zero_from(stats, ranks, num_groups, id, zero_tail, total_lengths[row],

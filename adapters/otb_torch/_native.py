@@ -358,7 +358,7 @@ def grouped(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor, 
     ([advantages, returns(, baselines)] in ``dtype``, whether the value checks flag something). Float inputs are
     converted to ``dtype`` when they are not in it; the mask is read as it is when its dtype has a kernel.
 
-    Extra memory besides the inputs and outputs: 9·T values of ``dtype`` per thread and B for the row lengths (the
+    Extra memory besides the inputs and outputs: 8·T values of ``dtype`` per thread and B for the row lengths (the
     leave-one-out energies are kept in the advantages' buffer until they are overwritten)."""
     rows, width = rewards.shape
     mask, (r, lp, spp, rho) = _inputs(dtype, mask, rewards, log_probs, sum_pi_squared, is_weights)
@@ -368,7 +368,7 @@ def grouped(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor, 
     offsets_c = np.ascontiguousarray(offsets, dtype=np.int64)
     function = _function("groups", dtype, mask)
     bounds = shares(offsets_c, _workers(rows * width))
-    scratch = torch.empty((len(bounds) - 1, 9 * width), dtype=dtype)
+    scratch = torch.empty((len(bounds) - 1, 8 * width), dtype=dtype)
     slack_lp, slack_spp = slacks if slacks is not None else (0.0, 0.0)
     head = [_pointer(r), _pointer(mask), _pointer(lp), _pointer(spp), _pointer(rho), ctypes.c_int64(width),
             _pointer(order_c), offsets_c.ctypes.data_as(ctypes.c_void_p)]
