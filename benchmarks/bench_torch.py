@@ -349,7 +349,7 @@ def bench_kernel_memory(args) -> dict:
     unit = next(iter(results.values()))["input"] / 2**20 if results else 0
     print("| function | extra peak memory | ÷ one input array |\n|---|---|---|")
     print("\n".join(rows))
-    print(f"\n(one input array: {unit:.1f} MiB; the native kernel's own buffers are 6·T values per thread and the B "
+    print(f"\n(one input array: {unit:.1f} MiB; the native kernel's own buffers are 8·T values per thread and the B "
           "row lengths — its leave-one-out keeps m·W in the advantages' buffer until it overwrites it)")
     return results
 
