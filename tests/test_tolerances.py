@@ -296,7 +296,8 @@ def test_energy_read_backwards_from_the_row_total_is_within_the_bound():
     arithmetic — carries the rounding of the whole row's energy at every t > 0. On rows whose first two tokens have
     w = 2·10⁻⁴ before 4094 tokens of O(0.1–0.7), that error at t = 1 is far beyond what the prefix's mass allows, and
     differs between members whose rows differ in mass, so the baseline moves: the bound before 2026-11-27 (the
-    prefix's mass; it rejected such a port in about 1 of 8 verifier runs) fails this port at 4 elements. The bound,
+    prefix's mass; it rejected such a port in about 1 of 8 verifier runs) failed this port at 4 elements (run when
+    the test was written; here the hand-built old bound on W at t = 1 shows why). The bound,
     which charges the row's mass as it does for the returns, admits it (docs/tolerances.md item 2)."""
     rows, positions = 4, 4096
     rng = np.random.default_rng(0)

@@ -81,7 +81,7 @@ CASES = [
      ValueError, r"rewards: finite, but the baseline's float64 arithmetic overflows: returns up to inf"),
     # ρ² beyond float64 makes the realized energy overflow: the weights are named, not the rewards
     ("importance weights whose squares overflow", dict(is_weights=_with(np.ones((B, T)), (0, 1), 1e160)),
-     ValueError, r"is_weights: finite, but the realized energy Σ ρ²·\(1 − 2π \+ Σπ²\) overflows float64 "
+     ValueError, r"is_weights: finite, but ρ² in the realized energy Σ ρ²·\(1 − 2π \+ Σπ²\) overflows float64 "
                  r"\(ρ up to 1e\+160\)"),
 ]
 

@@ -284,17 +284,22 @@ def others_denominator(others: torch.Tensor, epsilon: float) -> torch.Tensor:
 def others_sums(weighted: torch.Tensor, weights: torch.Tensor, numerator: torch.Tensor, denominator: torch.Tensor,
                 totals: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Leave-one-out: (Nᵢ, Dᵢ) = (Σ_{j≠i} GⱼWⱼmⱼ, Σ_{j≠i} Wⱼmⱼ) per member, from its terms and the group totals N, D
-    (broadcastable against them; ``totals`` sums per-member values into such totals).
+    (broadcastable against them; ``totals`` sums per-member values into such totals). Overwrites ``weighted`` and
+    ``weights`` (a dominant member's own terms become 0).
 
     N − GᵢWᵢ and D − Wᵢ lose a few ulps of D, nothing against Dᵢ ≥ D/4 where Wᵢ ≤ ¾D. A member with Wᵢ > ¾D (at
     most one per column: two would make D > 1.5·D even after rounding) takes the sums of the others, added directly:
     with one member's energy far above the rest (a forced opening where one member sampled another token), D − Wᵢ
-    cancels in float32 to rounding noise of either sign and the baseline left the range of the returns
-    (docs/tolerances.md item 4). The weights are W⁺ ≥ 0; a NaN stays NaN."""
+    cancels in float32 to rounding noise of either sign and the baseline left the range of the returns (proofs/N1
+    item 5). The weights are W⁺ ≥ 0; a NaN stays NaN. Extra memory: a boolean per element and one sum of per-member
+    size at a time (none with whole groups, whose sums broadcast)."""
     dominant = weights > 0.75 * denominator
-    rest = (~dominant).to(weights.dtype)
-    others_numerator = torch.where(dominant, totals(weighted * rest), numerator - weighted)
-    others_denominator_ = torch.where(dominant, totals(weights * rest), denominator - weights)
+    others_numerator = numerator - weighted
+    others_denominator_ = denominator - weights
+    weighted.masked_fill_(dominant, 0.0)          # what is left of each column without its dominant member
+    weights.masked_fill_(dominant, 0.0)
+    torch.where(dominant, totals(weighted), others_numerator, out=others_numerator)
+    torch.where(dominant, totals(weights), others_denominator_, out=others_denominator_)
     return others_numerator, others_denominator_
 
 

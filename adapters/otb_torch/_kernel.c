@@ -37,7 +37,9 @@
  *                      rows (the self-inclusive rules from every rank's group statistics, merged per row).
  *
  * Scans accumulate in double and round each output once (what torch's CPU cumsum does); everything else is in the
- * compute type T, in the order of the eager kernel (otb_torch._core). With `check`, the return value is nonzero if
+ * compute type T, in the order of the eager kernel (otb_torch._core) — except that one-process leave-one-out keeps
+ * each column's largest weight out of its sums (FN(otb_top)), where the eager kernel sums a member above ¾ of the
+ * column's energy apart, and the distributed grid sums everything. With `check`, the return value is nonzero if
  * any input may break a value rule of the reference: non-finite values anywhere, a mask outside {0, 1}, or at valid
  * positions log π > slack, Σπ² outside [−slack, 1 + slack], π² − Σπ² above its slack, ρ < 0 — with the caller's own
  * rules for integer token statistics (no slack; π² may underflow) a superset of what the reference rejects, so the
@@ -647,9 +649,6 @@ static inline void FN(otb_nonnegative)(T *restrict w, int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) w[t] = w[t] < 0 ? (T)0 : w[t];
 }
 
-/* Adds one member row's terms into its group's columns: num[c] += GₜWₜmₜ, den[c] += Wₜmₜ, cnt[c] += [mₜ ≠ 0] (cnt
- * may be NULL) at c = col0 + t (position) or col0 + #valid before t (valid token), for c < columns; gr, wm: Gₜ and
- * mₜWₜ on the valid span [lo, hi). */
 /* One member's terms into a leave-one-out column that keeps its largest weight apart (otb_top): the top's weight
  * and term move into the sums when a larger weight arrives, so num and den hold the sums of the other members. */
 static inline void FN(otb_top_add)(T g, T w, T *restrict n, T *restrict d, FN(otb_top) top, int64_t c) {
@@ -661,6 +660,9 @@ static inline void FN(otb_top_add)(T g, T w, T *restrict n, T *restrict d, FN(ot
     top.w[c] = up ? w : top.w[c];
 }
 
+/* Adds one member row's terms into its group's columns: num[c] += GₜWₜmₜ, den[c] += Wₜmₜ, cnt[c] += [mₜ ≠ 0] (cnt
+ * may be NULL) at c = col0 + t (position) or col0 + #valid before t (valid token), for c < columns; gr, wm: Gₜ and
+ * mₜWₜ on the valid span [lo, hi). With top.w, the terms go through otb_top_add. */
 static void FN(otb_row_accumulate)(const T *restrict gr, const T *restrict wm, const T *restrict mv, int64_t lo,
                                    int64_t hi, T *restrict num, T *restrict den, T *restrict cnt, int valid_token,
                                    int64_t col0, int64_t columns, FN(otb_top) top) {
