@@ -1001,29 +1001,20 @@ static void FN(otb_row_final_loo)(const M *restrict mr, const T *restrict gr, T 
         if (t + OTB_BLOCK <= hi) {
             const unsigned bits = NONZERO8(mv + t);
             const int all = bits == OTB_ALL, none = bits == 0;
-            if (all && c + OTB_BLOCK <= columns && top.w) {    /* otb_leave_one_out_top, 8 at a time */
+            if (all && c + OTB_BLOCK <= columns) {       /* otb_leave_one_out(_top), 8 at a time */
                 typedef FN(otb_tv8) tv8;
                 const tv8 zero = {0}, one = zero + 1, g = FN(otb_load8)(gr + t), w = FN(otb_load8)(ar + t),
-                          m8 = FN(otb_load8)(mv + t), nc = FN(otb_load8)(num + c), dc = FN(otb_load8)(den + c);
-                const tv8 gw = g * w, top_w = FN(otb_load8)(top.w + c), top_gw = FN(otb_load8)(top.gw + c);
-                const FN(otb_fv8) own = (top_w == w) & (top_gw == gw);
-                const tv8 n = FN(otb_select8)(own, nc, (nc + top_gw) - gw);
-                const tv8 d = FN(otb_select8)(own, dc, (dc + top_w) - w);
-                const FN(otb_fv8) positive = ~(d <= 0);
-                const tv8 ratio = n / FN(otb_select8)(positive, d + eps, one);
-                const tv8 b = FN(otb_select8)((FN(otb_load8)(cnt + c) - one > 0) & positive, ratio, zero);
-                FN(otb_store8)(ar + t, (g - b) * m8);
-                if (br) FN(otb_store8)(br + t, b * m8);
-                t += OTB_BLOCK;
-                c += OTB_BLOCK;
-                continue;
-            }
-            if (all && c + OTB_BLOCK <= columns) {                /* otb_leave_one_out, 8 at a time */
-                typedef FN(otb_tv8) tv8;
-                const tv8 zero = {0}, one = zero + 1, g = FN(otb_load8)(gr + t), w = FN(otb_load8)(ar + t),
-                          m8 = FN(otb_load8)(mv + t);
-                const tv8 n = FN(otb_load8)(num + c) - g * w;
-                const tv8 d = FN(otb_load8)(den + c) - w;
+                          m8 = FN(otb_load8)(mv + t), gw = g * w;
+                tv8 n = FN(otb_load8)(num + c), d = FN(otb_load8)(den + c);
+                if (top.w) {
+                    const tv8 top_w = FN(otb_load8)(top.w + c), top_gw = FN(otb_load8)(top.gw + c);
+                    const FN(otb_fv8) own = (top_w == w) & (top_gw == gw);
+                    n = FN(otb_select8)(own, n, (n + top_gw) - gw);
+                    d = FN(otb_select8)(own, d, (d + top_w) - w);
+                } else {
+                    n = n - gw;
+                    d = d - w;
+                }
                 const FN(otb_fv8) positive = ~(d <= 0);     /* the others' energy (a NaN stays NaN) */
                 const tv8 ratio = n / FN(otb_select8)(positive, d + eps, one);
                 const tv8 b = FN(otb_select8)((FN(otb_load8)(cnt + c) - one > 0) & positive, ratio, zero);

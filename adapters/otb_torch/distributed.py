@@ -907,15 +907,15 @@ def _baseline(local: _Local, scan: ContextScan, num_groups: int, width: int, *, 
     return advantages, scan.returns, baselines
 
 
-def _check_outputs(outputs: tuple[torch.Tensor, ...], check_values: bool, local: _Local) -> None:
+def _check_outputs(outputs: tuple[torch.Tensor, ...], check_values: bool, local: _Local | None = None) -> None:
     """With ``check_values``: this rank's results in the compute dtype, where finite rewards whose group sums
     Σᵢ GₜⁱWₜⁱ (or, leave-one-out, Σ − GᵢWᵢ) left the dtype's range made them ±inf or NaN, raise, naming the rewards
     (or the importance weights where ρ² alone can overflow the energy: the one-process check,
     :func:`otb_torch._otb._check_finite_outputs`). Only the ranks whose own results are not finite raise (no
     collective is spent on it: the others return theirs)."""
     if check_values:
-        _check_finite_outputs(outputs, "rewards", outputs[0].dtype,
-                              None if local.is_weights is None else ("is_weights", local.is_weights), local.mask)
+        weights = None if local is None or local.is_weights is None else ("is_weights", local.is_weights)
+        _check_finite_outputs(outputs, "rewards", outputs[0].dtype, weights, None if local is None else local.mask)
 
 
 def _group_lengths(lengths: torch.Tensor, ids: torch.Tensor, num_groups: int, align: str, count_rows: bool
