@@ -41,7 +41,7 @@ import numpy as np
 from otb_spec import _validation as check
 from otb_spec._baseline import leave_one_out_energy, others_denominator, safe_ratio, validated_otb_inputs
 from otb_spec.groups import group_segments
-from otb_spec.otb import AdvantageResult
+from otb_spec.otb import AdvantageResult, _overflow_error
 from otb_spec.proxy import _energy
 from otb_spec.trajectory import cumulative_energy, importance_weights, reward_to_go, valid_token_index
 
@@ -409,9 +409,12 @@ def sharded_token_baseline(rewards: Any, response_mask: Any, group_ids: Any, log
       column_cuts: the interior cut points 0 < t₁ < … < T of the context split (none: no context split).
       align, leave_one_out, handle_zero_tail, epsilon: as :func:`otb_spec.token_baseline`.
 
-    Every [d][c] equals the matching block of the single-process result up to the order of summation.
+    Every [d][c] equals the matching block of the single-process result up to the order of summation. Finite rewards
+    whose float64 sums Σᵢ GₜⁱWₜⁱ (or returns-to-go) overflow raise the single-process reference's ValueError naming
+    them, instead of returning ±inf/NaN.
     """
-    validated_otb_inputs(rewards, response_mask, group_ids, log_probs, sum_pi_squared, is_weights)
+    rewards64, mask64, _, token_energy, weights64 = validated_otb_inputs(rewards, response_mask, group_ids, log_probs,
+                                                                         sum_pi_squared, is_weights)
     inputs = [np.asarray(check.to_numpy(name, value)) for name, value in (
         ("rewards", rewards), ("response_mask", response_mask), ("log_probs", log_probs),
         ("sum_pi_squared", sum_pi_squared), ("is_weights", 0.0 if is_weights is None else is_weights))]
@@ -429,6 +432,21 @@ def sharded_token_baseline(rewards: Any, response_mask: Any, group_ids: Any, log
     widths = [b - a for a, b in spans]
     options = dict(num_groups=segments.n_groups, align=_align(align))
 
+    with np.errstate(over="ignore", invalid="ignore"):       # sums beyond float64: raised below, as the reference does
+        results = _protocol(inputs, is_weights, segments, shards, spans, widths, total_columns, options,
+                            leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail, epsilon=epsilon)
+    if not all(np.isfinite(array).all() for row in results for result in row for array in result):
+        with np.errstate(over="ignore", invalid="ignore"):
+            returns = reward_to_go(rewards64, mask64)
+            energy = cumulative_energy(token_energy, mask64, weights64)
+        raise _overflow_error("rewards", returns, energy, mask64)
+    return results
+
+
+def _protocol(inputs: list[np.ndarray], is_weights: Any, segments: Any, shards: list[np.ndarray],
+              spans: list[tuple[int, int]], widths: list[int], total_columns: int, options: dict, *,
+              leave_one_out: bool, handle_zero_tail: bool | None, epsilon: float) -> list[list[AdvantageResult]]:
+    """:func:`sharded_token_baseline`'s protocol on validated inputs."""
     def piece(rows: np.ndarray, span: tuple[int, int]) -> tuple[list[np.ndarray], dict]:
         """A shard's (rewards, mask, log π, Σπ²) and its is_weights keyword."""
         r, m, lp, spp, w = (array[rows][:, span[0]:span[1]] if array.ndim == 2 else None for array in inputs)

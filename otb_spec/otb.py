@@ -331,11 +331,17 @@ def _token_baseline(returns: np.ndarray, energy: np.ndarray, mask: np.ndarray, s
                                                        leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail,
                                                        epsilon=epsilon))
     if not all(np.isfinite(array).all() for array in result):
-        valid = mask > 0
+        raise _overflow_error(name, returns, energy, mask)
+    return result
+
+
+def _overflow_error(name: str, returns: np.ndarray, energy: np.ndarray, mask: np.ndarray) -> ValueError:
+    """The error for finite inputs whose float64 arithmetic overflowed (also raised by otb_spec.distributed)."""
+    valid = mask > 0
+    with np.errstate(invalid="ignore"):
         largest_return = float(np.abs(np.where(valid, returns, 0.0)).max(initial=0.0))
         largest_energy = float(np.abs(np.where(valid, energy, 0.0)).max(initial=0.0))
-        raise ValueError(f"{name}: finite, but the baseline's float64 arithmetic overflows: returns up to "
-                         f"{largest_return:.3g} in magnitude times realized energies up to {largest_energy:.3g}, "
-                         f"summed over a group (Σᵢ GₜⁱWₜⁱ), exceed {np.finfo(np.float64).max:.3g} (or the "
-                         "returns-to-go do); scale them down")
-    return result
+    return ValueError(f"{name}: finite, but the baseline's float64 arithmetic overflows: returns up to "
+                      f"{largest_return:.3g} in magnitude times realized energies up to {largest_energy:.3g}, "
+                      f"summed over a group (Σᵢ GₜⁱWₜⁱ), exceed {np.finfo(np.float64).max:.3g} (or the "
+                      "returns-to-go do); scale them down")

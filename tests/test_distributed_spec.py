@@ -173,3 +173,25 @@ def test_inputs_are_not_modified():
     for before, after in zip(copies, (batch.rewards, batch.response_mask, batch.log_probs, batch.sum_pi_squared)):
         np.testing.assert_array_equal(before, after)
     assert group_segments(batch.group_ids).n_groups == 2
+
+
+@pytest.mark.parametrize("leave_one_out", [False, True])
+@pytest.mark.parametrize("column_cuts", [(), (3,)])
+def test_finite_rewards_whose_sums_overflow_raise_as_in_one_process(leave_one_out, column_cuts):
+    """Rewards of 10³⁰⁸ on half the rows: each fits float64, the group sums Σᵢ GₜⁱWₜⁱ do not. The protocol raises the
+    one-process reference's error naming the rewards (it returned ±inf/NaN with RuntimeWarnings before); 10³⁰⁷
+    computes, finite, on every shard."""
+    rows, positions = 4, 6
+    mask, spp = np.ones((rows, positions)), np.full((rows, positions), 0.5)
+    log_probs = np.log(spp)
+    for scale in (1e307, 1e308):
+        rewards = np.zeros((rows, positions))
+        rewards[:, -1] = [scale, 0.0, scale, scale / 2]
+        call = lambda: spec.sharded_token_baseline(rewards, mask, [0, 0, 0, 0], log_probs, spp,  # noqa: E731
+                                                   row_shards=[[0, 1], [2, 3]], column_cuts=column_cuts,
+                                                   leave_one_out=leave_one_out)
+        if scale > 1e307:
+            with pytest.raises(ValueError, match=r"^rewards: finite, but the baseline's float64 arithmetic overflows"):
+                call()
+            continue
+        assert all(np.isfinite(result.advantages).all() for row in call() for result in row)
