@@ -15,6 +15,7 @@ Conventions enforced here:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -244,6 +245,21 @@ def zero_tail(handle_zero_tail: Any, leave_one_out: bool) -> bool:
 def epsilon(value: Any) -> float:
     """The ε of a baseline's denominator: a finite scalar ≥ 0."""
     return scalar("epsilon", value, minimum=0.0)
+
+
+def weights_may_overflow(largest_rho: float, positions: int, dtype_max: float) -> bool:
+    """Whether importance weights up to ``largest_rho`` can take the realized energy Σ ρ²·(1 − 2π + Σπ²) out of a
+    dtype whose largest value is ``dtype_max`` on their own: 2·T·max ρ² ≥ it (each w ≤ 2, T terms)."""
+    return largest_rho > 0 and 2 * math.log(largest_rho) >= math.log(dtype_max) - math.log(2.0 * max(positions, 1))
+
+
+def weights_overflow_error(largest_rho: float, dtype_name: str, *, certain: bool) -> ValueError:
+    """The error naming is_weights where ρ² overflowed the realized energy (``certain``: the reference saw it) or can
+    leave ``dtype_name``'s range (the ports' attribution of a non-finite result, :func:`weights_may_overflow`)."""
+    what = (f"ρ² in the realized energy Σ ρ²·(1 − 2π + Σπ²) overflows {dtype_name}" if certain
+            else f"the realized energy Σ ρ²·(1 − 2π + Σπ²) can leave {dtype_name}'s range")
+    return ValueError(f"is_weights: finite, but {what} (ρ up to {largest_rho:.3g}); weights this large carry no usable "
+                      "gradient: truncate them, or check how they were computed")
 
 
 def raise_value_error(host: Any, *, rewards: tuple[str, Any] | None = None, mask: tuple[str, Any] | None = None,

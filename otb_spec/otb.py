@@ -305,9 +305,7 @@ def _prepare(rewards: Any, response_mask: Any, group_ids: Any, log_probs: Any, s
         realized = cumulative_energy(energy, mask, weights)
     if weights is not None and not np.isfinite(realized[mask > 0]).all():
         largest = float(np.abs(np.where(mask > 0, weights, 0.0)).max(initial=0.0))
-        raise ValueError(f"is_weights: finite, but ρ² in the realized energy Σ ρ²·(1 − 2π + Σπ²) overflows float64 "
-                         f"(ρ up to {largest:.3g}); weights this large carry no usable gradient: truncate them, "
-                         "or check how they were computed")
+        raise check.weights_overflow_error(largest, "float64", certain=True)
     return returns, realized, mask, segments
 
 

@@ -50,11 +50,8 @@ def finite_outputs(enabled: bool, name: str, outputs: Any, compute_dtype: Any, i
         if mask is not None:
             rho = np.where(np.asarray(mask) != 0, rho, 0.0)
         largest_rho = float(rho.max())
-        limit = np.log(float(np.finfo(compute_dtype).max)) - np.log(2.0 * rho.shape[-1])
-        if largest_rho > 0 and 2 * np.log(largest_rho) >= limit:
-            raise ValueError(f"is_weights: finite, but the realized energy Σ ρ²·(1 − 2π + Σπ²) can leave "
-                             f"{np.dtype(compute_dtype).name}'s range (ρ up to {largest_rho:.3g}); weights this large "
-                             "carry no usable gradient: truncate them, or check how they were computed")
+        if reference_checks.weights_may_overflow(largest_rho, rho.shape[-1], float(np.finfo(compute_dtype).max)):
+            raise reference_checks.weights_overflow_error(largest_rho, np.dtype(compute_dtype).name, certain=False)
     returns = np.nan_to_num(np.abs(np.asarray(outputs[1], dtype=np.float64)), nan=0.0, posinf=np.inf)
     largest = float(returns.max()) if returns.size else 0.0
     raise ValueError(f"{name}: finite, but OTB's arithmetic overflows {np.dtype(compute_dtype).name}: the returns (up "

@@ -113,10 +113,9 @@ def token_baseline(returns: jax.Array, energy: jax.Array, mask: jax.Array, segme
         # a member with Wᵢ > ¾D takes the others' sums added directly, not D − Wᵢ, which cancels in float32 where its
         # energy dwarfs theirs (at most one per column; otb_torch._core.others_sums)
         dominant = weights > 0.75 * denominator[segment_ids]
-        rest = jnp.where(dominant, 0.0, 1.0).astype(weights.dtype)
 
         def rest_total(values):
-            return jax.ops.segment_sum(values * rest, segment_ids, num_segments)[segment_ids]
+            return jax.ops.segment_sum(jnp.where(dominant, 0.0, values), segment_ids, num_segments)[segment_ids]
 
         others_n = jnp.where(dominant, rest_total(weighted_returns), numerator[segment_ids] - weighted_returns)
         others_d = jnp.where(dominant, rest_total(weights), denominator[segment_ids] - weights)

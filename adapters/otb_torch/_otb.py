@@ -6,13 +6,12 @@ float64; bfloat16/float16 inputs are accepted), and returns tensors on the input
 
 from __future__ import annotations
 
-import math
-
 from typing import Any, ContextManager, NamedTuple
 
 import numpy as np
 import torch
 
+from otb_spec import _validation as reference_checks
 from otb_torch import _checks as check
 from otb_torch import _native
 from otb_torch._core import (
@@ -353,11 +352,9 @@ def _check_finite_outputs(outputs: list[torch.Tensor] | tuple[torch.Tensor, ...]
     if is_weights is not None and is_weights[1].numel():
         rho = is_weights[1].abs() if mask is None else torch.where(mask != 0, is_weights[1].abs(), 0.0)
         largest_rho = float(rho.max())
-        limit = math.log(torch.finfo(dtype).max) - math.log(2.0 * rho.shape[-1])
-        if largest_rho > 0 and 2 * math.log(largest_rho) >= limit:
-            raise ValueError(f"{is_weights[0]}: finite, but the realized energy Σ ρ²·(1 − 2π + Σπ²) can leave "
-                             f"{str(dtype).replace('torch.', '')}'s range (ρ up to {largest_rho:.3g}); weights this "
-                             "large carry no usable gradient: truncate them, or check how they were computed")
+        if reference_checks.weights_may_overflow(largest_rho, rho.shape[-1], torch.finfo(dtype).max):
+            raise reference_checks.weights_overflow_error(largest_rho, str(dtype).replace("torch.", ""),
+                                                          certain=False)
     returns = torch.nan_to_num(outputs[1].abs(), nan=0.0, posinf=float("inf"))
     largest = float(returns.max()) if returns.numel() else 0.0
     raise ValueError(f"{name}: finite, but OTB's arithmetic overflows {str(dtype).replace('torch.', '')}: the returns "
