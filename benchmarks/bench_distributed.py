@@ -15,7 +15,8 @@ over ``--repeat`` calls (after one warm-up) of:
   printed is the largest over the ranks (field by field: two columns may come from different ranks);
 * the gloo floor: the native path's collectives (handshake, for context parallel the row totals, the one SUM
   all-reduce of the grid — not for context parallel, where every rank holds every row — and its group statistics
-  and flags — over two ranks the library's exchange of the buffer,
+  and flags; for leave-one-out, the count of dominant cells and, where a rank has one, their cells and sums, as
+  many as the call exchanged — over two ranks the library's exchange of the buffer,
   ``otb_torch.distributed._all_reduce``, whose receive buffer and add this figure includes while a call counts them
   as local compute) timed alone, with nothing computed — what the call's communication costs at least on this
   machine, in wall time and in the CPU time of every rank's threads;
@@ -160,6 +161,16 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
         setattr(dist, name, timed(getattr(dist, name)))
     setattr(dist, gather_name, timed(getattr(dist, gather_name)))
     otb_dist._wait = timed(otb_dist._wait)
+    # leave-one-out's exchange for dominant members: how many cells this rank had, and all ranks together
+    dominance = {"mine": 0, "cells": 0}
+    sums_without_dominant = otb_dist._sums_without_dominant
+
+    def recorded(mine, contributions, **keywords):
+        found = sums_without_dominant(mine, contributions, **keywords)
+        dominance.update(mine=int(mine.numel()), cells=0 if found is None else int(found[0].numel()))
+        return found
+
+    otb_dist._sums_without_dominant = recorded
 
     def measure(call) -> dict:
         call()                                                          # warm-up
@@ -196,13 +207,17 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
             else:
                 *local, local_ids = _rank_rows([rewards, mask, log_probs, spp, ids], size, rank)
                 options = _data_parallel_options(case)
+            dominance.update(mine=0, cells=0)
             record = measure(lambda: otb_dist.distributed_token_baseline(
                 local[0], local[1], local_ids, local[2], local[3], num_groups=prompts, **options))
+            record["dominant cells, one rank"], record["dominant cells"] = dominance["mine"], dominance["cells"]
             if not memory:                  # the same collectives with nothing computed: what gloo costs at least
                 handshake, table = torch.zeros(19, dtype=torch.int64), torch.empty(19 * size, dtype=torch.int64)
                 buffer = torch.zeros(_grid_planes(case) * prompts * positions + size * 4 * prompts + size)
                 totals = torch.zeros(3 * rewards.shape[0] + (args.kernel != "eager"), dtype=torch.float64)  # verdict
                 gathered = torch.empty(totals.numel() * size, dtype=torch.float64)
+
+                mine, cells = dominance["mine"], dominance["cells"]
 
                 def collectives():
                     getattr(dist, gather_name)(table, handshake)
@@ -210,6 +225,11 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
                         getattr(dist, gather_name)(gathered, totals)
                     else:
                         otb_dist._all_reduce(buffer, dist.ReduceOp.SUM, None, None)
+                    if case == "leave-one-out":         # the dominant members' count, then their cells and sums
+                        most = int(otb_dist._all_gather(torch.tensor([mine]), None, None).max())
+                        if most:
+                            otb_dist._all_gather(torch.zeros(most, dtype=torch.int64), None, None)
+                            otb_dist._all_reduce(torch.zeros(cells, 2), dist.ReduceOp.SUM, None, None)
                     return ()
 
                 alone = measure(collectives)
@@ -479,11 +499,13 @@ def _grid_planes(case: str) -> int:
     return 0 if case == "context parallel" else 3 if case == "leave-one-out" else 2
 
 
-def _bytes_sent(key, size: int, args: argparse.Namespace) -> int:
+def _bytes_sent(key, size: int, args: argparse.Namespace, record: dict | None = None) -> int:
     """Bytes one rank sends, ring algorithms: all-reduce 2(P−1)/P·S, all-gather (P−1)/P·S (S: the result's size).
     The native path sends the group statistics ([P, 4, G]) and the value verdicts (P) in the grid's float32
     all-reduce; the eager path all-gathers the statistics as int64 (self-inclusive only) and checks values first.
-    Context parallel (one context group of every rank) sums no grid and gathers no statistics."""
+    Context parallel (one context group of every rank) sums no grid and gathers no statistics. Leave-one-out adds
+    each rank's count of dominant cells (all-gathered), and where there are any (``record``: the most on one rank,
+    n over all ranks) the cells (all-gathered, padded to the most) and their sums (all-reduced, 2·n values)."""
     reduce, gather = 2 * (size - 1) / size, (size - 1) / size
     handshake = gather * size * 8 * 19                   # 19 integers per rank (fixed size)
     if isinstance(key, tuple):
@@ -496,6 +518,10 @@ def _bytes_sent(key, size: int, args: argparse.Namespace) -> int:
             sent += reduce * (size * 4 * G + size) * 4   # the group statistics and verdicts, in the all-reduce
         if args.kernel == "eager" and case not in ("leave-one-out", "context parallel"):  # (whole rows: counted)
             sent += gather * size * 4 * G * 8            # the group statistics
+        if case == "leave-one-out":
+            sent += gather * size * 8
+            if record and record["dominant cells"]:
+                sent += gather * size * record["dominant cells, one rank"] * 8 + reduce * record["dominant cells"] * 8
         return int(sent)
     parts = 2 if key == "Σπ² vocab parallel" else 4
     return int(handshake + reduce * (args.rows + 2) * 4 + reduce * parts * args.rows * 4)
@@ -672,7 +698,13 @@ def main() -> None:
                   + f"{ms(record['gloo'])} | "
                   f"{ms(record['floor'])} | {ms(record['threads'])} | {ms(record['total'])} | "
                   f"{_whole_call_verdict(record, one, single[key + ('q75',)], single[key + ('cpu',)])} | "
-                  f"{_bytes_sent(key, size, args) / 2**20:.2f} MiB | {record['extra'] / 2**20:.2f} MiB |")
+                  f"{_bytes_sent(key, size, args, record) / 2**20:.2f} MiB | {record['extra'] / 2**20:.2f} MiB |")
+        dominant = [(key, record) for key, record in slowest.items() if isinstance(key, tuple)
+                    and key[3] == "leave-one-out"]
+        for (prompts, samples, positions, _), record in dominant:
+            print(f"\nLeave-one-out, {prompts}×{samples}×{positions}: {record['dominant cells']} dominant cells (a "
+                  f"member's weight above ¾ of its cell's D) over the ranks, at most "
+                  f"{record['dominant cells, one rank']} on one rank, of {prompts * positions} cells.")
         print("\nWhat the handshake in flight costs a rank's compute: its rows in the one-process kernel, ranks at once "
               "(as above), alone and with a 19-integer all-gather over the ranks started before it and waited for "
               "after it (a call overlaps its handshake with its first sweep so):\n")

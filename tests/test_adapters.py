@@ -16,6 +16,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import otb_spec as otb
+from forced_openings import forced_opening_with_one_deviant
 from otb_spec import strategies as otb_st
 from otb_spec.adapters import _REGISTRY, available_adapters, load_adapter
 from otb_spec.tolerances import (logit_spread, logsumexp_tolerance, otb_comparison_tolerance, output_rounding,
@@ -281,41 +282,15 @@ def test_leave_one_out_stays_a_weighted_mean_where_energies_have_mixed_signs(ada
     tolerance.assert_close(advantages, expected.advantages, f"{adapter.name} {variant}, mixed-sign energies")
 
 
-def forced_opening_with_one_deviant(groups: int, members: int = 8, positions: int = 12, seed: int = 0,
-                                    vocab: int = 152_064) -> otb.RolloutBatch:
-    """Groups whose responses open with a token forced by a logit gap of 22–30 over V = 152k (the others N(0, 1):
-    their exponentials sum to ≈ (V − 1)·e^½, their squares to ≈ (V − 1)·e²), where one member per group sampled a
-    token of the other V − 1 (log π ≈ −gap): that member's energy is ≈ 2 while the others' is ≈ (1 − π)² ≈ 10⁻⁹ …
-    10⁻¹⁴ (in float32, rounding noise of π). Statistics exact in float64, then free tokens; rewards 0/1 at the end."""
-    rng = np.random.default_rng(seed)
-    rows = groups * members
-    gap = rng.uniform(22.0, 30.0, size=rows)
-    others_sum = (vocab - 1) * np.exp(0.5) * rng.uniform(0.95, 1.05, size=rows)
-    others_squares = (vocab - 1) * np.exp(2.0) * rng.uniform(0.9, 1.1, size=rows)
-    log_normaliser = np.logaddexp(gap, np.log(others_sum))
-    log_pi = np.log(rng.uniform(0.2, 0.9, size=(rows, positions)))
-    spp = np.exp(2 * log_pi) + (1 - np.exp(log_pi)) ** 2 * rng.uniform(0.1, 1.0, size=(rows, positions))
-    log_pi[:, 0] = gap - log_normaliser
-    spp[:, 0] = np.minimum(np.exp(2 * (gap - log_normaliser)) + others_squares * np.exp(-2 * log_normaliser), 1.0)
-    deviant = np.arange(groups) * members + rng.integers(0, members, size=groups)
-    log_pi[deviant, 0] = rng.normal(1.0, 1.0, size=groups) - log_normaliser[deviant]
-    rewards = np.zeros((rows, positions))
-    rewards[:, -1] = rng.integers(0, 2, size=rows)
-    return otb.RolloutBatch(rewards=rewards, response_mask=np.ones((rows, positions)), log_probs=log_pi,
-                            sum_pi_squared=spp, group_ids=np.repeat(np.arange(groups), members))
-
-
 @pytest.mark.parametrize("variant", ["leave_one_out", "leave_one_out_multi_turn"])
-def test_leave_one_out_of_a_member_whose_energy_dwarfs_the_others_stays_a_weighted_mean(adapter, variant, request):
+def test_leave_one_out_of_a_member_whose_energy_dwarfs_the_others_stays_a_weighted_mean(adapter, variant):
     """A forced opening where one member of 8 sampled another token (forced_opening_with_one_deviant), in float32:
     at t = 0 that member's W ≈ 2 against the others' total of 10⁻⁷ or less, so D − Wᵢ cancels to rounding noise of
     either sign, and its baseline left [min(G, 0), max(G, 0)] (the ε-shrunk weighted mean it must be) in 19 of 3000
     groups with the native kernel, 35 eager, 13 with JAX (worst |B| = 2.8·max|G|). A member whose weight is most of
     the column's takes the others' sums added directly (otb_torch._core.others_sums, FN(otb_top) in the native
-    kernel, otb_jax's token_baseline): none leaves it now, here over 400 groups. otb_torch.distributed still
-    subtracts from the group sums its all-reduce delivers (a known limitation, docs/distributed.md): strict xfail."""
-    if adapter.name.endswith("-distributed"):
-        request.applymarker(pytest.mark.xfail(strict=True, reason="otb_torch.distributed subtracts from summed grids"))
+    kernel, otb_jax's token_baseline, and across ranks otb_torch.distributed's _sums_without_dominant): none leaves
+    it now, here over 400 groups."""
     batch = forced_opening_with_one_deviant(400)
     advantages, returns, seen, mask = _run(adapter, variant, batch, "float32")
     baselines = returns - advantages

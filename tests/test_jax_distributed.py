@@ -15,6 +15,7 @@ from hypothesis import strategies as st  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import otb_spec as otb  # noqa: E402
+from forced_openings import forced_opening_with_one_deviant  # noqa: E402
 from otb_jax import distributed as jax_distributed  # noqa: E402
 from otb_spec import strategies  # noqa: E402
 from otb_spec.groups import group_segments  # noqa: E402
@@ -121,6 +122,40 @@ def test_leave_one_out_weighs_whole_energies_clamped_at_zero(mesh_name, align):
                                                 clamped_weights=True)
     advantage_tol.assert_close(np.asarray(result.advantages), expected.advantages, f"{mesh_name} advantages")
     assert np.abs(np.asarray(result.advantages)).max() <= 2.0
+
+
+@pytest.mark.parametrize("mesh_name", ["data4", "data2xcontext2"])
+@pytest.mark.parametrize("align", ["position", "valid_token"])
+def test_leave_one_out_of_a_member_whose_energy_dwarfs_the_others_across_devices(mesh_name, align):
+    """A forced opening where one member of 8 sampled another token (tests/forced_openings.py), float32, rows
+    permuted over the devices: at t = 0 that member's W ≈ 2 against the others' total of 10⁻⁷ or less, where D − Wᵢ
+    from the summed grid cancels to rounding noise. It takes the others' sums from a second grid without dominant
+    members: every baseline stays in [min(G, 0), max(G, 0)] of its group, and the result matches the reference within
+    the verifier's tolerance. With D − Wᵢ, 3 of the 1000 groups' baselines leave that range here (|B| up to 1.85)."""
+    mesh, data_axis, context_axis = _mesh(mesh_name)
+    groups = 1000
+    batch = forced_opening_with_one_deviant(groups, positions=4, seed=1)
+    order = np.random.default_rng(2).permutation(groups * 8)
+    rewards, mask, log_probs, spp = (np.asarray(getattr(batch, name), np.float32)[order] for name in (
+        "rewards", "response_mask", "log_probs", "sum_pi_squared"))
+    ids = batch.group_ids[order]
+    result = jax_distributed.distributed_token_baseline(
+        rewards, mask, ids, log_probs, spp, num_groups=groups, mesh=mesh, data_axis=data_axis,
+        context_axis=context_axis, align=align, leave_one_out=True)
+    expected = otb.leave_one_out_token_baseline(rewards, mask, ids, log_probs, spp, align=align)
+    advantage_tol, _ = otb_comparison_tolerance(rewards, mask, ids, log_probs, spp, align=align, leave_one_out=True,
+                                                handle_zero_tail=False, compute_dtype=np.float32,
+                                                clamped_weights=True)
+    advantage_tol.assert_close(np.asarray(result.advantages), expected.advantages, f"{mesh_name} advantages")
+    baselines = expected.returns - np.asarray(result.advantages)
+    low = np.minimum(expected.returns.min(axis=1), 0.0)
+    high = np.maximum(expected.returns.max(axis=1), 0.0)
+    low, high = np.minimum.reduceat(low[np.argsort(ids)], np.arange(0, groups * 8, 8)), np.maximum.reduceat(
+        high[np.argsort(ids)], np.arange(0, groups * 8, 8))
+    slack = 8 * np.finfo(np.float32).eps                                     # B = G − A rounded once, |G| ≤ 1
+    wrong = (baselines < low[ids][:, None] - slack) | (baselines > high[ids][:, None] + slack)
+    assert not wrong.any(), (f"{len(set(ids[wrong.any(axis=1)].tolist()))} groups' baselines leave "
+                             f"[min(G, 0), max(G, 0)] (worst |B| = {np.abs(baselines).max():.3g})")
 
 
 @settings(max_examples=20)

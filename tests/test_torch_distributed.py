@@ -25,6 +25,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import otb_spec as otb  # noqa: E402
 from distributed_pool import WORLD_SIZE, Pool  # noqa: E402
+from forced_openings import forced_opening_with_one_deviant  # noqa: E402
 from otb_spec import strategies  # noqa: E402
 from otb_spec.groups import group_segments  # noqa: E402
 from otb_spec.tolerances import (  # noqa: E402
@@ -236,6 +237,46 @@ def test_leave_one_out_weighs_whole_energies_clamped_at_zero_across_pieces(pool,
     results += _check_split(pool, batch, [np.arange(rows)], layout="context", column_cuts=(2, 4, 8), align=align,
                             leave_one_out=True, kernel=kernel)
     assert max(np.abs(result.advantages).max() for result in results) <= 2.0
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("align", ["position", "valid_token"])
+@pytest.mark.parametrize("layout, column_cuts", [("two", ()), ("world", ()), ("context two", (1,)), ("mesh", (1,))])
+def test_leave_one_out_of_a_member_whose_energy_dwarfs_the_others_across_ranks(pool, kernel, align, layout,
+                                                                              column_cuts):
+    """A forced opening where one member of 8 sampled another token (tests/forced_openings.py), in float32, its
+    groups scattered over the ranks (and cut after the opening's column): at t = 0 that member's W ≈ 2 against the
+    others' total of 10⁻⁷ or less, where D − Wᵢ from the summed grid cancels to rounding noise of either sign. Its rank
+    gets the others' sums added directly (otb_torch.distributed._sums_without_dominant): every baseline stays in
+    [min(G, 0), max(G, 0)] of its group, and every rank matches the reference within the verifier's tolerance. With
+    D − Wᵢ instead, 1–3 of the 400 groups' baselines left that range in 15 of these 16 cases."""
+    groups = 400
+    source = forced_opening_with_one_deviant(groups, positions=3, seed=1)
+    batch = dataclasses.replace(source, **{name: np.asarray(getattr(source, name), np.float32) for name in (
+        "rewards", "response_mask", "log_probs", "sum_pi_squared")})
+    rows = groups * 8
+    order = np.random.default_rng(2).permutation(rows)                       # balance_batch scatters the groups
+    shards = DATA_LAYOUTS.get(layout) or CONTEXT_LAYOUTS[layout][1]
+    row_shards = [np.sort(order[k::shards]) for k in range(shards)]
+    results = _check_split(pool, batch, row_shards, layout=layout, column_cuts=column_cuts, align=align,
+                           leave_one_out=True, kernel=kernel)
+    context_size = len(column_cuts) + 1
+    cuts = [0, *column_cuts, batch.rewards.shape[1]]
+    returns = _reference(batch, group_segments(batch.group_ids).index, align=align, leave_one_out=True,
+                         epsilon=1e-8).returns
+    low = np.minimum(returns.reshape(groups, -1).min(axis=1), 0.0)
+    high = np.maximum(returns.reshape(groups, -1).max(axis=1), 0.0)
+    slack = 8 * np.finfo(np.float32).eps                                     # B = G − A rounded once, |G| ≤ 1
+    outside, worst = set(), 0.0
+    for rank, result in enumerate(results):
+        rows_here, columns = row_shards[rank // context_size], slice(cuts[rank % context_size],
+                                                                     cuts[rank % context_size + 1])
+        baselines = returns[rows_here][:, columns] - result.advantages
+        group = batch.group_ids[rows_here]
+        wrong = (baselines < low[group][:, None] - slack) | (baselines > high[group][:, None] + slack)
+        outside |= set(group[wrong.any(axis=1)].tolist())
+        worst = max(worst, float(np.abs(baselines).max()))
+    assert not outside, f"{len(outside)} groups' baselines leave [min(G, 0), max(G, 0)] (worst |B| = {worst:.3g})"
 
 
 @pytest.mark.parametrize("align", ["position", "valid_token"])

@@ -8,6 +8,8 @@ The JAX port of :mod:`otb_spec.distributed` and of the vocab-shard rule. The ``*
   (S₁, S₂, Σa(z − M), z_y − M), a = e^{z − M} — as :func:`otb_torch.distributed.vocab_parallel_token_statistics`.
 * Data parallel (axis ``data_axis``): the [G, K] grid sums N, D (and V for leave-one-out) are ``psum``-ed; the
   self-inclusive rules' per-group members and top-two lengths are ``all_gather``-ed as [4, G] integers and merged.
+  Leave-one-out ``psum``-s a second [2, G, K] grid, N and D without each cell's dominant member (weight above ¾ of
+  the cell's D), which that member takes as its others' sums instead of D − Wᵢ (proofs/N1 item 5).
 * Context parallel (axis ``context_axis``, rows cut into equal column blocks in axis order): the per-row totals
   (Σmr, Σmρ²w, Σm) are ``all_gather``-ed and scanned exclusively across the axis. By position a block's grid is
   its own [G, T_c] columns, which only the devices at the same context index add to: it is ``psum``-ed over the
@@ -211,7 +213,18 @@ def distributed_token_baseline_local(rewards: jax.Array, response_mask: jax.Arra
     denominator = grid[1][cells].reshape(m.shape)
     if leave_one_out:
         ratio_num = numerator - returns * weights
-        ratio_den = others_denominator(denominator - weights, epsilon)
+        ratio_den = denominator - weights
+        # a member whose weight is more than ¾ of its column's D (at most one per cell over all devices) takes the
+        # others' sums added directly, not D − Wᵢ, which cancels in float32 to rounding noise where Wᵢ dwarfs the
+        # rest (proofs/N1 item 5): a second grid without such members, summed as the first (static shapes: always)
+        dominant = weights > 0.75 * denominator
+        kept = jnp.where(dominant, 0.0, weights * member)
+        rest = jnp.zeros((2, num_groups * grid_width), compute).at[:, cells].add(
+            jnp.stack([(returns * kept).reshape(-1), kept.reshape(-1)]))
+        if grid_axes:
+            rest = lax.psum(rest, grid_axes)
+        ratio_num = jnp.where(dominant, rest[0][cells].reshape(m.shape), ratio_num)
+        ratio_den = others_denominator(jnp.where(dominant, rest[1][cells].reshape(m.shape), ratio_den), epsilon)
         forced = grid[2][cells].reshape(m.shape) - m <= 0
     else:
         ratio_num, ratio_den = numerator, denominator + epsilon

@@ -1166,6 +1166,10 @@ OTB_EXPORT int FN(otb_groups)(const T *r, const M *m, const T *lp, const T *spp,
  * is the same either way: its members in batch order.) */
 
 #define OTB_GRID_ROW(id) (grid + (id) * planes * columns)
+/* Leave-one-out across ranks: tops [G, 2, columns] holds, per global group, the rank's own FN(otb_top) (w, then gw);
+ * NULL: plain sums. */
+#define OTB_GROUP_TOP(id) \
+    (tops ? (FN(otb_top)){tops + (id) * 2 * columns, tops + (id) * 2 * columns + columns} : (FN(otb_top)){0, 0})
 
 /* One rank of a distributed batch, first sweep: each row's Gₜ into ret and mₜWₜ into wm (when given, else scratch:
  * 3·width values of T); lengths[b] receives row b's valid count. With the grid (data parallel), the row's terms are
@@ -1181,7 +1185,7 @@ OTB_EXPORT int FN(otb_dist_first)(const T *r, const M *m, const T *lp, const T *
                                   const int64_t *group_ids, T *grid, int64_t columns, int planes, int valid_token,
                                   int64_t num_groups, T *ret, T *wm, int64_t *lengths, int64_t *stats,
                                   double *totals, int64_t rows, T *scratch, int check, double slack_lp,
-                                  double slack_spp, int nonnegative) {
+                                  double slack_spp, int nonnegative, T *tops) {
     T *mv = scratch, *pi = scratch + width, *energy = scratch + 2 * width;
     int bad = 0;
     for (int64_t p = offsets[first_group]; p < offsets[last_group]; ++p) {
@@ -1196,7 +1200,8 @@ OTB_EXPORT int FN(otb_dist_first)(const T *r, const M *m, const T *lp, const T *
             r + at, m + at, lp + at, spp + at, rho ? rho + at : 0, width, ret + at, wm ? wm + at : energy, mv, pi,
             num, den, cnt, valid_token, 0, columns, 0.0, 0.0, 1, nonnegative, check, (T)slack_lp, (T)slack_spp, &bad,
             sums,
-            FN(otb_prefetch_row)(&prefetch, next, width, m, lp, r, spp, rho, ret, wm), (FN(otb_top)){0, 0});
+            FN(otb_prefetch_row)(&prefetch, next, width, m, lp, r, spp, rho, ret, wm),
+            num ? OTB_GROUP_TOP(group_ids[row_group[row]]) : (FN(otb_top)){0, 0});
         if (totals) {
             totals[row] = sums[0];
             totals[rows + row] = sums[1];
@@ -1228,7 +1233,7 @@ OTB_EXPORT void FN(otb_dist_offsets)(const M *m, int64_t width, const int64_t *o
                                      const double *energy_offsets, const int64_t *col_offsets, int64_t col0,
                                      int64_t origin, const int64_t *total_lengths, int count_rows,
                                      int64_t num_groups, T *ret, T *wm, int64_t *stats, int nonnegative,
-                                     T *scratch) {
+                                     T *tops, T *scratch) {
     T *mv = scratch;
     for (int64_t p = offsets[first_group]; p < offsets[last_group]; ++p) {
         const int64_t row = rows_in_order[p], at = row * width;
@@ -1242,7 +1247,8 @@ OTB_EXPORT void FN(otb_dist_offsets)(const M *m, int64_t width, const int64_t *o
         for (int64_t t = lo; t < hi; ++t) wr[t] = wr[t] + earlier * mv[t];
         if (nonnegative) FN(otb_nonnegative)(wr, lo, hi);
         FN(otb_row_accumulate)(gr, wr, mv, lo, hi, num, den, cnt, valid_token,
-                               (valid_token ? col_offsets[row] : col0) - origin, columns, (FN(otb_top)){0, 0});
+                               (valid_token ? col_offsets[row] : col0) - origin, columns,
+                               OTB_GROUP_TOP(group_ids[row_group[row]]));
     }
     if (!count_rows) return;
     for (int64_t g = first_group; g < last_group; ++g) {
@@ -1265,7 +1271,7 @@ OTB_EXPORT void FN(otb_dist_final)(const M *m, int64_t width, const int64_t *off
                                    int leave_one_out, int zero_tail, double epsilon, const int64_t *stats,
                                    int64_t ranks, int64_t num_groups, const int64_t *total_lengths,
                                    const int64_t *col_offsets, int64_t col0, int64_t origin, const T *ret,
-                                   T *adv, T *base, T *scratch) {
+                                   T *adv, T *base, T *tops, T *scratch) {
     const T eps = (T)epsilon;
     for (int64_t g = first_group; g < last_group; ++g) {
         T *num = OTB_GRID_ROW(group_ids[g]);
@@ -1279,7 +1285,7 @@ OTB_EXPORT void FN(otb_dist_final)(const M *m, int64_t width, const int64_t *off
         if (leave_one_out) {
             FN(otb_row_final_loo)(m + at, ret + at, adv + at, width, num, num + columns, num + 2 * columns,
                                   valid_token, start_column, columns, eps, base ? base + at : 0, scratch,
-                                  (FN(otb_top)){0, 0});
+                                  OTB_GROUP_TOP(id));
             continue;
         }
         const int64_t start = otb_zero_from(stats, ranks, num_groups, id, zero_tail, total_lengths[row],
@@ -1290,5 +1296,6 @@ OTB_EXPORT void FN(otb_dist_final)(const M *m, int64_t width, const int64_t *off
 }
 
 #undef OTB_GRID_ROW
+#undef OTB_GROUP_TOP
 
 #endif

@@ -435,7 +435,9 @@ class FirstSweep(NamedTuple):
     its offsets are added); ``returns`` [B, T]; ``energy`` [B, T] mₜWₜ on the valid spans, in what becomes the
     advantages (leave-one-out, and context pieces; else None); ``lengths`` [B] int64 valid counts; ``stats`` [4, G]
     int64 (members, longest, count at longest, second longest of the rank's rows); ``totals`` [3, B] float64 (a
-    context piece's Σmr, Σw, Σm; else None); ``bad`` the value-check flag."""
+    context piece's Σmr, Σw, Σm; else None); ``bad`` the value-check flag; ``tops`` [G, 2, C] (leave-one-out with a
+    grid, else None): per column of each group, the rank's largest weight mₜWₜ and its GₜWₜmₜ (``_kernel.c``'s
+    otb_top), which the grid's N and D leave out."""
 
     buffer: torch.Tensor | None
     grid: torch.Tensor | None
@@ -445,6 +447,7 @@ class FirstSweep(NamedTuple):
     stats: torch.Tensor
     totals: torch.Tensor | None
     bad: bool
+    tops: torch.Tensor | None = None
 
 
 def _grid(num_groups: int, planes: int, columns: int, extra: int, dtype: torch.dtype
@@ -467,12 +470,13 @@ def distributed_first(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torc
     pieces' totals instead, the terms waiting for the other pieces' offsets (:func:`distributed_offsets`).
     Leave-one-out weighs by mₜ·max(Wₜ, 0) (for a context piece, after the offsets).
 
-    Extra memory: the grid (G·planes·T values) and 3·T values per thread; the energies live in what becomes the
-    advantages' buffer."""
+    Extra memory: the grid (G·planes·T values; leave-one-out, its tops: 2·G·T more) and 3·T values per thread; the
+    energies live in what becomes the advantages' buffer."""
     rows, width = rewards.shape
     mask, (r, lp, spp, rho) = _inputs(dtype, mask, rewards, log_probs, sum_pi_squared, is_weights)
     planes = 3 if leave_one_out else 2
     buffer, grid = (None, None) if context else _grid(num_groups, planes, width, extra, dtype)
+    tops = torch.zeros((num_groups, 2, width), dtype=dtype) if leave_one_out and not context else None
     returns = torch.empty((rows, width), dtype=dtype)
     energy = torch.empty((rows, width), dtype=dtype) if leave_one_out or context else None
     lengths = torch.empty(rows, dtype=torch.int64)
@@ -487,17 +491,19 @@ def distributed_first(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torc
     tail = [_array(plan.ids), _pointer(grid), ctypes.c_int64(width), ctypes.c_int(planes),
             ctypes.c_int(int(align != "position")), ctypes.c_int64(num_groups), _pointer(returns), _pointer(energy),
             _pointer(lengths), _pointer(stats), _pointer(totals), ctypes.c_int64(rows)]
-    owners = (r, lp, spp, rho, mask, plan, rows_in_order, buffer, returns, energy, lengths, stats, totals, scratch)
+    owners = (r, lp, spp, rho, mask, plan, rows_in_order, buffer, returns, energy, lengths, stats, totals, scratch,
+              tops)
 
     def work(share: int) -> int:
         assert owners
         populate([returns, energy], share, len(bounds) - 1)
         return function(*head, ctypes.c_int64(bounds[share]), ctypes.c_int64(bounds[share + 1]), *tail,
                         _pointer(scratch[share]), ctypes.c_int(int(check)), ctypes.c_double(slack_lp),
-                        ctypes.c_double(slack_spp), ctypes.c_int(int(leave_one_out and not context)))
+                        ctypes.c_double(slack_spp), ctypes.c_int(int(leave_one_out and not context)),
+                        _pointer(tops))
 
     bad = any(_in_parallel(work, len(bounds) - 1))
-    return FirstSweep(buffer, grid, returns, energy, lengths, stats, totals, bad)
+    return FirstSweep(buffer, grid, returns, energy, lengths, stats, totals, bad, tops)
 
 
 def distributed_offsets(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, *, num_groups: int, columns: int,
@@ -513,6 +519,7 @@ def distributed_offsets(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep
     mask, _ = _inputs(dtype, mask)
     planes = 3 if leave_one_out else 2
     buffer, grid = _grid(num_groups, planes, columns, extra, dtype)
+    tops = torch.zeros((num_groups, 2, columns), dtype=dtype) if leave_one_out else None
     stats = _statistics(num_groups)
     arrays = [np.ascontiguousarray(value, dtype=kind) for value, kind in (
         (ret_offsets, np.float64), (energy_offsets, np.float64), (valid_before, np.int64),
@@ -526,11 +533,11 @@ def distributed_offsets(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep
             ctypes.c_int(int(align != "position")), *(_array(value) for value in arrays[:3]),
             ctypes.c_int64(columns_before), ctypes.c_int64(origin), _array(arrays[3]), ctypes.c_int(int(count_rows)),
             ctypes.c_int64(num_groups), _pointer(first.returns), _pointer(first.energy), _pointer(stats),
-            ctypes.c_int(int(leave_one_out))]
-    owners = (mask, plan, rows_in_order, first, buffer, stats, arrays, scratch)
+            ctypes.c_int(int(leave_one_out)), _pointer(tops)]
+    owners = (mask, plan, rows_in_order, first, buffer, stats, arrays, scratch, tops)
 
     _run_in_shares(function, head, tail, bounds, scratch, owners)
-    return first._replace(buffer=buffer, grid=grid, stats=stats)
+    return first._replace(buffer=buffer, grid=grid, stats=stats, tops=tops)
 
 
 def _run_in_shares(function: Any, head: list, tail: list, bounds: Any, scratch: torch.Tensor, owners: tuple,
@@ -556,7 +563,8 @@ def distributed_final(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, 
     """(advantages, baselines) of a rank's rows from the all-reduced grid (``_kernel.c``: otb_dist_final), whose
     columns start at global column ``origin`` (as :func:`distributed_offsets`); ``statistics`` [P, 4, G] int64
     (NumPy): every rank's group statistics, merged in the kernel (self-inclusive only). The grid's N becomes the
-    ratio in place."""
+    ratio in place. Leave-one-out with ``first.tops``: the grid's N and D leave out each cell's top member on this
+    rank (FN(otb_top)), which takes them as they are."""
     rows, width = first.returns.shape
     mask, _ = _inputs(dtype, mask)
     advantages = first.energy if first.energy is not None else torch.empty((rows, width), dtype=dtype)
@@ -575,7 +583,7 @@ def distributed_final(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, 
             ctypes.c_int(int(handle_zero_tail)), ctypes.c_double(epsilon), _array(statistics_c),
             ctypes.c_int64(ranks), ctypes.c_int64(num_groups), _array(lengths), _array(valid_before),
             ctypes.c_int64(columns_before), ctypes.c_int64(origin),
-            _pointer(first.returns), _pointer(advantages), _pointer(baselines)]
+            _pointer(first.returns), _pointer(advantages), _pointer(baselines), _pointer(first.tops)]
     owners = (mask, plan, rows_in_order, first, statistics_c, lengths, valid_before, advantages, baselines, scratch)
 
     _run_in_shares(function, head, tail, bounds, scratch, owners,

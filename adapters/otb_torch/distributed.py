@@ -622,11 +622,15 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
     as [4, G] integers (on CPU in the same all-reduce, each rank's in its own slot). Where every rank of ``group``
     holds every row (``context_group`` spans ``group``) and ``align="position"``, a rank's grid cells already hold
     every row's terms and it counts every row itself: neither is summed nor gathered. K = the longest padded row over
-    the ranks (Σ of the context shards' widths). Extra memory per rank: the grid, G·(2 or 3)·K values (over two ranks
+    the ranks (Σ of the context shards' widths). Leave-one-out: a member whose weight is more than ¾ of its cell's D
+    takes the others' sums added directly instead of D − Wᵢ, which cancels in float32 where Wᵢ dwarfs them: an
+    all-gather of each rank's count of such cells, and where there are any, of the cells and of their others' sums
+    (2 values per cell; docs/distributed.md). Extra memory per rank: the grid, G·(2 or 3)·K values (over two ranks
     on CPU a second one receives the peer's while they are exchanged, freed before the final sweep allocates the
     advantages and baselines: the peak grows only where the grid outweighs those two outputs) — G·(2 or 3)·T_c where
     a context group spans ``group``, by position: the piece's own columns, nothing exchanged — and a few rows of T per
-    thread (on CPU; the eager path also materialises [B, T] temporaries).
+    thread (on CPU; the eager path also materialises [B, T] temporaries); leave-one-out on CPU, each cell's top weight
+    and term on the rank (G·2·K values) and, while the grid is summed, a copy of the rank's N and D (G·2·K).
 
     Args:
       rewards, response_mask, log_probs, sum_pi_squared, is_weights: this rank's [B, T_c] pieces, as
@@ -776,7 +780,8 @@ def _native_baseline(local: _Local, start: _NativeStart, num_groups: int, width:
                      grid_is_complete: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The native path after the handshake: (context parallel) the other pieces' totals and the first sweep with
     their offsets; one SUM all-reduce over ``group`` of the grid, the group statistics and the value-check flags
-    (every rank raises if one rank's values were rejected); the final sweep. K = ``width``.
+    (every rank raises if one rank's values were rejected) — leave-one-out: then the dominant members' others' sums
+    (:func:`_leave_out_tops`); the final sweep. K = ``width``.
 
     ``whole_rows``: every rank of ``group`` holds every row (one context group of all of them, or a group of one);
     the value-check flags then ride with the pieces' totals, whose all-gather reaches every rank. ``grid_is_complete``
@@ -831,7 +836,16 @@ def _reduce_grid(first: _native.FirstSweep, start: _NativeStart, num_groups: int
         buffer = torch.zeros(num_groups * first.grid.shape[1] * width + start.extra, dtype=dtype)
         grid = buffer.narrow(0, 0, num_groups * first.grid.shape[1] * width).view(num_groups, -1, width)
         grid.narrow(2, 0, first.grid.shape[2]).copy_(first.grid)
-        first, cells = first._replace(buffer=buffer, grid=grid), grid.numel()
+        tops = None
+        if first.tops is not None:
+            tops = torch.zeros((num_groups, 2, width), dtype=dtype)
+            tops.narrow(2, 0, first.tops.shape[2]).copy_(first.tops)
+        first, cells = first._replace(buffer=buffer, grid=grid, tops=tops), grid.numel()
+    rest = None
+    if first.tops is not None:                # leave-one-out: the rank's whole terms go out, its tops' kept apart
+        rest = first.grid[:, :2].clone()
+        first.grid[:, 0].add_(first.tops[:, 1])
+        first.grid[:, 1].add_(first.tops[:, 0])
     slots = first.buffer.narrow(0, cells, start.extra)
     statistics = slots.narrow(0, 0, ranks * 4 * num_groups).view(ranks, 4, num_groups)
     flags = slots.narrow(0, ranks * 4 * num_groups, ranks)
@@ -844,8 +858,67 @@ def _reduce_grid(first: _native.FirstSweep, start: _NativeStart, num_groups: int
     _all_reduce(first.buffer, dist.ReduceOp.SUM, group, timeout)
     _raise_rejected(flags, start.failure, group)
     if leave_one_out:
+        assert first.tops is not None and rest is not None
+        _leave_out_tops(first.grid, first.tops, rest, group=group, timeout=timeout)
         return first, None
     return first, statistics.numpy().astype(np.int64) if exact else _all_gather(first.stats, group, timeout).numpy()
+
+
+# Leave-one-out's dominant members. A member whose weight is more than ¾ of its column's D (at most one per cell over
+# all ranks: two would make D > 1.5·D even after rounding) must not take D − Wᵢ, which cancels in float32 to rounding
+# noise where Wᵢ dwarfs the others' energy (a forced opening where one member sampled another token; proofs/N1 item 5).
+# Its rank cannot tell the others' terms apart in the summed grid: one more exchange gives it their sums, added
+# directly, at its dominant cells only.
+
+
+def _sums_without_dominant(mine: torch.Tensor, contributions: Callable[[torch.Tensor], torch.Tensor], *, group: Any,
+                           timeout: float | None, complete: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The others' sums (Σ_{j≠i} GⱼWⱼmⱼ, Σ_{j≠i} Wⱼmⱼ) of every rank's dominant members. ``mine``: the sorted cells
+    (g·K + c, int64) where a member of this rank dominates; ``contributions(cells)``: [n, 2] this rank's sums of N
+    and D terms at ``cells`` (sorted) without its dominant members. Returns (cells, sums) over all ranks' dominant
+    cells, sorted, or None where no rank has one. Collectives: an all-gather of each rank's count (P integers); where
+    a rank has a dominant member, an all-gather of the cells (padded to the largest count) and a SUM all-reduce of
+    the [n, 2] sums. None where ``complete`` (this rank holds every row's terms of its cells): its own sums."""
+    if complete:
+        return (mine, contributions(mine)) if mine.numel() else None
+    counts = _all_gather(torch.tensor([mine.numel()], dtype=torch.int64, device=mine.device), group, timeout)
+    most = int(counts.max())
+    if most == 0:
+        return None
+    padded = torch.full((most,), -1, dtype=torch.int64, device=mine.device)
+    padded[:mine.numel()] = mine
+    cells = _all_gather(padded, group, timeout).reshape(-1)
+    cells = torch.unique(cells[cells >= 0])                          # sorted; one dominant member per cell
+    sums = contributions(cells)
+    _all_reduce(sums, dist.ReduceOp.SUM, group, timeout)
+    return cells, sums
+
+
+def _leave_out_tops(grid: torch.Tensor, tops: torch.Tensor, rest: torch.Tensor, *, group: Any,
+                    timeout: float | None) -> None:
+    """The native path's leave-one-out grid [G, 3, K] after its all-reduce: N and D of every cell, in place, become the
+    sums without this rank's top member of the cell (``tops`` [G, 2, K]: its weight w and term gw, as the kernel's
+    otb_top reads them) — N − gw, D − w (≥ D/4 where w ≤ ¾D), and where that member dominates (w > ¾D) the others'
+    sums added directly (:func:`_sums_without_dominant`; ``rest`` [G, 2, K]: this rank's own sums without its tops).
+    """
+    columns = grid.shape[2]
+    owned = tops[:, 0] > 0.75 * grid[:, 1]                                              # [G, K]
+    mine = owned.reshape(-1).nonzero().reshape(-1)
+
+    def contributions(cells: torch.Tensor) -> torch.Tensor:
+        g, c = cells // columns, cells % columns
+        local = rest[g, :, c]                                                           # [n, 2]: N, D terms
+        return torch.where(owned[g, c][:, None], local, local + tops[g, :, c].flip(-1))
+
+    found = _sums_without_dominant(mine, contributions, group=group, timeout=timeout, complete=False)
+    grid[:, 0].sub_(tops[:, 1])
+    grid[:, 1].sub_(tops[:, 0])
+    if found is not None and mine.numel():
+        cells, sums = found
+        at = torch.searchsorted(cells, mine)
+        g, c = mine // columns, mine % columns
+        grid[g, 0, c] = sums[at, 0]
+        grid[g, 1, c] = sums[at, 1]
 
 
 def _baseline(local: _Local, scan: ContextScan, num_groups: int, width: int, *, align: str, leave_one_out: bool,
@@ -889,7 +962,10 @@ def _baseline(local: _Local, scan: ContextScan, num_groups: int, width: int, *, 
         others = picked[2] - m
         own = weights
         ratio_num = numerator - scan.returns * own
-        ratio_den = others_denominator(denominator - own, epsilon)
+        ratio_den = denominator - own
+        _dominant_others(ratio_num, ratio_den, own, scan.returns, denominator, ids[:, None] * width + columns,
+                         group=group, timeout=timeout, complete=grid_is_complete)
+        ratio_den = others_denominator(ratio_den, epsilon)
         forced = others <= 0
     else:
         ratio_num, ratio_den = numerator, denominator + epsilon
@@ -905,6 +981,32 @@ def _baseline(local: _Local, scan: ContextScan, num_groups: int, width: int, *, 
     baselines = (ratio_num / ratio_den.masked_fill(zero, 1.0)).masked_fill_(zero | forced, 0.0).mul_(m)
     advantages = (scan.returns - baselines).mul_(m)
     return advantages, scan.returns, baselines
+
+
+def _dominant_others(numerator: torch.Tensor, denominator: torch.Tensor, weights: torch.Tensor,
+                     returns: torch.Tensor, column_energy: torch.Tensor, cells: torch.Tensor, *, group: Any,
+                     timeout: float | None, complete: bool) -> None:
+    """The eager path's leave-one-out: where a member's weight is more than ¾ of its column's D (``column_energy``),
+    its others' sums ``numerator`` and ``denominator`` [B, T_c] (D − Wᵢ there) become theirs added directly
+    (:func:`_sums_without_dominant`), in place. ``cells`` [B, T_c]: each token's grid cell g·K + c."""
+    dominant = weights > 0.75 * column_energy
+    mine = torch.unique(cells[dominant])
+
+    def contributions(wanted: torch.Tensor) -> torch.Tensor:
+        flat = cells.reshape(-1)
+        at = torch.searchsorted(wanted, flat).clamp_(max=max(wanted.numel() - 1, 0))
+        hit = (wanted[at] == flat) & ~dominant.reshape(-1) & (weights.reshape(-1) != 0)
+        terms = torch.stack([(returns * weights).reshape(-1)[hit], weights.reshape(-1)[hit]], dim=-1)
+        return torch.zeros((wanted.numel(), 2), dtype=weights.dtype, device=weights.device).index_add_(
+            0, at[hit], terms)
+
+    found = _sums_without_dominant(mine, contributions, group=group, timeout=timeout, complete=complete)
+    if found is None or not bool(dominant.any()):
+        return
+    wanted, sums = found
+    at = torch.searchsorted(wanted, cells[dominant])
+    numerator[dominant] = sums[at, 0]
+    denominator[dominant] = sums[at, 1]
 
 
 def _check_outputs(outputs: tuple[torch.Tensor, ...], check_values: bool, local: _Local | None = None) -> None:
