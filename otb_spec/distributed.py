@@ -41,7 +41,7 @@ import numpy as np
 from otb_spec import _validation as check
 from otb_spec._baseline import leave_one_out_energy, others_denominator, safe_ratio, validated_otb_inputs
 from otb_spec.groups import group_segments
-from otb_spec.otb import AdvantageResult, _overflow_error
+from otb_spec.otb import AdvantageResult, _overflow_error, _raise_if_weights_overflow
 from otb_spec.proxy import _energy
 from otb_spec.trajectory import cumulative_energy, importance_weights, reward_to_go, valid_token_index
 
@@ -411,7 +411,8 @@ def sharded_token_baseline(rewards: Any, response_mask: Any, group_ids: Any, log
 
     Every [d][c] equals the matching block of the single-process result up to the order of summation. Finite rewards
     whose float64 sums Σᵢ GₜⁱWₜⁱ (or returns-to-go) overflow raise the single-process reference's ValueError naming
-    them, instead of returning ±inf/NaN.
+    them, instead of returning ±inf/NaN; finite importance weights whose ρ² makes the realized energy overflow, its
+    error naming is_weights.
     """
     rewards64, mask64, _, token_energy, weights64 = validated_otb_inputs(rewards, response_mask, group_ids, log_probs,
                                                                          sum_pi_squared, is_weights)
@@ -432,6 +433,8 @@ def sharded_token_baseline(rewards: Any, response_mask: Any, group_ids: Any, log
     widths = [b - a for a, b in spans]
     options = dict(num_groups=segments.n_groups, align=_align(align))
 
+    with np.errstate(over="ignore"):                  # ρ² beyond float64 in the rows' energy: named as in one process
+        _raise_if_weights_overflow(cumulative_energy(token_energy, mask64, weights64), mask64, weights64)
     with np.errstate(over="ignore", invalid="ignore"):       # sums beyond float64: raised below, as the reference does
         results = _protocol(inputs, is_weights, segments, shards, spans, widths, total_columns, options,
                             leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail, epsilon=epsilon)

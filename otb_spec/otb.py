@@ -303,10 +303,16 @@ def _prepare(rewards: Any, response_mask: Any, group_ids: Any, log_probs: Any, s
     with np.errstate(over="ignore", invalid="ignore"):      # returns-to-go or ρ² beyond float64: raised below
         returns = reward_to_go(rewards64, mask)
         realized = cumulative_energy(energy, mask, weights)
+    _raise_if_weights_overflow(realized, mask, weights)
+    return returns, realized, mask, segments
+
+
+def _raise_if_weights_overflow(realized: np.ndarray, mask: np.ndarray, weights: np.ndarray | None) -> None:
+    """The error naming is_weights where ρ² makes the realized energy leave float64 (also raised by
+    otb_spec.distributed)."""
     if weights is not None and not np.isfinite(realized[mask > 0]).all():
         largest = float(np.abs(np.where(mask > 0, weights, 0.0)).max(initial=0.0))
         raise check.weights_overflow_error(largest, "float64", certain=True)
-    return returns, realized, mask, segments
 
 
 def _align(align: Any) -> str:

@@ -195,3 +195,29 @@ def test_finite_rewards_whose_sums_overflow_raise_as_in_one_process(leave_one_ou
                 call()
             continue
         assert all(np.isfinite(result.advantages).all() for row in call() for result in row)
+
+
+@pytest.mark.parametrize("leave_one_out", [False, True])
+@pytest.mark.parametrize("column_cuts", [(), (3,)])
+def test_importance_weights_whose_squares_overflow_are_named_as_in_one_process(leave_one_out, column_cuts):
+    """ρ = 10¹⁶⁰ at one valid token: ρ² leaves float64 in the realized energy. The protocol raises the one-process
+    reference's error naming is_weights (it named the rewards before); ρ = 10¹⁵⁰ computes, finite, on every shard."""
+    rows, positions = 4, 6
+    mask, spp = np.ones((rows, positions)), np.full((rows, positions), 0.5)
+    rewards = np.zeros((rows, positions))
+    rewards[:, -1] = [1.0, 0.0, 1.0, 0.5]
+    for rho in (1e150, 1e160):
+        weights = np.ones((rows, positions))
+        weights[2, 1] = rho
+        call = lambda: spec.sharded_token_baseline(rewards, mask, [0, 0, 0, 0], np.log(spp), spp,  # noqa: E731
+                                                   row_shards=[[0, 1], [2, 3]], column_cuts=column_cuts,
+                                                   is_weights=weights, leave_one_out=leave_one_out)
+        if rho > 1e150:
+            with pytest.raises(ValueError, match=r"^is_weights: finite, but ρ² in the realized energy .* overflows "
+                                                 r"float64 \(ρ up to 1e\+160\)"):
+                call()
+            with pytest.raises(ValueError, match=r"^is_weights: finite, but ρ²"):
+                otb.optimal_token_baseline(rewards, mask, [0, 0, 0, 0], np.log(spp), spp, is_weights=weights)
+            continue
+        assert all(np.isfinite(result.advantages).all() for row in call() for result in row)
+

@@ -495,6 +495,30 @@ def test_finite_rewards_whose_float32_group_sums_overflow_raise_on_every_rank(po
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+def test_importance_weights_whose_squares_overflow_a_context_split_are_named(pool, kernel):
+    """ρ = 10¹⁹ at every token of rows cut into four one-column pieces, π = 0.01: the energy reaches
+    ≈ 1.5·10³⁸·(t + 1), beyond float32 from t = 2. A piece's own ρ² fits 2·T_c·ρ² = 2·10³⁸ < 3.4·10³⁸, the row's
+    2·K·ρ² does not: every rank whose results overflow names is_weights, judged on the whole row's width K (its
+    own width named the rewards before)."""
+    rows, positions = 4, 4
+    batch = otb.RolloutBatch(rewards=np.ones((rows, positions), np.float32),
+                             response_mask=np.ones((rows, positions), np.float32), group_ids=np.zeros(rows, np.int64),
+                             log_probs=np.full((rows, positions), np.log(0.01), np.float32),
+                             sum_pi_squared=np.full((rows, positions), 0.5, np.float32),
+                             is_weights=np.full((rows, positions), 1e19, np.float32))
+    arguments, _ = _split_arguments(batch, np.zeros(rows, np.int64), 1, [np.arange(rows)], [1, 2, 3], 4,
+                                    align="position", leave_one_out=False, epsilon=1e-8)
+    if kernel == "eager":
+        arguments = [dict(argument, _eager=True) for argument in arguments]
+    outcomes = pool.run("distributed_token_baseline", "context", arguments)
+    raised = [rank for rank, (status, _) in enumerate(outcomes) if status == "error"]
+    assert raised, outcomes
+    for rank, kind, message in _errors(outcomes, raised):
+        assert kind == "ValueError" and message.startswith("is_weights: finite, but the realized energy"), (
+            rank, kind, message)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_huge_finite_rewards_raise_only_where_the_results_overflow(pool, kernel):
     """Three cases on two data-parallel ranks, float32, rewards of ±2·10³⁷ or 3·10³⁷ at the last position: a
     singleton group whose sums overflow but whose baseline is 0 by rule (A = G: finite, no error, equal to the

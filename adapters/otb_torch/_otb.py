@@ -338,13 +338,14 @@ def _run(names: tuple[str, str, str, str, str, str], rewards: Any, response_mask
 
 
 def _check_finite_outputs(outputs: list[torch.Tensor] | tuple[torch.Tensor, ...], name: str, dtype: torch.dtype,
-                          is_weights: tuple[str, torch.Tensor] | None = None, mask: torch.Tensor | None = None
-                          ) -> None:
+                          is_weights: tuple[str, torch.Tensor] | None = None, mask: torch.Tensor | None = None,
+                          positions: int | None = None) -> None:
     """Valid finite inputs whose arithmetic leaves ``dtype``'s range — the returns-to-go, or the group sums Σᵢ GₜⁱWₜⁱ
     (the native kernel flags a sum outside the range, the eager path a non-finite advantage; otb_torch.distributed
     calls it on every rank's results) — raise, naming the rewards, instead of returning ±inf/NaN; naming the
     importance weights (``is_weights`` = (name, ρ), read where ``mask`` is nonzero) where ρ alone can overflow the
-    realized energy (2·T·max ρ² beyond the range: Wₜ ≤ Σ ρ²·2). One sum per output (tens of µs at a rank's half of
+    realized energy (2·T·max ρ² beyond the range: Wₜ ≤ Σ ρ²·2; T = ``positions``, the whole rows' length, by
+    default ρ's last dimension). One sum per output (tens of µs at a rank's half of
     64×8×2048), and the exact check only if a sum is not finite. (Results beyond a half-precision output dtype are
     not caught.)"""
     if all(bool(torch.isfinite(value.sum())) or bool(torch.isfinite(value).all()) for value in outputs):
@@ -352,7 +353,8 @@ def _check_finite_outputs(outputs: list[torch.Tensor] | tuple[torch.Tensor, ...]
     if is_weights is not None and is_weights[1].numel():
         rho = is_weights[1].abs() if mask is None else torch.where(mask != 0, is_weights[1].abs(), 0.0)
         largest_rho = float(rho.max())
-        if reference_checks.weights_may_overflow(largest_rho, rho.shape[-1], torch.finfo(dtype).max):
+        width = rho.shape[-1] if positions is None else positions
+        if reference_checks.weights_may_overflow(largest_rho, width, torch.finfo(dtype).max):
             raise reference_checks.weights_overflow_error(largest_rho, str(dtype).replace("torch.", ""),
                                                           certain=False)
     returns = torch.nan_to_num(outputs[1].abs(), nan=0.0, posinf=float("inf"))

@@ -703,7 +703,7 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
             handle_zero_tail=handle_zero_tail, epsilon=epsilon, dtype=dtype, group=group,
             context_group=context_group, timeout=timeout, most_rows=max(verdicts.column(7)), whole_rows=whole_rows,
             grid_is_complete=grid_is_complete)
-        _check_outputs((advantages, returns, baselines), check_values, local)
+        _check_outputs((advantages, returns, baselines), check_values, local, width)
         out = check.output_dtype(local.rewards)
         return AdvantageResult(advantages.to(out), returns.to(out), baselines.to(out))
     scan = _scan(local, dtype, context_group, columns_before, timeout)
@@ -712,7 +712,7 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
                                                epsilon=epsilon, dtype=dtype, group=group,
                                                context_group=context_group, timeout=timeout,
                                                grid_is_complete=grid_is_complete)
-    _check_outputs((advantages, returns, baselines), check_values, local)
+    _check_outputs((advantages, returns, baselines), check_values, local, width)
     out = check.output_dtype(local.rewards)
     return AdvantageResult(advantages.to(out), returns.to(out), baselines.to(out))
 
@@ -1009,15 +1009,18 @@ def _dominant_others(numerator: torch.Tensor, denominator: torch.Tensor, weights
     denominator[dominant] = sums[at, 1]
 
 
-def _check_outputs(outputs: tuple[torch.Tensor, ...], check_values: bool, local: _Local | None = None) -> None:
+def _check_outputs(outputs: tuple[torch.Tensor, ...], check_values: bool, local: _Local | None = None,
+                   width: int | None = None) -> None:
     """With ``check_values``: this rank's results in the compute dtype, where finite rewards whose group sums
     Σᵢ GₜⁱWₜⁱ (or, leave-one-out, Σ − GᵢWᵢ) left the dtype's range made them ±inf or NaN, raise, naming the rewards
-    (or the importance weights where ρ² alone can overflow the energy: the one-process check,
+    (or the importance weights where this rank's ρ² alone can overflow the energy of rows ``width`` K long — a
+    context piece's rows are longer than the piece: the one-process check,
     :func:`otb_torch._otb._check_finite_outputs`). Only the ranks whose own results are not finite raise (no
     collective is spent on it: the others return theirs)."""
     if check_values:
         weights = None if local is None or local.is_weights is None else ("is_weights", local.is_weights)
-        _check_finite_outputs(outputs, "rewards", outputs[0].dtype, weights, None if local is None else local.mask)
+        _check_finite_outputs(outputs, "rewards", outputs[0].dtype, weights, None if local is None else local.mask,
+                              width)
 
 
 def _group_lengths(lengths: torch.Tensor, ids: torch.Tensor, num_groups: int, align: str, count_rows: bool
