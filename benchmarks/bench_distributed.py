@@ -16,7 +16,8 @@ over ``--repeat`` calls (after one warm-up) of:
 * the gloo floor: the native path's collectives (handshake, for context parallel the row totals, the one SUM
   all-reduce of the grid — not for context parallel, where every rank holds every row — and its group statistics
   and flags; for leave-one-out, the count of dominant cells and, where a rank has one, their cells and sums, as
-  many as the call exchanged — over two ranks the library's exchange of the buffer,
+  many as the call had — none over two ranks with the native kernel, whose exchange of the grid brings the other
+  rank's sums — over two ranks the library's exchange of the buffer,
   ``otb_torch.distributed._all_reduce``, whose receive buffer and add this figure includes while a call counts them
   as local compute) timed alone, with nothing computed — what the call's communication costs at least on this
   machine, in wall time and in the CPU time of every rank's threads;
@@ -161,16 +162,19 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
         setattr(dist, name, timed(getattr(dist, name)))
     setattr(dist, gather_name, timed(getattr(dist, gather_name)))
     otb_dist._wait = timed(otb_dist._wait)
-    # leave-one-out's exchange for dominant members: how many cells this rank had, and all ranks together
-    dominance = {"mine": 0, "cells": 0}
-    sums_without_dominant = otb_dist._sums_without_dominant
+    # leave-one-out's dominant members: on how many cells of this rank (the exchange for them: as many over all ranks)
+    dominance = {"mine": 0}
+    sums_without_dominant, leave_out_tops = otb_dist._sums_without_dominant, otb_dist._leave_out_tops
 
     def recorded(mine, contributions, **keywords):
-        found = sums_without_dominant(mine, contributions, **keywords)
-        dominance.update(mine=int(mine.numel()), cells=0 if found is None else int(found[0].numel()))
-        return found
+        dominance["mine"] = int(mine.numel())
+        return sums_without_dominant(mine, contributions, **keywords)
 
-    otb_dist._sums_without_dominant = recorded
+    def recorded_tops(grid, tops, rest, **keywords):              # the native path (over two ranks: no exchange)
+        dominance["mine"] = int((tops[:, 0] > 0.75 * grid[:, 1]).sum())
+        return leave_out_tops(grid, tops, rest, **keywords)
+
+    otb_dist._sums_without_dominant, otb_dist._leave_out_tops = recorded, recorded_tops
 
     def measure(call) -> dict:
         call()                                                          # warm-up
@@ -207,17 +211,17 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
             else:
                 *local, local_ids = _rank_rows([rewards, mask, log_probs, spp, ids], size, rank)
                 options = _data_parallel_options(case)
-            dominance.update(mine=0, cells=0)
+            dominance["mine"] = 0
             record = measure(lambda: otb_dist.distributed_token_baseline(
                 local[0], local[1], local_ids, local[2], local[3], num_groups=prompts, **options))
-            record["dominant cells, one rank"], record["dominant cells"] = dominance["mine"], dominance["cells"]
+            record["dominant cells, one rank"] = dominance["mine"]
             if not memory:                  # the same collectives with nothing computed: what gloo costs at least
                 handshake, table = torch.zeros(19, dtype=torch.int64), torch.empty(19 * size, dtype=torch.int64)
                 buffer = torch.zeros(_grid_planes(case) * prompts * positions + size * 4 * prompts + size)
                 totals = torch.zeros(3 * rewards.shape[0] + (args.kernel != "eager"), dtype=torch.float64)  # verdict
                 gathered = torch.empty(totals.numel() * size, dtype=torch.float64)
 
-                mine, cells = dominance["mine"], dominance["cells"]
+                mine = dominance["mine"]
 
                 def collectives():
                     getattr(dist, gather_name)(table, handshake)
@@ -225,11 +229,12 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
                         getattr(dist, gather_name)(gathered, totals)
                     else:
                         otb_dist._all_reduce(buffer, dist.ReduceOp.SUM, None, None)
-                    if case == "leave-one-out":         # the dominant members' count, then their cells and sums
-                        most = int(otb_dist._all_gather(torch.tensor([mine]), None, None).max())
-                        if most:
-                            otb_dist._all_gather(torch.zeros(most, dtype=torch.int64), None, None)
-                            otb_dist._all_reduce(torch.zeros(cells, 2), dist.ReduceOp.SUM, None, None)
+                    if case == "leave-one-out" and not (size == 2 and args.kernel != "eager"):  # (2: the exchange)
+                        # the dominant members' count, then their cells and sums
+                        counts = otb_dist._all_gather(torch.tensor([mine]), None, None)
+                        if int(counts.max()):
+                            otb_dist._all_gather(torch.zeros(int(counts.max()), dtype=torch.int64), None, None)
+                            otb_dist._all_reduce(torch.zeros(int(counts.sum()), 2), dist.ReduceOp.SUM, None, None)
                     return ()
 
                 alone = measure(collectives)
@@ -265,6 +270,8 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
             for name in ("floor cpu", "concurrent cpu", "caller cpu"):     # CPU times: all ranks together
                 if name in per_rank[0]:
                     slowest[key][name + ", all ranks"] = sum(record[name] for record in per_rank)
+            if "dominant cells, one rank" in per_rank[0]:
+                slowest[key]["dominant cells"] = sum(record["dominant cells, one rank"] for record in per_rank)
         out.put(slowest)
     dist.destroy_process_group()
 
@@ -518,7 +525,7 @@ def _bytes_sent(key, size: int, args: argparse.Namespace, record: dict | None = 
             sent += reduce * (size * 4 * G + size) * 4   # the group statistics and verdicts, in the all-reduce
         if args.kernel == "eager" and case not in ("leave-one-out", "context parallel"):  # (whole rows: counted)
             sent += gather * size * 4 * G * 8            # the group statistics
-        if case == "leave-one-out":
+        if case == "leave-one-out" and not (size == 2 and args.kernel != "eager"):   # two ranks: in the exchange
             sent += gather * size * 8
             if record and record["dominant cells"]:
                 sent += gather * size * record["dominant cells, one rank"] * 8 + reduce * record["dominant cells"] * 8

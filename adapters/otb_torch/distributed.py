@@ -104,9 +104,19 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, timeout: float | None
     Extra memory: a copy of ``tensor`` for what arrives (and one to send, were ``tensor`` not contiguous). As with
     any collective, a timeout leaves the group unusable (the other half of the exchange stays posted). Otherwise
     ``torch.distributed.all_reduce``."""
-    if tensor.device.type != "cpu" or op != dist.ReduceOp.SUM or dist.get_world_size(group) != 2:
+    if not _pairwise(tensor, op, group):
         _wait(dist.all_reduce(tensor, op=op, group=group, async_op=True), timeout)
         return tensor
+    return tensor.add_(_exchange(tensor, group, timeout))
+
+
+def _pairwise(tensor: torch.Tensor, op: Any, group: Any) -> bool:
+    """Whether :func:`_all_reduce` sums ``tensor`` by one exchange (a SUM over two ranks, CPU tensors)."""
+    return tensor.device.type == "cpu" and op == dist.ReduceOp.SUM and dist.get_world_size(group) == 2
+
+
+def _exchange(tensor: torch.Tensor, group: Any, timeout: float | None) -> torch.Tensor:
+    """Over a group of two ranks: sends ``tensor`` to the other rank and returns the other's (a new tensor)."""
     peer = dist.get_global_rank(group if group is not None else dist.group.WORLD, 1 - dist.get_rank(group))
     mine = tensor.contiguous()
     received = torch.empty_like(mine)
@@ -114,7 +124,7 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, timeout: float | None
     incoming = dist.irecv(received, peer, group=group, tag=_MAGIC)
     _wait(incoming, timeout)
     _wait(outgoing, timeout)
-    return tensor.add_(received)
+    return received
 
 
 def _all_gather_name() -> str:
@@ -625,7 +635,8 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
     the ranks (Σ of the context shards' widths). Leave-one-out: a member whose weight is more than ¾ of its cell's D
     takes the others' sums added directly instead of D − Wᵢ, which cancels in float32 where Wᵢ dwarfs them: an
     all-gather of each rank's count of such cells, and where there are any, of the cells and of their others' sums
-    (2 values per cell; docs/distributed.md). Extra memory per rank: the grid, G·(2 or 3)·K values (over two ranks
+    (2 values per cell; docs/distributed.md) — nothing more over two ranks on CPU, whose exchange of the grid
+    brings the other rank's own sums (native kernel). Extra memory per rank: the grid, G·(2 or 3)·K values (over two ranks
     on CPU a second one receives the peer's while they are exchanged, freed before the final sweep allocates the
     advantages and baselines: the peak grows only where the grid outweighs those two outputs) — G·(2 or 3)·T_c where
     a context group spans ``group``, by position: the piece's own columns, nothing exchanged — and a few rows of T per
@@ -855,11 +866,17 @@ def _reduce_grid(first: _native.FirstSweep, start: _NativeStart, num_groups: int
     if exact:
         statistics[me] = first.stats.to(dtype)
     flags[me] = float(start.failure is not None)
-    _all_reduce(first.buffer, dist.ReduceOp.SUM, group, timeout)
+    peer = None
+    if leave_one_out and _pairwise(first.buffer, dist.ReduceOp.SUM, group):      # the peer's own sums, kept
+        peer = _exchange(first.buffer, group, timeout)
+        first.buffer.add_(peer)
+    else:
+        _all_reduce(first.buffer, dist.ReduceOp.SUM, group, timeout)
     _raise_rejected(flags, start.failure, group)
     if leave_one_out:
         assert first.tops is not None and rest is not None
-        _leave_out_tops(first.grid, first.tops, rest, group=group, timeout=timeout)
+        _leave_out_tops(first.grid, first.tops, rest, group=group, timeout=timeout,
+                        peer=None if peer is None else peer.narrow(0, 0, cells).view(first.grid.shape))
         return first, None
     return first, statistics.numpy().astype(np.int64) if exact else _all_gather(first.stats, group, timeout).numpy()
 
@@ -895,30 +912,32 @@ def _sums_without_dominant(mine: torch.Tensor, contributions: Callable[[torch.Te
 
 
 def _leave_out_tops(grid: torch.Tensor, tops: torch.Tensor, rest: torch.Tensor, *, group: Any,
-                    timeout: float | None) -> None:
+                    timeout: float | None, peer: torch.Tensor | None = None) -> None:
     """The native path's leave-one-out grid [G, 3, K] after its all-reduce: N and D of every cell, in place, become the
     sums without this rank's top member of the cell (``tops`` [G, 2, K]: its weight w and term gw, as the kernel's
     otb_top reads them) — N − gw, D − w (≥ D/4 where w ≤ ¾D), and where that member dominates (w > ¾D) the others'
-    sums added directly (:func:`_sums_without_dominant`; ``rest`` [G, 2, K]: this rank's own sums without its tops).
-    """
+    sums added directly (``rest`` [G, 2, K]: this rank's own sums without its tops): over two ranks, the other
+    rank's sums ``peer`` [G, 3, K] (what the exchange brought) plus its own rest, with no collective; else
+    :func:`_sums_without_dominant`."""
     columns = grid.shape[2]
     owned = tops[:, 0] > 0.75 * grid[:, 1]                                              # [G, K]
     mine = owned.reshape(-1).nonzero().reshape(-1)
+    g, c = mine // columns, mine % columns
+    if peer is not None:
+        others = rest[g, :, c] + peer[g, :2, c] if mine.numel() else None
+    else:
+        def contributions(cells: torch.Tensor) -> torch.Tensor:
+            g, c = cells // columns, cells % columns
+            local = rest[g, :, c]                                                       # [n, 2]: N, D terms
+            return torch.where(owned[g, c][:, None], local, local + tops[g, :, c].flip(-1))
 
-    def contributions(cells: torch.Tensor) -> torch.Tensor:
-        g, c = cells // columns, cells % columns
-        local = rest[g, :, c]                                                           # [n, 2]: N, D terms
-        return torch.where(owned[g, c][:, None], local, local + tops[g, :, c].flip(-1))
-
-    found = _sums_without_dominant(mine, contributions, group=group, timeout=timeout, complete=False)
+        found = _sums_without_dominant(mine, contributions, group=group, timeout=timeout, complete=False)
+        others = None if found is None or not mine.numel() else found[1][torch.searchsorted(found[0], mine)]
     grid[:, 0].sub_(tops[:, 1])
     grid[:, 1].sub_(tops[:, 0])
-    if found is not None and mine.numel():
-        cells, sums = found
-        at = torch.searchsorted(cells, mine)
-        g, c = mine // columns, mine % columns
-        grid[g, 0, c] = sums[at, 0]
-        grid[g, 1, c] = sums[at, 1]
+    if others is not None:
+        grid[g, 0, c] = others[:, 0]
+        grid[g, 1, c] = others[:, 1]
 
 
 def _baseline(local: _Local, scan: ContextScan, num_groups: int, width: int, *, align: str, leave_one_out: bool,
