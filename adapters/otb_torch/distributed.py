@@ -636,12 +636,12 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
     takes the others' sums added directly instead of D − Wᵢ, which cancels in float32 where Wᵢ dwarfs them: an
     all-gather of each rank's count of such cells, and where there are any, of the cells and of their others' sums
     (2 values per cell; docs/distributed.md) — nothing more over two ranks on CPU, whose exchange of the grid
-    brings the other rank's own sums (native kernel). Extra memory per rank: the grid, G·(2 or 3)·K values (over two ranks
-    on CPU a second one receives the peer's while they are exchanged, freed before the final sweep allocates the
-    advantages and baselines: the peak grows only where the grid outweighs those two outputs) — G·(2 or 3)·T_c where
-    a context group spans ``group``, by position: the piece's own columns, nothing exchanged — and a few rows of T per
-    thread (on CPU; the eager path also materialises [B, T] temporaries); leave-one-out on CPU, each cell's top weight
-    and term on the rank (G·2·K values) and, while the grid is summed, a copy of the rank's N and D (G·2·K).
+    brings the other rank's own sums (native kernel). Extra memory per rank: the grid, G·(2 or 3)·K values (over two
+    ranks on CPU a second one receives the peer's while they are exchanged, freed before the final sweep allocates
+    the advantages and baselines: the peak grows only where the grid outweighs those two outputs) — G·(2 or 3)·T_c
+    where a context group spans ``group``, by position: the piece's own columns, nothing exchanged — and a few rows of
+    T per thread (on CPU; the eager path also materialises [B, T] temporaries); leave-one-out on CPU, each cell's top
+    weight and term on the rank (G·2·K values) and, while the grid is summed, a copy of the rank's N and D (G·2·K).
 
     Args:
       rewards, response_mask, log_probs, sum_pi_squared, is_weights: this rank's [B, T_c] pieces, as
