@@ -1259,6 +1259,53 @@ OTB_EXPORT void FN(otb_dist_offsets)(const M *m, int64_t width, const int64_t *o
     }
 }
 
+/* Leave-one-out across ranks, around the grid's SUM all-reduce. The first sweep left each cell's top member on the
+ * rank out of N and D (tops [G, 2, columns]: w, then gw; FN(otb_top)). Before the sum (otb_dist_tops_in): rest
+ * [G, 2, columns] ← (N, D), and N += gw, D += w — the rank's whole sums go out. After it (otb_dist_tops_out): N and D
+ * of every cell become the sums without the rank's top there, N − gw and D − w (≥ D/4 while w ≤ ¾D), except where
+ * that member dominates, w > ¾D (at most one member per cell over all ranks): with `peer` (over two ranks, the other
+ * rank's [G, planes, columns] sums as the exchange brought them) the others' sums added directly, rest + peer; without
+ * it, left as they are and flagged in owned[g·columns + c] for the caller's exchange. Returns the count of such cells
+ * of the rank. One pass over the cells; grid [G, planes, columns]. */
+OTB_EXPORT void FN(otb_dist_tops_in)(T *grid, const T *tops, T *rest, int64_t groups, int planes, int64_t columns) {
+    for (int64_t g = 0; g < groups; ++g) {
+        T *restrict n = grid + g * planes * columns, *restrict d = n + columns;
+        T *restrict rn = rest + g * 2 * columns, *restrict rd = rn + columns;
+        const T *restrict w = tops + g * 2 * columns, *restrict gw = w + columns;
+        for (int64_t c = 0; c < columns; ++c) {
+            rn[c] = n[c];
+            rd[c] = d[c];
+            n[c] = n[c] + gw[c];
+            d[c] = d[c] + w[c];
+        }
+    }
+}
+
+OTB_EXPORT int64_t FN(otb_dist_tops_out)(T *grid, const T *tops, const T *rest, const T *peer, int64_t groups,
+                                         int planes, int64_t columns, unsigned char *owned) {
+    int64_t count = 0;
+    for (int64_t g = 0; g < groups; ++g) {
+        T *restrict n = grid + g * planes * columns, *restrict d = n + columns;
+        const T *restrict rn = rest + g * 2 * columns, *restrict rd = rn + columns;
+        const T *restrict w = tops + g * 2 * columns, *restrict gw = w + columns;
+        const T *restrict pn = peer ? peer + g * planes * columns : 0, *restrict pd = pn ? pn + columns : 0;
+        unsigned char *restrict flag = owned ? owned + g * columns : 0;
+        for (int64_t c = 0; c < columns; ++c) {
+            const int dominant = w[c] > (T)0.75 * d[c];
+            count += dominant;
+            if (flag) flag[c] = (unsigned char)dominant;
+            if (!dominant) {
+                n[c] = n[c] - gw[c];
+                d[c] = d[c] - w[c];
+            } else if (pn) {
+                n[c] = rn[c] + pn[c];
+                d[c] = rd[c] + pd[c];
+            }
+        }
+    }
+    return count;
+}
+
 /* One rank, after the grid's SUM all-reduce: B and A of the rows of local groups first_group … last_group − 1.
  * First each of these groups' grid row: self-inclusive, N becomes N/(D + ε) in place; leave-one-out by valid token,
  * the length histogram becomes V. Then each row: self-inclusive, B = 0 from the column otb_zero_from finds in the

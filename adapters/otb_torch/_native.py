@@ -591,6 +591,32 @@ def distributed_final(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, 
     return advantages, baselines
 
 
+def distributed_tops_in(grid: torch.Tensor, tops: torch.Tensor) -> torch.Tensor:
+    """Leave-one-out, before the grid's SUM all-reduce (``_kernel.c``: otb_dist_tops_in): returns the rank's own N and D
+    without its tops, [G, 2, K], and adds each cell's top (``tops`` [G, 2, K]: w, gw) back into ``grid`` [G, 3, K]
+    in place. Extra memory: the returned 2·G·K values."""
+    groups, planes, columns = grid.shape
+    rest = torch.empty((groups, 2, columns), dtype=grid.dtype)
+    function = _function("dist_tops_in", grid.dtype, rest, None)
+    function(_pointer(grid), _pointer(tops), _pointer(rest), ctypes.c_int64(groups), ctypes.c_int(planes),
+             ctypes.c_int64(columns))
+    return rest
+
+
+def distributed_tops_out(grid: torch.Tensor, tops: torch.Tensor, rest: torch.Tensor, peer: torch.Tensor | None
+                         ) -> tuple[int, torch.Tensor | None]:
+    """Leave-one-out, after the grid's SUM all-reduce (``_kernel.c``: otb_dist_tops_out): each cell's N and D in place
+    become the sums without the rank's top member there, and where that member dominates (weight above ¾ of the
+    cell's D) the others' sums ``rest`` + ``peer`` (the other rank's [G, 3, K] sums over two ranks). Returns the count
+    of such cells and, without ``peer``, their flags [G, K] (bool), those cells left for the caller to fill."""
+    groups, planes, columns = grid.shape
+    owned = None if peer is not None else torch.empty((groups, columns), dtype=torch.bool)
+    function = _function("dist_tops_out", grid.dtype, rest, ctypes.c_int64)
+    count = function(_pointer(grid), _pointer(tops), _pointer(rest), _pointer(peer), ctypes.c_int64(groups),
+                     ctypes.c_int(planes), ctypes.c_int64(columns), _pointer(owned))
+    return int(count), owned
+
+
 def fused_usable(device: torch.device, dtype: torch.dtype) -> bool:
     """True if the fused linear token statistics' elementwise work runs natively: CPU, float32 computation."""
     return dtype == torch.float32 and usable(device, dtype)

@@ -852,11 +852,8 @@ def _reduce_grid(first: _native.FirstSweep, start: _NativeStart, num_groups: int
             tops = torch.zeros((num_groups, 2, width), dtype=dtype)
             tops.narrow(2, 0, first.tops.shape[2]).copy_(first.tops)
         first, cells = first._replace(buffer=buffer, grid=grid, tops=tops), grid.numel()
-    rest = None
-    if first.tops is not None:                # leave-one-out: the rank's whole terms go out, its tops' kept apart
-        rest = first.grid[:, :2].clone()
-        first.grid[:, 0].add_(first.tops[:, 1])
-        first.grid[:, 1].add_(first.tops[:, 0])
+    # leave-one-out: the rank's whole sums go out, its own sums without its tops kept apart
+    rest = None if first.tops is None else _native.distributed_tops_in(first.grid, first.tops)
     slots = first.buffer.narrow(0, cells, start.extra)
     statistics = slots.narrow(0, 0, ranks * 4 * num_groups).view(ranks, 4, num_groups)
     flags = slots.narrow(0, ranks * 4 * num_groups, ranks)
@@ -917,25 +914,23 @@ def _leave_out_tops(grid: torch.Tensor, tops: torch.Tensor, rest: torch.Tensor, 
     sums without this rank's top member of the cell (``tops`` [G, 2, K]: its weight w and term gw, as the kernel's
     otb_top reads them) — N − gw, D − w (≥ D/4 where w ≤ ¾D), and where that member dominates (w > ¾D) the others'
     sums added directly (``rest`` [G, 2, K]: this rank's own sums without its tops): over two ranks, the other
-    rank's sums ``peer`` [G, 3, K] (what the exchange brought) plus its own rest, with no collective; else
-    :func:`_sums_without_dominant`."""
+    rank's sums ``peer`` [G, 3, K] (what the exchange brought) plus its own rest, with no collective
+    (:func:`otb_torch._native.distributed_tops_out`, one pass); else :func:`_sums_without_dominant`."""
+    _, owned = _native.distributed_tops_out(grid, tops, rest, peer)
+    if owned is None:
+        return
     columns = grid.shape[2]
-    owned = tops[:, 0] > 0.75 * grid[:, 1]                                              # [G, K]
     mine = owned.reshape(-1).nonzero().reshape(-1)
-    g, c = mine // columns, mine % columns
-    if peer is not None:
-        others = rest[g, :, c] + peer[g, :2, c] if mine.numel() else None
-    else:
-        def contributions(cells: torch.Tensor) -> torch.Tensor:
-            g, c = cells // columns, cells % columns
-            local = rest[g, :, c]                                                       # [n, 2]: N, D terms
-            return torch.where(owned[g, c][:, None], local, local + tops[g, :, c].flip(-1))
 
-        found = _sums_without_dominant(mine, contributions, group=group, timeout=timeout, complete=False)
-        others = None if found is None or not mine.numel() else found[1][torch.searchsorted(found[0], mine)]
-    grid[:, 0].sub_(tops[:, 1])
-    grid[:, 1].sub_(tops[:, 0])
-    if others is not None:
+    def contributions(cells: torch.Tensor) -> torch.Tensor:
+        g, c = cells // columns, cells % columns
+        local = rest[g, :, c]                                                           # [n, 2]: N, D terms
+        return torch.where(owned[g, c][:, None], local, local + tops[g, :, c].flip(-1))
+
+    found = _sums_without_dominant(mine, contributions, group=group, timeout=timeout, complete=False)
+    if found is not None and mine.numel():
+        g, c = mine // columns, mine % columns
+        others = found[1][torch.searchsorted(found[0], mine)]
         grid[g, 0, c] = others[:, 0]
         grid[g, 1, c] = others[:, 1]
 
