@@ -714,6 +714,20 @@ def test_a_rank_skipping_the_value_checks_raises_on_every_rank(pool, function):
         assert "rank 1: False" in message and "rank 0: True" in message, message
 
 
+@pytest.mark.parametrize("leave_one_out", [False, True])
+def test_a_rank_on_the_other_kernel_raises_on_every_rank(pool, leave_one_out):
+    """One rank on the eager path (no C compiler there, or OTB_TORCH_NATIVE=0) while the others run the native kernel:
+    the two paths exchange different buffers and, for leave-one-out over two ranks, different collectives, so every
+    rank raises naming the kernel instead of failing in the exchange or waiting out the timeout."""
+    if not all(answer for _, answer in pool.run("native_kernel_status", "world", [{}] * WORLD_SIZE)):
+        pytest.skip("the native kernel does not build here")
+    arguments = [dict(argument, leave_one_out=leave_one_out, timeout=60.0) for argument in _four_ranks(_fixed_batch())]
+    arguments[3]["_eager"] = True
+    for _, kind, message in _errors(pool.run("distributed_token_baseline", "world", arguments), range(4)):
+        assert kind == "ValueError" and message.startswith("the kernel (native where"), message
+        assert "rank 3: 'eager'" in message and "rank 0: 'native'" in message, message
+
+
 def test_a_bad_timeout_on_one_rank_raises_on_every_rank_at_once(pool):
     """timeout=-1 on one rank: that rank's error names the argument, the others say which rank rejected its inputs —
     after the handshake, not after their own timeout, and the group stays usable (the next call succeeds)."""

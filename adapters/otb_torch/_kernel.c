@@ -39,7 +39,8 @@
  * Scans accumulate in double and round each output once (what torch's CPU cumsum does); everything else is in the
  * compute type T, in the order of the eager kernel (otb_torch._core) — except that one-process leave-one-out keeps
  * each column's largest weight out of its sums (FN(otb_top)), where the eager kernel sums a member above ¾ of the
- * column's energy apart, and the distributed grid sums everything. With `check`, the return value is nonzero if
+ * column's energy apart; a distributed rank keeps its own top of each cell apart the same way (otb_dist_tops_in,
+ * otb_dist_tops_out put it back around the grid's sum). With `check`, the return value is nonzero if
  * any input may break a value rule of the reference: non-finite values anywhere, a mask outside {0, 1}, or at valid
  * positions log π > slack, Σπ² outside [−slack, 1 + slack], π² − Σπ² above its slack, ρ < 0 — with the caller's own
  * rules for integer token statistics (no slack; π² may underflow) a superset of what the reference rejects, so the
@@ -502,8 +503,8 @@ typedef FLAG FN(otb_fv8) __attribute__((vector_size(8 * sizeof(T))));   /* … a
  * cancels to rounding noise where Wᵢ dwarfs the others' energy (a forced opening where one member sampled another
  * token); every other member has D − Wᵢ ≥ Wtop ≥ Wᵢ, so D − Wᵢ ≥ D/2. A member is the top where its own (w, g·w)
  * equal the column's — the same products, bit for bit: a member tied with the top in both reads the sums without the
- * top, which hold its twin's terms in place of its own, the same numbers. w NULL: plain sums (the distributed grid,
- * summed across ranks). */
+ * top, which hold its twin's terms in place of its own, the same numbers. In a distributed rank's grid, per group
+ * and cell the top among the rank's own members (OTB_GROUP_TOP). w NULL: plain sums. */
 typedef struct {
     T *w, *gw;
 } FN(otb_top);

@@ -24,10 +24,12 @@ otb_torch's native kernel (:mod:`otb_torch._native`): its first sweep runs while
 checks inside it, and the values' verdict, the group statistics and the grid travel in one SUM all-reduce (two
 collectives per call; three with a context group — two where the context group is every rank of ``group`` and
 ``align="position"``: each rank then holds every row, and its grid cells are complete, so the verdict rides with the row
-totals and nothing is summed; one in a group of one rank). A SUM over two ranks of CPU tensors is one exchange between
-them (``isend`` + ``irecv`` of the whole tensor, then an add: :func:`_all_reduce`) instead of gloo's ring of two rounds.
-Collectives wait at most ``timeout`` seconds when given (else the process group's timeout). Tested on gloo; on NCCL
-one rank only, on a GPU (docs/distributed.md).
+totals and nothing is summed; one in a group of one rank). Leave-one-out adds, where the grid is summed over more than
+two ranks (or on the eager path), an all-gather of each rank's count of dominant cells and, where there are any, one of
+the cells and a SUM all-reduce of their others' sums (:func:`_sums_without_dominant`). A SUM over two ranks of CPU
+tensors is one exchange between them (``isend`` + ``irecv`` of the whole tensor, then an add: :func:`_all_reduce`)
+instead of gloo's ring of two rounds. Collectives wait at most ``timeout`` seconds when given (else the process group's
+timeout). Tested on gloo; on NCCL one rank only, on a GPU (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -634,14 +636,16 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
     every row's terms and it counts every row itself: neither is summed nor gathered. K = the longest padded row over
     the ranks (Σ of the context shards' widths). Leave-one-out: a member whose weight is more than ¾ of its cell's D
     takes the others' sums added directly instead of D − Wᵢ, which cancels in float32 where Wᵢ dwarfs them: an
-    all-gather of each rank's count of such cells, and where there are any, of the cells and of their others' sums
-    (2 values per cell; docs/distributed.md) — nothing more over two ranks on CPU, whose exchange of the grid
-    brings the other rank's own sums (native kernel). Extra memory per rank: the grid, G·(2 or 3)·K values (over two
-    ranks on CPU a second one receives the peer's while they are exchanged, freed before the final sweep allocates
-    the advantages and baselines: the peak grows only where the grid outweighs those two outputs) — G·(2 or 3)·T_c
-    where a context group spans ``group``, by position: the piece's own columns, nothing exchanged — and a few rows of
-    T per thread (on CPU; the eager path also materialises [B, T] temporaries); leave-one-out on CPU, each cell's top
-    weight and term on the rank (G·2·K values) and, while the grid is summed, a copy of the rank's N and D (G·2·K).
+    all-gather of each rank's count of such cells, and where there are any, an all-gather of the cells and a SUM
+    all-reduce of their others' sums (2 values per cell; docs/distributed.md) — nothing more over two ranks with the
+    native kernel, whose exchange of the grid brings the other rank's own sums. Extra memory per rank: the grid,
+    G·(2 or 3)·K values (over two ranks on CPU a second one receives the peer's while they are exchanged, freed before
+    the final sweep allocates the advantages and baselines: the peak grows only where the grid outweighs those two
+    outputs) — G·(2 or 3)·T_c where a context group spans ``group``, by position: the piece's own columns, nothing
+    exchanged — and a few rows of T per thread (on CPU; the eager path also materialises [B, T] temporaries);
+    leave-one-out on CPU, each cell's top weight and term on the rank (G·2·T values, and a copy G·2·K wide where another
+    rank's rows are longer) and, while the grid is summed, the rank's own N and D (G·2·K; over two ranks the received
+    grid is kept until they are read).
 
     Args:
       rewards, response_mask, log_probs, sum_pi_squared, is_weights: this rank's [B, T_c] pieces, as
@@ -686,7 +690,8 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
     verdicts = _Verdicts("distributed_token_baseline",
                          options + [groups, int(dtype == torch.float64),
                                     int(local is not None and local.is_weights is not None),
-                                    shape[0], shape[1], fingerprint, _flag_field(check_values)], failure, group,
+                                    shape[0], shape[1], fingerprint, _flag_field(check_values), int(native)],
+                         failure, group,
                          waits, _handshake_device(rewards, group), context_group, wait=not native)
     start = None
     if native:                            # the first sweep while the handshake travels; its verdict rides later
@@ -702,6 +707,9 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
                                   "is_weights (given on some ranks only)")):
         verdicts.require_equal(field, name, shown_as=shown[field])
     verdicts.require_equal(10, "check_values", shown_as=_shown_flag)
+    # the native and eager paths exchange different buffers and collectives: every rank must take the same one
+    verdicts.require_equal(11, "the kernel (native where otb_torch builds its C kernel and OTB_TORCH_NATIVE allows "
+                           "it, else eager)", shown_as=lambda value: "native" if value else "eager")
     columns_before, width, context_groups = _layout(verdicts, 7, 8, 9)
     assert local is not None and local.ids is not None
     # every rank of ``group`` holds every row (one context group of all of them, or a group of one): by position, the
