@@ -19,7 +19,8 @@ kernels, as without a C compiler); otherwise otb_torch's native CPU kernel runs 
 lowers, for that call, the bound below which the native path's float32 all-reduce carries the group statistics
 (``otb_torch.distributed._FLOAT32_EXACT_BELOW``, 2²⁴): N = 1 takes the all-gather that batches of 2²⁴ rows or
 positions need. ``_count_reduced=True`` makes the rank answer ``(result, values, widths)``: ``values`` the number of
-values the call passed to ``otb_torch.distributed._all_reduce`` (every SUM and MAX of the module goes through it),
+values the call passed to ``otb_torch.distributed._all_reduce`` (every SUM and MAX of the module goes through it, but
+leave-one-out's grid over two ranks: its ``_exchange``, counted too),
 ``widths`` the list of the column counts of the grids the native kernel's calls allocated, in order
 (``otb_torch._native._grid``; empty on the eager path).
 
@@ -92,11 +93,21 @@ def _worker(rank: int, port: int, inbox: Any, outbox: Any) -> None:  # pragma: n
             kernel = _native.eager_only() if arguments.pop("_eager", False) else contextlib.nullcontext()
             exact_below = arguments.pop("_float32_exact_below", otb_dist._FLOAT32_EXACT_BELOW)
             reduced, all_reduce, grids, make_grid = [0], otb_dist._all_reduce, [], _native._grid
+            exchange, inside = otb_dist._exchange, [False]
             count_reduced = arguments.pop("_count_reduced", False)
 
-            def counting(tensor, *rest, reduced=reduced, all_reduce=all_reduce):
+            def counting(tensor, *rest, reduced=reduced, all_reduce=all_reduce, inside=inside):
                 reduced[0] += tensor.numel()
-                return all_reduce(tensor, *rest)
+                inside[0] = True
+                try:
+                    return all_reduce(tensor, *rest)
+                finally:
+                    inside[0] = False
+
+            def exchanging(tensor, *rest, reduced=reduced, exchange=exchange, inside=inside):
+                if not inside[0]:                  # a direct exchange (leave-one-out's grid over two ranks)
+                    reduced[0] += tensor.numel()
+                return exchange(tensor, *rest)
 
             def recording(num_groups, planes, columns, *rest, grids=grids, make_grid=make_grid):
                 grids.append(columns)
@@ -108,12 +119,13 @@ def _worker(rank: int, port: int, inbox: Any, outbox: Any) -> None:  # pragma: n
             elif name == "context_parallel_returns_and_energy":
                 groups = {"context_group": groups.get("context_group", groups.get("group"))}
             saved, otb_dist._FLOAT32_EXACT_BELOW = otb_dist._FLOAT32_EXACT_BELOW, exact_below
-            otb_dist._all_reduce, _native._grid = counting, recording
+            otb_dist._all_reduce, otb_dist._exchange, _native._grid = counting, exchanging, recording
             try:
                 with kernel:
                     result = function(**call, **groups)
             finally:
                 otb_dist._FLOAT32_EXACT_BELOW, otb_dist._all_reduce, _native._grid = saved, all_reduce, make_grid
+                otb_dist._exchange = exchange
             outbox.put((rank, "ok", _to_numpy((result, reduced[0], grids) if count_reduced else result)))
         except Exception as exc:  # reported to the parent, which decides
             outbox.put((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))

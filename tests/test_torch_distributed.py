@@ -631,6 +631,40 @@ def test_the_grid_is_summed_only_where_other_ranks_add_to_its_cells(pool, kernel
             assert grids[-1] == (batch.rewards.shape[1] if grid_sent else own), (rank, grids)
 
 
+@pytest.mark.parametrize("layout", ["two", "world"])
+def test_leave_one_out_sums_its_grid_once_and_only_the_dominant_cells_besides(pool, layout):
+    """Leave-one-out, native kernel: the grid (3 planes × G × K) with the statistics and verdicts is summed once; over
+    two ranks nothing else (the exchange brings the other rank's sums, which a dominant member's rank reads); over four
+    the others' sums of the dominant cells, 2 values per cell. The results equal one process's."""
+    if not all(answer for _, answer in pool.run("native_kernel_status", "world", [{}] * WORLD_SIZE)):
+        pytest.skip("the native kernel does not build here")
+    batch = _fixed_batch()
+    ids = group_segments(batch.group_ids).index
+    ranks = DATA_LAYOUTS[layout]
+    row_shards = [np.arange(k, 8, ranks) for k in range(ranks)]
+    arguments, pieces = _split_arguments(batch, ids, 3, row_shards, [], 1, align="position", leave_one_out=True,
+                                         epsilon=1e-8)
+    outcomes = _run_on_layout(pool, "distributed_token_baseline", layout,
+                              [dict(argument, _count_reduced=True) for argument in arguments])
+    expected = _reference(batch, ids, align="position", leave_one_out=True, epsilon=1e-8)
+    tolerance, _ = otb_comparison_tolerance(batch.rewards, batch.response_mask, ids, batch.log_probs,
+                                            batch.sum_pi_squared, is_weights=batch.is_weights, leave_one_out=True,
+                                            handle_zero_tail=False, compute_dtype=np.float64, clamped_weights=True)
+    # the dominant cells of the whole batch (weights W⁺ above ¾ of their cell's D), as the ranks find them
+    energy = np.maximum(otb.realized_energy(otb.token_energy(batch.log_probs, batch.sum_pi_squared),
+                                            batch.response_mask, is_weights=batch.is_weights), 0.0) * batch.response_mask
+    column_sums = np.zeros((3, batch.rewards.shape[1]))
+    np.add.at(column_sums, ids, energy)
+    dominant = int((energy > 0.75 * column_sums[ids]).sum())
+    grid = 3 * 3 * batch.rewards.shape[1] + ranks * 4 * 3 + ranks
+    for rank, ((status, answer), (rows, columns)) in enumerate(zip(outcomes, pieces)):
+        assert status == "ok", f"rank {rank}: {answer}"
+        result, reduced, _ = answer
+        _sliced(tolerance, rows, columns).assert_close(result.advantages, expected.advantages[rows][:, columns],
+                                                       f"rank {rank} advantages")
+        assert reduced == grid + (0 if ranks == 2 else 2 * dominant), (rank, reduced, dominant)
+
+
 @pytest.mark.parametrize("problem", ["id outside num_groups", "num_groups differs", "ids differ in context group",
                                      "rows differ in context group", "align differs", "token id outside vocab",
                                      "NaN logit"])
