@@ -651,8 +651,9 @@ def test_leave_one_out_sums_its_grid_once_and_only_the_dominant_cells_besides(po
                                             batch.sum_pi_squared, is_weights=batch.is_weights, leave_one_out=True,
                                             handle_zero_tail=False, compute_dtype=np.float64, clamped_weights=True)
     # the dominant cells of the whole batch (weights W⁺ above ¾ of their cell's D), as the ranks find them
-    energy = np.maximum(otb.realized_energy(otb.token_energy(batch.log_probs, batch.sum_pi_squared),
-                                            batch.response_mask, is_weights=batch.is_weights), 0.0) * batch.response_mask
+    energy = otb.realized_energy(otb.token_energy(batch.log_probs, batch.sum_pi_squared), batch.response_mask,
+                                 is_weights=batch.is_weights)
+    energy = np.maximum(energy, 0.0) * batch.response_mask
     column_sums = np.zeros((3, batch.rewards.shape[1]))
     np.add.at(column_sums, ids, energy)
     dominant = int((energy > 0.75 * column_sums[ids]).sum())
