@@ -102,7 +102,6 @@ def test_leave_one_out_weighs_whole_energies_clamped_at_zero(mesh_name, align):
     earlier blocks' energy is added. float32 statistics of a forced 6-token opening with Σπ² = π² ± 10⁻³ token by
     token (within the input slack; the blocks cut it) give energies of both signs: the result matches the reference
     within the verifier's tolerance and every baseline stays a weighted mean of the others' returns (|A| ≤ 2·max|G|)."""
-    mesh, data_axis, context_axis = _mesh(mesh_name)
     rng = np.random.default_rng(5)
     pi = rng.uniform(0.2, 0.9, size=(ROWS, COLUMNS))
     spp = pi**2 + (1 - pi) ** 2 * rng.uniform(0.1, 1.0, size=(ROWS, COLUMNS))
@@ -113,15 +112,25 @@ def test_leave_one_out_weighs_whole_energies_clamped_at_zero(mesh_name, align):
     mask = np.ones((ROWS, COLUMNS), np.float32)
     log_probs, spp = np.log(pi).astype(np.float32), spp.astype(np.float32)
     ids = np.array([0, 1, 0, 1, 0, 1, 0, 1])                    # each group on both data shards
+    advantages, _ = _leave_one_out_matches_the_reference(mesh_name, align, rewards, mask, ids, log_probs, spp,
+                                                         GROUPS)
+    assert np.abs(advantages).max() <= 2.0
+
+
+def _leave_one_out_matches_the_reference(mesh_name, align, rewards, mask, ids, log_probs, spp, num_groups):
+    """Leave-one-out on the mesh, checked against the reference within the verifier's tolerance (float32, weights
+    clamped at 0); returns (advantages, the reference's result)."""
+    mesh, data_axis, context_axis = _mesh(mesh_name)
     result = jax_distributed.distributed_token_baseline(
-        rewards, mask, ids, log_probs, spp, num_groups=GROUPS, mesh=mesh, data_axis=data_axis,
+        rewards, mask, ids, log_probs, spp, num_groups=num_groups, mesh=mesh, data_axis=data_axis,
         context_axis=context_axis, align=align, leave_one_out=True)
     expected = otb.leave_one_out_token_baseline(rewards, mask, ids, log_probs, spp, align=align)
     advantage_tol, _ = otb_comparison_tolerance(rewards, mask, ids, log_probs, spp, align=align, leave_one_out=True,
                                                 handle_zero_tail=False, compute_dtype=np.float32,
                                                 clamped_weights=True)
-    advantage_tol.assert_close(np.asarray(result.advantages), expected.advantages, f"{mesh_name} advantages")
-    assert np.abs(np.asarray(result.advantages)).max() <= 2.0
+    advantages = np.asarray(result.advantages)
+    advantage_tol.assert_close(advantages, expected.advantages, f"{mesh_name} advantages")
+    return advantages, expected
 
 
 @pytest.mark.parametrize("mesh_name", ["data4", "data2xcontext2"])
@@ -132,26 +141,18 @@ def test_leave_one_out_of_a_member_whose_energy_dwarfs_the_others_across_devices
     from the summed grid cancels to rounding noise. It takes the others' sums from a second grid without dominant
     members: every baseline stays in [min(G, 0), max(G, 0)] of its group, and the result matches the reference within
     the verifier's tolerance. With D − Wᵢ, 3 of the 1000 groups' baselines leave that range here (|B| up to 1.85)."""
-    mesh, data_axis, context_axis = _mesh(mesh_name)
     groups = 1000
     batch = forced_opening_with_one_deviant(groups, positions=4, seed=1)
     order = np.random.default_rng(2).permutation(groups * 8)
     rewards, mask, log_probs, spp = (np.asarray(getattr(batch, name), np.float32)[order] for name in (
         "rewards", "response_mask", "log_probs", "sum_pi_squared"))
     ids = batch.group_ids[order]
-    result = jax_distributed.distributed_token_baseline(
-        rewards, mask, ids, log_probs, spp, num_groups=groups, mesh=mesh, data_axis=data_axis,
-        context_axis=context_axis, align=align, leave_one_out=True)
-    expected = otb.leave_one_out_token_baseline(rewards, mask, ids, log_probs, spp, align=align)
-    advantage_tol, _ = otb_comparison_tolerance(rewards, mask, ids, log_probs, spp, align=align, leave_one_out=True,
-                                                handle_zero_tail=False, compute_dtype=np.float32,
-                                                clamped_weights=True)
-    advantage_tol.assert_close(np.asarray(result.advantages), expected.advantages, f"{mesh_name} advantages")
-    baselines = expected.returns - np.asarray(result.advantages)
-    low = np.minimum(expected.returns.min(axis=1), 0.0)
-    high = np.maximum(expected.returns.max(axis=1), 0.0)
-    low, high = np.minimum.reduceat(low[np.argsort(ids)], np.arange(0, groups * 8, 8)), np.maximum.reduceat(
-        high[np.argsort(ids)], np.arange(0, groups * 8, 8))
+    advantages, expected = _leave_one_out_matches_the_reference(mesh_name, align, rewards, mask, ids, log_probs, spp,
+                                                                groups)
+    baselines = expected.returns - advantages
+    low, high = np.zeros(groups), np.zeros(groups)                           # [min(G, 0), max(G, 0)] per group
+    np.minimum.at(low, ids, expected.returns.min(axis=1))
+    np.maximum.at(high, ids, expected.returns.max(axis=1))
     slack = 8 * np.finfo(np.float32).eps                                     # B = G − A rounded once, |G| ≤ 1
     wrong = (baselines < low[ids][:, None] - slack) | (baselines > high[ids][:, None] + slack)
     assert not wrong.any(), (f"{len(set(ids[wrong.any(axis=1)].tolist()))} groups' baselines leave "
