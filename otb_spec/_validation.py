@@ -262,6 +262,13 @@ def weights_overflow_error(largest_rho: float, dtype_name: str, *, certain: bool
                       "gradient: truncate them, or check how they were computed")
 
 
+def output_range_error(name: str, dtype_name: str, dtype_max: float) -> ValueError:
+    """The error naming the rewards where OTB's results (returns-to-go, advantages, baselines), finite in the compute
+    dtype, leave the range of the narrower dtype the outputs take from the rewards (float16: ±65504)."""
+    return ValueError(f"{name}: finite, but OTB's results leave {dtype_name}'s range (±{dtype_max:.5g}), the dtype "
+                      "the outputs take from the rewards: pass the rewards in float32, or scale them down")
+
+
 def raise_value_error(host: Any, *, rewards: tuple[str, Any] | None = None, mask: tuple[str, Any] | None = None,
                       log_probs: tuple[str, Any] | None = None, sum_pi_squared: tuple[str, Any] | None = None,
                       is_weights: tuple[str, Any] | None = None, others: list[tuple[str, Any]] | None = None,

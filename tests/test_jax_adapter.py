@@ -222,6 +222,21 @@ def test_importance_weights_whose_squares_overflow_are_named(function):
         call(*arguments, is_weights=jnp.ones((4, 16)).at[1, 3].set(1e20))
 
 
+@pytest.mark.parametrize("function", ["optimal_token_baseline", "leave_one_out_token_baseline"])
+def test_float16_rewards_whose_results_leave_float16_raise_naming_them(function):
+    """float16 rewards whose returns-to-go (9·10⁴) leave float16's range (±65504): the error names the rewards and
+    the dtype (it said the float32 arithmetic overflowed); 2·10⁴ (returns up to 4·10⁴) computes, finite."""
+    call = getattr(otb_jax, function)
+
+    def rewards(scale):
+        last = jnp.asarray(np.array([2.0, 2.0, 0.0, 1.0]) * scale, jnp.float16)
+        return jnp.zeros((4, 8), jnp.float16).at[:, -1].set(last).at[:, -2].set(jnp.float16(scale))
+    arguments = (jnp.ones((4, 8)), jnp.zeros(4, jnp.int32), 1, jnp.full((4, 8), -1.0), jnp.full((4, 8), 0.3))
+    assert bool(jnp.isfinite(call(rewards(2e4), *arguments).returns).all())
+    with pytest.raises(ValueError, match=r"^rewards: finite, but OTB's results leave float16's range \(±65504\)"):
+        call(rewards(3e4), *arguments)
+
+
 @pytest.mark.gpu
 @requires_jax_gpu
 def test_gpu_matches_cpu():

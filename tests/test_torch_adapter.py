@@ -194,6 +194,34 @@ def test_importance_weights_whose_squares_overflow_are_named(kernel, function):
                 getattr(otb_torch, function)(*arguments, is_weights=weights)
 
 
+@pytest.mark.parametrize("kernel", ["native", "eager"])
+@pytest.mark.parametrize("function", ["optimal_token_baseline", "multi_turn_optimal_token_baseline",
+                                      "leave_one_out_token_baseline"])
+def test_float16_rewards_whose_results_leave_float16_raise_naming_them(kernel, function):
+    """float16 rewards of 3·10⁴ at the last two positions: each fits float16 (±65504), the returns-to-go of 6·10⁴ +
+    3·10⁴ do not — computed in float32, they became inf in the float16 outputs, silently (either kernel). The call
+    raises, naming the rewards and the dtype; 2·10⁴ (returns up to 4·10⁴) computes, finite, as the reference."""
+    from otb_torch import _native
+
+    rows, positions = 4, 8
+    arguments = (torch.ones(rows, positions), torch.zeros(rows, dtype=torch.long), torch.full((rows, positions), -1.0),
+                 torch.full((rows, positions), 0.3))
+    for scale in (2e4, 3e4):
+        rewards = torch.zeros(rows, positions, dtype=torch.float16)
+        rewards[:, -1] = torch.tensor([2.0, 2.0, 0.0, 1.0]) * scale
+        rewards[:, -2] = scale
+        with _native.eager_only() if kernel == "eager" else contextlib.nullcontext():
+            if scale > 2.5e4:
+                with pytest.raises(ValueError, match=r"^rewards: finite, but OTB's results leave float16's range "
+                                                     r"\(±65504\)"):
+                    getattr(otb_torch, function)(rewards, *arguments)
+                continue
+            result = getattr(otb_torch, function)(rewards, *arguments)
+        assert result.returns.dtype == torch.float16 and all(torch.isfinite(value).all() for value in result[:2])
+        expected = getattr(otb, function)(rewards.float().numpy(), *(value.numpy() for value in arguments))
+        np.testing.assert_allclose(result.returns.float().numpy(), expected.returns, rtol=2**-10)
+
+
 def test_device_mismatch_is_reported():
     batch, tensors = _verl_batch()
     with pytest.raises(ValueError, match=r"old_log_probs: on meta but token_level_rewards is on cpu"):

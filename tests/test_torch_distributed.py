@@ -519,6 +519,33 @@ def test_importance_weights_whose_squares_overflow_a_context_split_are_named(poo
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("leave_one_out", [False, True])
+def test_float16_rewards_whose_results_leave_float16_raise(pool, kernel, leave_one_out):
+    """float16 rewards of 3·10⁴ and 6·10⁴ at the last two positions of rank 0's rows: their returns-to-go (9·10⁴) leave
+    float16, the outputs' dtype — rank 0 raises naming the rewards and the dtype (it returned inf); rank 1, whose rows
+    hold rewards of 1, returns finite results self-inclusive (baselines ≈ 4.5·10⁴) and raises too with leave-one-out
+    (its baselines are the other member's returns, 9·10⁴)."""
+    rows, positions = 4, 8
+    rewards = np.zeros((rows, positions), np.float16)
+    rewards[:2, -2:] = [3e4, 6e4]
+    rewards[2:, -1] = 1.0
+    batch = otb.RolloutBatch(rewards=rewards, response_mask=np.ones((rows, positions), np.float32),
+                             group_ids=np.array([0, 1, 0, 1]), log_probs=np.full((rows, positions), -1.0, np.float32),
+                             sum_pi_squared=np.full((rows, positions), 0.3, np.float32), is_weights=None)
+    arguments, _ = _split_arguments(batch, batch.group_ids, 2, [np.array([0, 1]), np.array([2, 3])], [], 1,
+                                    align="position", leave_one_out=leave_one_out, epsilon=1e-8)
+    if kernel == "eager":
+        arguments = [dict(argument, _eager=True) for argument in arguments]
+    outcomes = _run_on_layout(pool, "distributed_token_baseline", "two", arguments)
+    for _, kind, message in _errors(outcomes, [0, 1] if leave_one_out else [0]):
+        assert kind == "ValueError" and message.startswith("rewards: finite, but OTB's results leave float16's range")
+    if not leave_one_out:
+        status, result = outcomes[1]
+        assert status == "ok" and result.advantages.dtype == np.float16 and all(np.isfinite(value).all()
+                                                                                for value in result), result
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_huge_finite_rewards_raise_only_where_the_results_overflow(pool, kernel):
     """Three cases on two data-parallel ranks, float32, rewards of ±2·10³⁷ or 3·10³⁷ at the last position: a
     singleton group whose sums overflow but whose baseline is 0 by rule (A = G: finite, no error, equal to the

@@ -39,7 +39,8 @@ def finite_outputs(enabled: bool, name: str, outputs: Any, compute_dtype: Any, i
     """After the computation (a second synchronisation, skipped while tracing): valid finite inputs whose arithmetic
     left ``compute_dtype``'s range — the returns-to-go, or the group sums Σᵢ GₜⁱWₜⁱ — raise, naming ``name``, instead of
     returning ±inf/NaN (the reference's rule, otb_spec.otb); naming ``is_weights`` (read where ``mask`` is nonzero)
-    where ρ alone can overflow the realized energy (2·T·max ρ² beyond the range, as otb_torch)."""
+    where ρ alone can overflow the realized energy (2·T·max ρ² beyond the range, as otb_torch); naming the outputs'
+    dtype where it is narrower than the compute dtype (float16 rewards) and the values left its range."""
     if not enabled or is_traced(*outputs):
         return
     finite = concrete_flag(jnp.all(jnp.stack([jnp.all(jnp.isfinite(value)) for value in outputs])))
@@ -52,6 +53,9 @@ def finite_outputs(enabled: bool, name: str, outputs: Any, compute_dtype: Any, i
         largest_rho = float(rho.max())
         if reference_checks.weights_may_overflow(largest_rho, rho.shape[-1], float(np.finfo(compute_dtype).max)):
             raise reference_checks.weights_overflow_error(largest_rho, np.dtype(compute_dtype).name, certain=False)
+    output = jnp.dtype(outputs[0].dtype)
+    if jnp.issubdtype(output, jnp.floating) and float(jnp.finfo(output).max) < 0.5 * float(np.finfo(compute_dtype).max):
+        raise reference_checks.output_range_error(name, output.name, float(jnp.finfo(output).max))
     returns = np.nan_to_num(np.abs(np.asarray(outputs[1], dtype=np.float64)), nan=0.0, posinf=np.inf)
     largest = float(returns.max()) if returns.size else 0.0
     raise ValueError(f"{name}: finite, but OTB's arithmetic overflows {np.dtype(compute_dtype).name}: the returns (up "

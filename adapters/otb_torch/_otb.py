@@ -320,6 +320,9 @@ def _run(names: tuple[str, str, str, str, str, str], rewards: Any, response_mask
     if check_values and not native:             # the eager kernels' group sums are not checked for overflow on the way
         overflow = ~torch.isfinite(outputs[0]).all()
         bad = overflow if bad is None else bad | overflow
+    if check_values and _narrower(options["out_dtype"], options["dtype"]):   # float16 rewards: results beyond
+        beyond = ~_sums_finite(outputs)                                      # its range, where the cast made ±inf
+        bad = beyond if bad is None else bad | beyond
     if check_values and not native and mask_t.dtype == torch.float64 and options["dtype"] != torch.float64:
         bad = bool(bad) or bool(check.not_binary(mask_t))   # the eager kernels read this mask rounded to float32
         # (the native kernel checks the mask in its own dtype)
@@ -337,6 +340,19 @@ def _run(names: tuple[str, str, str, str, str, str], rewards: Any, response_mask
     return AdvantageResult(outputs[0], outputs[1], outputs[2] if need_baselines else None)
 
 
+def _narrower(output: torch.dtype, compute: torch.dtype) -> bool:
+    """Whether outputs in ``output`` (the rewards' dtype) can overflow where ``compute`` holds the results: float16
+    (±65504) against float32 or float64 — not bfloat16, whose range is float32's."""
+    return output.is_floating_point and torch.finfo(output).max < 0.5 * torch.finfo(compute).max
+
+
+def _sums_finite(outputs: list[torch.Tensor | None] | tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+    """One flag (a tensor, no synchronisation): every output's float32 sum is finite — ±inf or NaN in any value
+    makes its sum so; finite half-precision values cannot overflow a float32 sum below 5·10³³ of them."""
+    return torch.stack([torch.isfinite(value.sum(dtype=torch.float32)) for value in outputs
+                        if value is not None]).all()
+
+
 def _check_finite_outputs(outputs: list[torch.Tensor] | tuple[torch.Tensor, ...], name: str, dtype: torch.dtype,
                           is_weights: tuple[str, torch.Tensor] | None = None, mask: torch.Tensor | None = None,
                           positions: int | None = None) -> None:
@@ -345,9 +361,9 @@ def _check_finite_outputs(outputs: list[torch.Tensor] | tuple[torch.Tensor, ...]
     calls it on every rank's results) — raise, naming the rewards, instead of returning ±inf/NaN; naming the
     importance weights (``is_weights`` = (name, ρ), read where ``mask`` is nonzero) where ρ alone can overflow the
     realized energy (2·T·max ρ² beyond the range: Wₜ ≤ Σ ρ²·2; T = ``positions``, the whole rows' length, by
-    default ρ's last dimension). One sum per output (tens of µs at a rank's half of
-    64×8×2048), and the exact check only if a sum is not finite. (Results beyond a half-precision output dtype are
-    not caught.)"""
+    default ρ's last dimension); naming the rewards' dtype where the outputs take a narrower one (float16) and their
+    values left its range. One sum per output (tens of µs at a rank's half of 64×8×2048), and the exact check only if
+    a sum is not finite."""
     if all(bool(torch.isfinite(value.sum())) or bool(torch.isfinite(value).all()) for value in outputs):
         return
     if is_weights is not None and is_weights[1].numel():
@@ -357,6 +373,9 @@ def _check_finite_outputs(outputs: list[torch.Tensor] | tuple[torch.Tensor, ...]
         if reference_checks.weights_may_overflow(largest_rho, width, torch.finfo(dtype).max):
             raise reference_checks.weights_overflow_error(largest_rho, str(dtype).replace("torch.", ""),
                                                           certain=False)
+    if _narrower(outputs[0].dtype, dtype):
+        raise reference_checks.output_range_error(name, str(outputs[0].dtype).replace("torch.", ""),
+                                                  torch.finfo(outputs[0].dtype).max)
     returns = torch.nan_to_num(outputs[1].abs(), nan=0.0, posinf=float("inf"))
     largest = float(returns.max()) if returns.numel() else 0.0
     raise ValueError(f"{name}: finite, but OTB's arithmetic overflows {str(dtype).replace('torch.', '')}: the returns "

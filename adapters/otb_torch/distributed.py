@@ -55,7 +55,8 @@ from otb_torch._logits import (
     _row_dot,
 )
 from otb_torch._core import leave_one_out_energy, others_denominator, realized_energy, reward_to_go, token_energy
-from otb_torch._otb import AdvantageResult, _check_finite_outputs
+from otb_torch._otb import AdvantageResult, _check_finite_outputs, _narrower, _sums_finite
+from otb_spec import _validation as reference_checks
 
 __all__ = [
     "vocab_parallel_sum_pi_squared",
@@ -723,8 +724,7 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
             context_group=context_group, timeout=timeout, most_rows=max(verdicts.column(7)), whole_rows=whole_rows,
             grid_is_complete=grid_is_complete)
         _check_outputs((advantages, returns, baselines), check_values, local, width)
-        out = check.output_dtype(local.rewards)
-        return AdvantageResult(advantages.to(out), returns.to(out), baselines.to(out))
+        return _in_output_dtype((advantages, returns, baselines), local, dtype, check_values)
     scan = _scan(local, dtype, context_group, columns_before, timeout)
     advantages, returns, baselines = _baseline(local, scan, groups, width, align=align,
                                                leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail,
@@ -732,8 +732,7 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
                                                context_group=context_group, timeout=timeout,
                                                grid_is_complete=grid_is_complete)
     _check_outputs((advantages, returns, baselines), check_values, local, width)
-    out = check.output_dtype(local.rewards)
-    return AdvantageResult(advantages.to(out), returns.to(out), baselines.to(out))
+    return _in_output_dtype((advantages, returns, baselines), local, dtype, check_values)
 
 
 class _NativeStart(NamedTuple):
@@ -1043,6 +1042,17 @@ def _check_outputs(outputs: tuple[torch.Tensor, ...], check_values: bool, local:
         weights = None if local is None or local.is_weights is None else ("is_weights", local.is_weights)
         _check_finite_outputs(outputs, "rewards", outputs[0].dtype, weights, None if local is None else local.mask,
                               width)
+
+
+def _in_output_dtype(outputs: tuple[torch.Tensor, ...], local: _Local, dtype: torch.dtype, check_values: bool
+                     ) -> AdvantageResult:
+    """The results in the rewards' dtype; with ``check_values``, where that dtype is float16 and a value left its
+    range in the cast, raise naming it (this rank only, as :func:`_check_outputs`)."""
+    out = check.output_dtype(local.rewards)
+    advantages, returns, baselines = (value.to(out) for value in outputs)
+    if check_values and _narrower(out, dtype) and not bool(_sums_finite((advantages, returns, baselines))):
+        raise reference_checks.output_range_error("rewards", str(out).replace("torch.", ""), torch.finfo(out).max)
+    return AdvantageResult(advantages, returns, baselines)
 
 
 def _group_lengths(lengths: torch.Tensor, ids: torch.Tensor, num_groups: int, align: str, count_rows: bool
