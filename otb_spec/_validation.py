@@ -263,10 +263,18 @@ def weights_overflow_error(largest_rho: float, dtype_name: str, *, certain: bool
 
 
 def output_range_error(name: str, dtype_name: str, dtype_max: float) -> ValueError:
-    """The error naming the rewards where OTB's results (returns-to-go, advantages, baselines), finite in the compute
-    dtype, leave the range of the narrower dtype the outputs take from the rewards (float16: ±65504)."""
+    """The error naming the input whose narrower dtype the outputs take (the rewards; log_probs for the realized
+    energy) where OTB's results, finite in the compute dtype, leave that dtype's range (float16: ±65504)."""
+    remedy = ", or scale them down" if name == "rewards" else ""
     return ValueError(f"{name}: finite, but OTB's results leave {dtype_name}'s range (±{dtype_max:.5g}), the dtype "
-                      "the outputs take from the rewards: pass the rewards in float32, or scale them down")
+                      f"the outputs take from {name}: pass {name} in float32{remedy}")
+
+
+def returns_overflow_error(name: str, dtype_name: str) -> ValueError:
+    """The error naming the rewards where their returns-to-go Σ_{k≥t} mₖrₖ, each reward finite, leave the compute
+    dtype (the ports' returns_to_go; the OTB functions say so in their own overflow error)."""
+    return ValueError(f"{name}: finite, but their returns-to-go Σ_{{k≥t}} mₖrₖ overflow {dtype_name}; scale them down, "
+                      "or pass float64")
 
 
 def raise_value_error(host: Any, *, rewards: tuple[str, Any] | None = None, mask: tuple[str, Any] | None = None,

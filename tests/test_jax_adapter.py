@@ -237,6 +237,20 @@ def test_float16_rewards_whose_results_leave_float16_raise_naming_them(function)
         call(rewards(3e4), *arguments)
 
 
+def test_returns_and_energy_helpers_raise_where_their_results_overflow():
+    """otb_jax.returns_to_go and realized_energy_of: float16 rewards whose returns-to-go leave float16, float32
+    rewards whose sums leave float32, ρ² beyond float32 — each names its argument (they returned ±inf)."""
+    mask = jnp.ones((2, 4))
+    half = jnp.zeros((2, 4), jnp.float16).at[:, -2:].set(jnp.asarray([3e4, 6e4], jnp.float16))
+    with pytest.raises(ValueError, match=r"^rewards: finite, but OTB's results leave float16's range"):
+        otb_jax.returns_to_go(half, mask)
+    with pytest.raises(ValueError, match=r"^rewards: finite, but their returns-to-go .* overflow float32"):
+        otb_jax.returns_to_go(jnp.full((2, 4), 2e38), mask)
+    with pytest.raises(ValueError, match=r"^is_weights: finite, but the realized energy .* float32's range"):
+        otb_jax.realized_energy_of(jnp.full((2, 4), -1.0), jnp.full((2, 4), 0.3), mask,
+                                   is_weights=jnp.full((2, 4), 1e20))
+
+
 @pytest.mark.gpu
 @requires_jax_gpu
 def test_gpu_matches_cpu():

@@ -222,6 +222,30 @@ def test_float16_rewards_whose_results_leave_float16_raise_naming_them(kernel, f
         np.testing.assert_allclose(result.returns.float().numpy(), expected.returns, rtol=2**-10)
 
 
+def test_returns_and_energy_helpers_raise_where_their_results_overflow():
+    """otb_torch.returns_to_go and realized_energy_of returned ±inf silently: float16 rewards whose returns-to-go
+    (9·10⁴) leave float16, float32 rewards of 2·10³⁸ whose sums leave float32, ρ = 10²⁰ (ρ² beyond float32), and
+    float16 log_probs over 2¹⁷ positions (W up to ≈ 7.4·10⁴). Each now names its argument; check_values=False keeps
+    the unchecked result."""
+    mask = torch.ones(2, 4)
+    half = torch.zeros(2, 4, dtype=torch.float16)
+    half[:, -2:] = torch.tensor([3e4, 6e4], dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"^rewards: finite, but OTB's results leave float16's range"):
+        otb_torch.returns_to_go(half, mask)
+    assert torch.isinf(otb_torch.returns_to_go(half, mask, check_values=False)).any()
+    with pytest.raises(ValueError, match=r"^rewards: finite, but their returns-to-go .* overflow float32"):
+        otb_torch.returns_to_go(torch.full((2, 4), 2e38), mask)
+    statistics = (torch.full((2, 4), -1.0), torch.full((2, 4), 0.3), mask)
+    with pytest.raises(ValueError, match=r"^is_weights: finite, but the realized energy .* float32's range"):
+        otb_torch.realized_energy_of(*statistics, is_weights=torch.full((2, 4), 1e20))
+    long = (torch.full((1, 2**17), -1.0, dtype=torch.float16), torch.full((1, 2**17), 0.3, dtype=torch.float16),
+            torch.ones(1, 2**17))                                           # w ≈ 0.56: W reaches ≈ 7.4·10⁴
+    with pytest.raises(ValueError, match=r"^log_probs: finite, but OTB's results leave float16's range .* pass "
+                                         r"log_probs in float32$"):
+        otb_torch.realized_energy_of(*long)
+    assert torch.isfinite(otb_torch.realized_energy_of(*(value[:, :2**16] for value in long))).all()
+
+
 def test_device_mismatch_is_reported():
     batch, tensors = _verl_batch()
     with pytest.raises(ValueError, match=r"old_log_probs: on meta but token_level_rewards is on cpu"):

@@ -10,6 +10,7 @@ import numpy as np
 
 from otb_jax import _checks as check
 from otb_jax._core import energy_pipeline_jit, otb_pipeline_jit, realized_energy, reward_to_go, token_energy
+from otb_spec import _validation as reference_checks
 from otb_spec.groups import group_segments
 
 __all__ = [
@@ -162,7 +163,13 @@ def returns_to_go(rewards: Any, response_mask: Any, *, check_values: bool = True
     mask_a = check.array("response_mask", response_mask, like=rewards_a, like_name="rewards")
     check.check_values(check_values, rewards=("rewards", rewards_a), mask=("response_mask", mask_a))
     dtype = jnp.dtype(check.compute_dtype(rewards_a))
-    return reward_to_go(rewards_a.astype(dtype), (mask_a != 0).astype(dtype)).astype(check.output_dtype(rewards_a))
+    out = jnp.dtype(check.output_dtype(rewards_a))
+    returns = reward_to_go(rewards_a.astype(dtype), (mask_a != 0).astype(dtype)).astype(out)
+    if check_values and check.concrete_flag(jnp.all(jnp.isfinite(returns))) is False:   # finite rewards, sums beyond
+        if float(jnp.finfo(out).max) < 0.5 * float(jnp.finfo(dtype).max):
+            raise reference_checks.output_range_error("rewards", out.name, float(jnp.finfo(out).max))
+        raise reference_checks.returns_overflow_error("rewards", dtype.name)
+    return returns
 
 
 def realized_energy_of(log_probs: Any, sum_pi_squared: Any, response_mask: Any, *, is_weights: Any = None,
@@ -179,4 +186,13 @@ def realized_energy_of(log_probs: Any, sum_pi_squared: Any, response_mask: Any, 
     dtype = jnp.dtype(check.compute_dtype(lp_a, spp_a, weights_a))
     energy = realized_energy(token_energy(lp_a.astype(dtype), spp_a.astype(dtype)), (mask_a != 0).astype(dtype),
                              None if weights_a is None else weights_a.astype(dtype))
-    return energy.astype(check.output_dtype(lp_a))
+    out = jnp.dtype(check.output_dtype(lp_a))
+    energy = energy.astype(out)
+    if check_values and check.concrete_flag(jnp.all(jnp.isfinite(energy))) is False:   # the weights, or float16
+        if weights_a is not None:
+            rho = np.where(np.asarray(mask_a) != 0, np.abs(np.asarray(weights_a, dtype=np.float64)), 0.0)
+            largest_rho = float(rho.max())
+            if reference_checks.weights_may_overflow(largest_rho, rho.shape[-1], float(jnp.finfo(dtype).max)):
+                raise reference_checks.weights_overflow_error(largest_rho, dtype.name, certain=False)
+        raise reference_checks.output_range_error("log_probs", out.name, float(jnp.finfo(out).max))
+    return energy

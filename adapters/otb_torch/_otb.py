@@ -573,7 +573,13 @@ def returns_to_go(rewards: Any, response_mask: Any, *, check_values: bool = True
     mask_t = check.tensor("response_mask", response_mask, like=rewards_t, like_name="rewards")
     check.check_values(check_values, rewards=("rewards", rewards_t), mask=("response_mask", mask_t))
     dtype = check.accumulation_dtype(rewards_t)
-    return reward_to_go(rewards_t.to(dtype), (mask_t != 0).to(dtype)).to(check.output_dtype(rewards_t))
+    out = check.output_dtype(rewards_t)
+    returns = reward_to_go(rewards_t.to(dtype), (mask_t != 0).to(dtype)).to(out)
+    if check_values and not bool(_sums_finite((returns,))):          # finite rewards whose sums left the range
+        if _narrower(out, dtype):
+            raise reference_checks.output_range_error("rewards", str(out).replace("torch.", ""), torch.finfo(out).max)
+        raise reference_checks.returns_overflow_error("rewards", str(dtype).replace("torch.", ""))
+    return returns
 
 
 @torch.no_grad()
@@ -591,7 +597,17 @@ def realized_energy_of(log_probs: Any, sum_pi_squared: Any, response_mask: Any, 
     dtype = check.accumulation_dtype(lp_t, spp_t, weights_t)
     energy = realized_energy(token_energy(lp_t.to(dtype), spp_t.to(dtype)), (mask_t != 0).to(dtype),
                              None if weights_t is None else weights_t.to(dtype))
-    return energy.to(check.output_dtype(lp_t))
+    out = check.output_dtype(lp_t)
+    energy = energy.to(out)
+    if check_values and not bool(_sums_finite((energy,))):    # W ≤ 2·T·max ρ²: the weights, or a float16 output
+        if weights_t is not None:
+            rho = torch.where(mask_t != 0, weights_t.abs().to(dtype), 0.0)
+            largest_rho = float(rho.max())
+            if reference_checks.weights_may_overflow(largest_rho, rho.shape[-1], torch.finfo(dtype).max):
+                raise reference_checks.weights_overflow_error(largest_rho, str(dtype).replace("torch.", ""),
+                                                              certain=False)
+        raise reference_checks.output_range_error("log_probs", str(out).replace("torch.", ""), torch.finfo(out).max)
+    return energy
 
 
 # ----------------------------------------------------------------------------------------------------------------------
