@@ -265,9 +265,10 @@ def weights_overflow_error(largest_rho: float, dtype_name: str, *, certain: bool
 def output_range_error(name: str, dtype_name: str, dtype_max: float) -> ValueError:
     """The error naming the input whose narrower dtype the outputs take (the rewards; log_probs for the realized
     energy) where OTB's results, finite in the compute dtype, leave that dtype's range (float16: ±65504)."""
+    wider = "float64" if dtype_name == "float32" else "float32"
     remedy = ", or scale them down" if name == "rewards" else ""
     return ValueError(f"{name}: finite, but OTB's results leave {dtype_name}'s range (±{dtype_max:.5g}), the dtype "
-                      f"the outputs take from {name}: pass {name} in float32{remedy}")
+                      f"the outputs take from {name}: pass {name} in {wider}{remedy}")
 
 
 def returns_overflow_error(name: str, dtype_name: str) -> ValueError:
