@@ -342,7 +342,8 @@ def _run(names: tuple[str, str, str, str, str, str], rewards: Any, response_mask
 
 def _narrower(output: torch.dtype, compute: torch.dtype) -> bool:
     """Whether outputs in ``output`` (the rewards' dtype) can overflow where ``compute`` holds the results: float16
-    (±65504) against float32 or float64 — not bfloat16, whose range is float32's."""
+    (±65504) against float32 or float64, float32 against float64 (float64 token statistics) — not bfloat16 against
+    float32, whose ranges are about the same."""
     return output.is_floating_point and torch.finfo(output).max < 0.5 * torch.finfo(compute).max
 
 
