@@ -235,6 +235,8 @@ def test_returns_and_energy_helpers_raise_where_their_results_overflow():
     assert torch.isinf(otb_torch.returns_to_go(half, mask, check_values=False)).any()
     with pytest.raises(ValueError, match=r"^rewards: finite, but their returns-to-go .* overflow float32"):
         otb_torch.returns_to_go(torch.full((2, 4), 2e38), mask)
+    # finite returns up to 4·10³⁶ whose float32 sum over the batch (10³⁹) is not: no error
+    assert torch.isfinite(otb_torch.returns_to_go(torch.full((100, 4), 1e36), torch.ones(100, 4))).all()
     statistics = (torch.full((2, 4), -1.0), torch.full((2, 4), 0.3), mask)
     with pytest.raises(ValueError, match=r"^is_weights: finite, but the realized energy .* float32's range"):
         otb_torch.realized_energy_of(*statistics, is_weights=torch.full((2, 4), 1e20))

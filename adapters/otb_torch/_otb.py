@@ -349,9 +349,16 @@ def _narrower(output: torch.dtype, compute: torch.dtype) -> bool:
 
 def _sums_finite(outputs: list[torch.Tensor | None] | tuple[torch.Tensor | None, ...]) -> torch.Tensor:
     """One flag (a tensor, no synchronisation): every output's float32 sum is finite — ±inf or NaN in any value
-    makes its sum so; finite half-precision values cannot overflow a float32 sum below 5·10³³ of them."""
+    makes its sum so; finite float16 values cannot overflow it below 5·10³³ of them, large float32 or float64 ones
+    can, so a False is confirmed value by value (:func:`_all_finite`)."""
     return torch.stack([torch.isfinite(value.sum(dtype=torch.float32)) for value in outputs
                         if value is not None]).all()
+
+
+def _all_finite(outputs: list[torch.Tensor | None] | tuple[torch.Tensor | None, ...]) -> bool:
+    """Every value of every output is finite: the sums first (:func:`_sums_finite`), each value where they are not."""
+    return bool(_sums_finite(outputs)) or all(bool(torch.isfinite(value).all()) for value in outputs
+                                              if value is not None)
 
 
 def _check_finite_outputs(outputs: list[torch.Tensor] | tuple[torch.Tensor, ...], name: str, dtype: torch.dtype,
@@ -576,7 +583,7 @@ def returns_to_go(rewards: Any, response_mask: Any, *, check_values: bool = True
     dtype = check.accumulation_dtype(rewards_t)
     out = check.output_dtype(rewards_t)
     returns = reward_to_go(rewards_t.to(dtype), (mask_t != 0).to(dtype)).to(out)
-    if check_values and not bool(_sums_finite((returns,))):          # finite rewards whose sums left the range
+    if check_values and not _all_finite((returns,)):                  # finite rewards whose sums left the range
         if _narrower(out, dtype):
             raise reference_checks.output_range_error("rewards", str(out).replace("torch.", ""), torch.finfo(out).max)
         raise reference_checks.returns_overflow_error("rewards", str(dtype).replace("torch.", ""))
@@ -600,7 +607,7 @@ def realized_energy_of(log_probs: Any, sum_pi_squared: Any, response_mask: Any, 
                              None if weights_t is None else weights_t.to(dtype))
     out = check.output_dtype(lp_t)
     energy = energy.to(out)
-    if check_values and not bool(_sums_finite((energy,))):    # W ≤ 2·T·max ρ²: the weights, or a float16 output
+    if check_values and not _all_finite((energy,)):           # W ≤ 2·T·max ρ²: the weights, or a float16 output
         if weights_t is not None:
             rho = torch.where(mask_t != 0, weights_t.abs().to(dtype), 0.0)
             largest_rho = float(rho.max())

@@ -55,7 +55,7 @@ from otb_torch._logits import (
     _row_dot,
 )
 from otb_torch._core import leave_one_out_energy, others_denominator, realized_energy, reward_to_go, token_energy
-from otb_torch._otb import AdvantageResult, _check_finite_outputs, _narrower, _sums_finite
+from otb_torch._otb import AdvantageResult, _all_finite, _check_finite_outputs, _narrower
 from otb_spec import _validation as reference_checks
 
 __all__ = [
@@ -1050,7 +1050,7 @@ def _in_output_dtype(outputs: tuple[torch.Tensor, ...], local: _Local, dtype: to
     range in the cast, raise naming it (this rank only, as :func:`_check_outputs`)."""
     out = check.output_dtype(local.rewards)
     advantages, returns, baselines = (value.to(out) for value in outputs)
-    if check_values and _narrower(out, dtype) and not bool(_sums_finite((advantages, returns, baselines))):
+    if check_values and _narrower(out, dtype) and not _all_finite((advantages, returns, baselines)):
         raise reference_checks.output_range_error("rewards", str(out).replace("torch.", ""), torch.finfo(out).max)
     return AdvantageResult(advantages, returns, baselines)
 
