@@ -164,17 +164,18 @@ def _worker(rank: int, size: int, port: int, args: argparse.Namespace, out: obje
     otb_dist._wait = timed(otb_dist._wait)
     # leave-one-out's dominant members: on how many cells of this rank (the exchange for them: as many over all ranks)
     dominance = {"mine": 0}
-    sums_without_dominant, leave_out_tops = otb_dist._sums_without_dominant, otb_dist._leave_out_tops
+    sums_without_dominant, tops_out = otb_dist._sums_without_dominant, otb_dist._native.distributed_tops_out
 
-    def recorded(mine, contributions, **keywords):
+    def recorded(mine, contributions, **keywords):                # the eager path, and the native one over P > 2
         dominance["mine"] = int(mine.numel())
         return sums_without_dominant(mine, contributions, **keywords)
 
-    def recorded_tops(grid, tops, rest, **keywords):              # the native path (over two ranks: no exchange)
-        dominance["mine"] = int((tops[:, 0] > 0.75 * grid[:, 1]).sum())
-        return leave_out_tops(grid, tops, rest, **keywords)
+    def recorded_tops(*arguments):                                # the native kernel's count (over two ranks, alone)
+        count, owned = tops_out(*arguments)
+        dominance["mine"] = count
+        return count, owned
 
-    otb_dist._sums_without_dominant, otb_dist._leave_out_tops = recorded, recorded_tops
+    otb_dist._sums_without_dominant, otb_dist._native.distributed_tops_out = recorded, recorded_tops
 
     def measure(call) -> dict:
         call()                                                          # warm-up

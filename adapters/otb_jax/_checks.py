@@ -34,6 +34,33 @@ def concrete_flag(flag: Any) -> bool | None:
         return None
 
 
+def narrower(output: Any, compute: Any) -> bool:
+    """Whether outputs in ``output`` can overflow where ``compute`` holds the results: float16 against float32 or
+    float64, float32 against float64 — not bfloat16 against float32 (as otb_torch._otb._narrower)."""
+    output = jnp.dtype(output)
+    return bool(jnp.issubdtype(output, jnp.floating)) and float(jnp.finfo(output).max) < 0.5 * float(
+        jnp.finfo(compute).max)
+
+
+def output_range_error(name: str, output: Any) -> ValueError:
+    """otb_spec._validation.output_range_error for outputs in ``output``, the dtype they take from ``name``."""
+    output = jnp.dtype(output)
+    return reference_checks.output_range_error(name, output.name, float(jnp.finfo(output).max))
+
+
+def raise_if_weights_may_overflow(is_weights: Any, mask: Any, compute_dtype: Any) -> None:
+    """Raise naming is_weights where ρ (read where ``mask`` is nonzero) alone can take the realized energy out of
+    ``compute_dtype``'s range (2·T·max ρ² beyond it, as otb_torch)."""
+    if not np.size(is_weights):
+        return
+    rho = np.abs(np.asarray(is_weights, dtype=np.float64))
+    if mask is not None:
+        rho = np.where(np.asarray(mask) != 0, rho, 0.0)
+    largest_rho = float(rho.max())
+    if reference_checks.weights_may_overflow(largest_rho, rho.shape[-1], float(np.finfo(compute_dtype).max)):
+        raise reference_checks.weights_overflow_error(largest_rho, np.dtype(compute_dtype).name, certain=False)
+
+
 def finite_outputs(enabled: bool, name: str, outputs: Any, compute_dtype: Any, is_weights: Any = None,
                    mask: Any = None) -> None:
     """After the computation (a second synchronisation, skipped while tracing): valid finite inputs whose arithmetic
@@ -46,16 +73,10 @@ def finite_outputs(enabled: bool, name: str, outputs: Any, compute_dtype: Any, i
     finite = concrete_flag(jnp.all(jnp.stack([jnp.all(jnp.isfinite(value)) for value in outputs])))
     if finite is None or finite:
         return
-    if is_weights is not None and np.size(is_weights):
-        rho = np.abs(np.asarray(is_weights, dtype=np.float64))
-        if mask is not None:
-            rho = np.where(np.asarray(mask) != 0, rho, 0.0)
-        largest_rho = float(rho.max())
-        if reference_checks.weights_may_overflow(largest_rho, rho.shape[-1], float(np.finfo(compute_dtype).max)):
-            raise reference_checks.weights_overflow_error(largest_rho, np.dtype(compute_dtype).name, certain=False)
-    output = jnp.dtype(outputs[0].dtype)
-    if jnp.issubdtype(output, jnp.floating) and float(jnp.finfo(output).max) < 0.5 * float(np.finfo(compute_dtype).max):
-        raise reference_checks.output_range_error(name, output.name, float(jnp.finfo(output).max))
+    if is_weights is not None:
+        raise_if_weights_may_overflow(is_weights, mask, compute_dtype)
+    if narrower(outputs[0].dtype, compute_dtype):
+        raise output_range_error(name, outputs[0].dtype)
     returns = np.nan_to_num(np.abs(np.asarray(outputs[1], dtype=np.float64)), nan=0.0, posinf=np.inf)
     largest = float(returns.max()) if returns.size else 0.0
     raise ValueError(f"{name}: finite, but OTB's arithmetic overflows {np.dtype(compute_dtype).name}: the returns (up "

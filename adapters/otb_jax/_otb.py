@@ -166,8 +166,8 @@ def returns_to_go(rewards: Any, response_mask: Any, *, check_values: bool = True
     out = jnp.dtype(check.output_dtype(rewards_a))
     returns = reward_to_go(rewards_a.astype(dtype), (mask_a != 0).astype(dtype)).astype(out)
     if check_values and check.concrete_flag(jnp.all(jnp.isfinite(returns))) is False:   # finite rewards, sums beyond
-        if float(jnp.finfo(out).max) < 0.5 * float(jnp.finfo(dtype).max):
-            raise reference_checks.output_range_error("rewards", out.name, float(jnp.finfo(out).max))
+        if check.narrower(out, dtype):
+            raise check.output_range_error("rewards", out)
         raise reference_checks.returns_overflow_error("rewards", dtype.name)
     return returns
 
@@ -190,9 +190,6 @@ def realized_energy_of(log_probs: Any, sum_pi_squared: Any, response_mask: Any, 
     energy = energy.astype(out)
     if check_values and check.concrete_flag(jnp.all(jnp.isfinite(energy))) is False:   # the weights, or float16
         if weights_a is not None:
-            rho = np.where(np.asarray(mask_a) != 0, np.abs(np.asarray(weights_a, dtype=np.float64)), 0.0)
-            largest_rho = float(rho.max())
-            if reference_checks.weights_may_overflow(largest_rho, rho.shape[-1], float(jnp.finfo(dtype).max)):
-                raise reference_checks.weights_overflow_error(largest_rho, dtype.name, certain=False)
-        raise reference_checks.output_range_error("log_probs", out.name, float(jnp.finfo(out).max))
+            check.raise_if_weights_may_overflow(weights_a, mask_a, dtype)
+        raise check.output_range_error("log_probs", out)
     return energy

@@ -361,6 +361,24 @@ def _all_finite(outputs: list[torch.Tensor | None] | tuple[torch.Tensor | None, 
                                               if value is not None)
 
 
+def _raise_if_weights_may_overflow(is_weights: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype,
+                                   positions: int | None = None) -> None:
+    """Raise naming is_weights where ρ (read where ``mask`` is nonzero) alone can take the realized energy out of
+    ``dtype``'s range: 2·T·max ρ² beyond it (Wₜ ≤ Σ ρ²·2; T = ``positions``, by default ρ's last dimension)."""
+    if not is_weights.numel():
+        return
+    rho = is_weights.abs() if mask is None else torch.where(mask != 0, is_weights.abs(), 0.0)
+    largest_rho = float(rho.max())
+    if reference_checks.weights_may_overflow(largest_rho, rho.shape[-1] if positions is None else positions,
+                                             torch.finfo(dtype).max):
+        raise reference_checks.weights_overflow_error(largest_rho, str(dtype).replace("torch.", ""), certain=False)
+
+
+def _output_range_error(name: str, output: torch.dtype) -> ValueError:
+    """otb_spec._validation.output_range_error for outputs in ``output``, the dtype they take from ``name``."""
+    return reference_checks.output_range_error(name, str(output).replace("torch.", ""), torch.finfo(output).max)
+
+
 def _check_finite_outputs(outputs: list[torch.Tensor] | tuple[torch.Tensor, ...], name: str, dtype: torch.dtype,
                           is_weights: tuple[str, torch.Tensor] | None = None, mask: torch.Tensor | None = None,
                           positions: int | None = None) -> None:
@@ -374,16 +392,10 @@ def _check_finite_outputs(outputs: list[torch.Tensor] | tuple[torch.Tensor, ...]
     a sum is not finite."""
     if all(bool(torch.isfinite(value.sum())) or bool(torch.isfinite(value).all()) for value in outputs):
         return
-    if is_weights is not None and is_weights[1].numel():
-        rho = is_weights[1].abs() if mask is None else torch.where(mask != 0, is_weights[1].abs(), 0.0)
-        largest_rho = float(rho.max())
-        width = rho.shape[-1] if positions is None else positions
-        if reference_checks.weights_may_overflow(largest_rho, width, torch.finfo(dtype).max):
-            raise reference_checks.weights_overflow_error(largest_rho, str(dtype).replace("torch.", ""),
-                                                          certain=False)
+    if is_weights is not None:
+        _raise_if_weights_may_overflow(is_weights[1], mask, dtype, positions)
     if _narrower(outputs[0].dtype, dtype):
-        raise reference_checks.output_range_error(name, str(outputs[0].dtype).replace("torch.", ""),
-                                                  torch.finfo(outputs[0].dtype).max)
+        raise _output_range_error(name, outputs[0].dtype)
     returns = torch.nan_to_num(outputs[1].abs(), nan=0.0, posinf=float("inf"))
     largest = float(returns.max()) if returns.numel() else 0.0
     raise ValueError(f"{name}: finite, but OTB's arithmetic overflows {str(dtype).replace('torch.', '')}: the returns "
@@ -585,7 +597,7 @@ def returns_to_go(rewards: Any, response_mask: Any, *, check_values: bool = True
     returns = reward_to_go(rewards_t.to(dtype), (mask_t != 0).to(dtype)).to(out)
     if check_values and not _all_finite((returns,)):                  # finite rewards whose sums left the range
         if _narrower(out, dtype):
-            raise reference_checks.output_range_error("rewards", str(out).replace("torch.", ""), torch.finfo(out).max)
+            raise _output_range_error("rewards", out)
         raise reference_checks.returns_overflow_error("rewards", str(dtype).replace("torch.", ""))
     return returns
 
@@ -609,12 +621,8 @@ def realized_energy_of(log_probs: Any, sum_pi_squared: Any, response_mask: Any, 
     energy = energy.to(out)
     if check_values and not _all_finite((energy,)):           # W ≤ 2·T·max ρ²: the weights, or a float16 output
         if weights_t is not None:
-            rho = torch.where(mask_t != 0, weights_t.abs().to(dtype), 0.0)
-            largest_rho = float(rho.max())
-            if reference_checks.weights_may_overflow(largest_rho, rho.shape[-1], torch.finfo(dtype).max):
-                raise reference_checks.weights_overflow_error(largest_rho, str(dtype).replace("torch.", ""),
-                                                              certain=False)
-        raise reference_checks.output_range_error("log_probs", str(out).replace("torch.", ""), torch.finfo(out).max)
+            _raise_if_weights_may_overflow(weights_t.to(dtype), mask_t, dtype)
+        raise _output_range_error("log_probs", out)
     return energy
 
 

@@ -55,8 +55,7 @@ from otb_torch._logits import (
     _row_dot,
 )
 from otb_torch._core import leave_one_out_energy, others_denominator, realized_energy, reward_to_go, token_energy
-from otb_torch._otb import AdvantageResult, _all_finite, _check_finite_outputs, _narrower
-from otb_spec import _validation as reference_checks
+from otb_torch._otb import AdvantageResult, _check_finite_outputs, _narrower
 
 __all__ = [
     "vocab_parallel_sum_pi_squared",
@@ -1046,13 +1045,13 @@ def _check_outputs(outputs: tuple[torch.Tensor, ...], check_values: bool, local:
 
 def _in_output_dtype(outputs: tuple[torch.Tensor, ...], local: _Local, dtype: torch.dtype, check_values: bool
                      ) -> AdvantageResult:
-    """The results in the rewards' dtype; with ``check_values``, where that dtype is float16 and a value left its
-    range in the cast, raise naming it (this rank only, as :func:`_check_outputs`)."""
+    """The results in the rewards' dtype; with ``check_values``, where that dtype is narrower (float16) and a value
+    left its range in the cast, raise naming it (this rank only, as :func:`_check_outputs`)."""
     out = check.output_dtype(local.rewards)
-    advantages, returns, baselines = (value.to(out) for value in outputs)
-    if check_values and _narrower(out, dtype) and not _all_finite((advantages, returns, baselines)):
-        raise reference_checks.output_range_error("rewards", str(out).replace("torch.", ""), torch.finfo(out).max)
-    return AdvantageResult(advantages, returns, baselines)
+    result = AdvantageResult(*(value.to(out) for value in outputs))
+    if check_values and _narrower(out, dtype):
+        _check_finite_outputs(result, "rewards", dtype)
+    return result
 
 
 def _group_lengths(lengths: torch.Tensor, ids: torch.Tensor, num_groups: int, align: str, count_rows: bool
