@@ -8,7 +8,7 @@ import numpy as np
 
 import otb_spec as otb
 
-__all__ = ["forced_opening_with_one_deviant"]
+__all__ = ["forced_opening_with_one_deviant", "returns_range", "groups_outside"]
 
 
 def forced_opening_with_one_deviant(groups: int, members: int = 8, positions: int = 12, seed: int = 0,
@@ -33,3 +33,20 @@ def forced_opening_with_one_deviant(groups: int, members: int = 8, positions: in
     rewards[:, -1] = rng.integers(0, 2, size=rows)
     return otb.RolloutBatch(rewards=rewards, response_mask=np.ones((rows, positions)), log_probs=log_pi,
                             sum_pi_squared=spp, group_ids=np.repeat(np.arange(groups), members))
+
+
+def returns_range(returns: np.ndarray, group_ids: np.ndarray, num_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per group [G], (min(G, 0), max(G, 0)) over its members' returns [B, T]: where an ε-shrunk weighted mean of the
+    other members' returns — a leave-one-out baseline — must lie."""
+    low, high = np.zeros(num_groups), np.zeros(num_groups)
+    np.minimum.at(low, group_ids, returns.min(axis=1))
+    np.maximum.at(high, group_ids, returns.max(axis=1))
+    return low, high
+
+
+def groups_outside(baselines: np.ndarray, group_ids: np.ndarray, low: np.ndarray, high: np.ndarray) -> set[int]:
+    """The groups (of ``group_ids``, one per row of ``baselines``) where a float32 baseline leaves [low, high] of its
+    group by more than 8·ε₃₂: the baseline read back as G − A, rounded once, with |G| ≤ 1."""
+    slack = 8 * np.finfo(np.float32).eps
+    wrong = (baselines < low[group_ids][:, None] - slack) | (baselines > high[group_ids][:, None] + slack)
+    return set(np.asarray(group_ids)[wrong.any(axis=1)].tolist())

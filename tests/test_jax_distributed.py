@@ -15,7 +15,7 @@ from hypothesis import strategies as st  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import otb_spec as otb  # noqa: E402
-from forced_openings import forced_opening_with_one_deviant  # noqa: E402
+from forced_openings import forced_opening_with_one_deviant, groups_outside, returns_range  # noqa: E402
 from otb_jax import distributed as jax_distributed  # noqa: E402
 from otb_spec import strategies  # noqa: E402
 from otb_spec.groups import group_segments  # noqa: E402
@@ -150,13 +150,9 @@ def test_leave_one_out_of_a_member_whose_energy_dwarfs_the_others_across_devices
     advantages, expected = _leave_one_out_matches_the_reference(mesh_name, align, rewards, mask, ids, log_probs, spp,
                                                                 groups)
     baselines = expected.returns - advantages
-    low, high = np.zeros(groups), np.zeros(groups)                           # [min(G, 0), max(G, 0)] per group
-    np.minimum.at(low, ids, expected.returns.min(axis=1))
-    np.maximum.at(high, ids, expected.returns.max(axis=1))
-    slack = 8 * np.finfo(np.float32).eps                                     # B = G − A rounded once, |G| ≤ 1
-    wrong = (baselines < low[ids][:, None] - slack) | (baselines > high[ids][:, None] + slack)
-    assert not wrong.any(), (f"{len(set(ids[wrong.any(axis=1)].tolist()))} groups' baselines leave "
-                             f"[min(G, 0), max(G, 0)] (worst |B| = {np.abs(baselines).max():.3g})")
+    outside = groups_outside(baselines, ids, *returns_range(expected.returns, ids, groups))
+    assert not outside, (f"{len(outside)} groups' baselines leave [min(G, 0), max(G, 0)] "
+                         f"(worst |B| = {np.abs(baselines).max():.3g})")
 
 
 @settings(max_examples=20)

@@ -25,7 +25,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import otb_spec as otb  # noqa: E402
 from distributed_pool import WORLD_SIZE, Pool  # noqa: E402
-from forced_openings import forced_opening_with_one_deviant  # noqa: E402
+from forced_openings import forced_opening_with_one_deviant, groups_outside, returns_range  # noqa: E402
 from otb_spec import strategies  # noqa: E402
 from otb_spec.groups import group_segments  # noqa: E402
 from otb_spec.tolerances import (  # noqa: E402
@@ -264,17 +264,13 @@ def test_leave_one_out_of_a_member_whose_energy_dwarfs_the_others_across_ranks(p
     cuts = [0, *column_cuts, batch.rewards.shape[1]]
     returns = _reference(batch, group_segments(batch.group_ids).index, align=align, leave_one_out=True,
                          epsilon=1e-8).returns
-    low = np.minimum(returns.reshape(groups, -1).min(axis=1), 0.0)
-    high = np.maximum(returns.reshape(groups, -1).max(axis=1), 0.0)
-    slack = 8 * np.finfo(np.float32).eps                                     # B = G − A rounded once, |G| ≤ 1
+    low, high = returns_range(returns, batch.group_ids, groups)
     outside, worst = set(), 0.0
     for rank, result in enumerate(results):
         rows_here, columns = row_shards[rank // context_size], slice(cuts[rank % context_size],
                                                                      cuts[rank % context_size + 1])
         baselines = returns[rows_here][:, columns] - result.advantages
-        group = batch.group_ids[rows_here]
-        wrong = (baselines < low[group][:, None] - slack) | (baselines > high[group][:, None] + slack)
-        outside |= set(group[wrong.any(axis=1)].tolist())
+        outside |= groups_outside(baselines, batch.group_ids[rows_here], low, high)
         worst = max(worst, float(np.abs(baselines).max()))
     assert not outside, f"{len(outside)} groups' baselines leave [min(G, 0), max(G, 0)] (worst |B| = {worst:.3g})"
 
