@@ -32,6 +32,9 @@ gradients                       evaluation error from those logits            ad
                                                                               and the two matmuls of the backward pass
 output rounding                 ``rtol = ε_out, atol = smallest normal``       :func:`output_rounding`
 input range checks              :func:`input_range_slack` table               admits rounding of the producer, not mis-scaling
+leave-one-out dominant member   ``Wᵢ > ¾·D``: the others' sums are added      D − Wᵢ ≥ D/4 for every other member loses a few
+                                directly (:data:`DOMINANT_SHARE`)             ulps of D; at most one member per column exceeds
+                                                                              it (proofs/N1 item 5)
 ==============================  ============================================  ===============================================
 
 ``ε``: float64 2⁻⁵², float32 2⁻²³, float16 2⁻¹⁰, bfloat16 2⁻⁷ (the table lives in ``otb_spec._dtypes``, a leaf module
@@ -73,7 +76,15 @@ __all__ = [
     "hidden_statistics_tolerance",
     "hidden_gradient_tolerance",
     "hidden_comparison_tolerances",
+    "DOMINANT_SHARE",
 ]
+
+DOMINANT_SHARE = 0.75
+"""A leave-one-out port in float32 subtracts member i from its column's sums (Nᵢ = N − GᵢWᵢ, Dᵢ = D − Wᵢ) only where
+Wᵢ ≤ DOMINANT_SHARE·D, so that Dᵢ ≥ D/4 keeps the cancellation to a few ulps of D; a member above it (at most one per
+column: two would sum to more than 1.5·D, rounding included) takes the other members' sums added directly. Exact in
+every binary dtype, so a kernel comparing in float32 or float64 applies the same rule. Used by otb_torch (eager and
+distributed; the native kernel receives it as an argument) and otb_jax; proofs/N1 item 5, docs/distributed.md."""
 
 @dataclass(frozen=True)
 class Tolerance:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from otb_spec.tolerances import DOMINANT_SHARE
+
 __all__: list[str] = []
 
 
@@ -112,7 +114,7 @@ def token_baseline(returns: jax.Array, energy: jax.Array, mask: jax.Array, segme
         keep = (others > 0).astype(weights.dtype)
         # a member with Wᵢ > ¾D takes the others' sums added directly, not D − Wᵢ, which cancels in float32 where its
         # energy dwarfs theirs (at most one per column; otb_torch._core.others_sums)
-        dominant = weights > 0.75 * denominator[segment_ids]
+        dominant = weights > DOMINANT_SHARE * denominator[segment_ids]
 
         def rest_total(values):
             return jax.ops.segment_sum(jnp.where(dominant, 0.0, values), segment_ids, num_segments)[segment_ids]

@@ -36,6 +36,7 @@ from otb_jax._core import leave_one_out_energy, others_denominator, realized_ene
 from otb_jax._logits import TokenStatistics
 from otb_jax._otb import AdvantageResult
 from otb_spec import _validation as reference_checks
+from otb_spec.tolerances import DOMINANT_SHARE
 
 __all__ = [
     "vocab_parallel_token_statistics_local",
@@ -217,7 +218,7 @@ def distributed_token_baseline_local(rewards: jax.Array, response_mask: jax.Arra
         # a member whose weight is more than ¾ of its column's D (at most one per cell over all devices) takes the
         # others' sums added directly, not D − Wᵢ, which cancels in float32 to rounding noise where Wᵢ dwarfs the
         # rest (proofs/N1 item 5): a second grid without such members, summed as the first (static shapes: always)
-        dominant = weights > 0.75 * denominator
+        dominant = weights > DOMINANT_SHARE * denominator
         kept = jnp.where(dominant, 0.0, weights * member)
         rest = jnp.zeros((2, num_groups * grid_width), compute).at[:, cells].add(
             jnp.stack([(returns * kept).reshape(-1), kept.reshape(-1)]))

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from otb_spec.groups import first_appearance_labels, group_segments
+from otb_spec.tolerances import DOMINANT_SHARE
 
 __all__: list[str] = []
 
@@ -293,7 +294,7 @@ def others_sums(weighted: torch.Tensor, weights: torch.Tensor, numerator: torch.
     cancels in float32 to rounding noise of either sign and the baseline left the range of the returns (proofs/N1
     item 5). The weights are W⁺ ≥ 0; a NaN stays NaN. Extra memory: a boolean per element and one sum of per-member
     size at a time (none with whole groups, whose sums broadcast)."""
-    dominant = weights > 0.75 * denominator
+    dominant = weights > DOMINANT_SHARE * denominator
     others_numerator = numerator - weighted
     others_denominator_ = denominator - weights
     weighted.masked_fill_(dominant, 0.0)          # what is left of each column without its dominant member

@@ -1263,11 +1263,12 @@ OTB_EXPORT void FN(otb_dist_offsets)(const M *m, int64_t width, const int64_t *o
 /* Leave-one-out across ranks, around the grid's SUM all-reduce. The first sweep left each cell's top member on the
  * rank out of N and D (tops [G, 2, columns]: w, then gw; FN(otb_top)). Before the sum (otb_dist_tops_in): rest
  * [G, 2, columns] ← (N, D), and N += gw, D += w — the rank's whole sums go out. After it (otb_dist_tops_out): N and D
- * of every cell become the sums without the rank's top there, N − gw and D − w (≥ D/4 while w ≤ ¾D), except where
- * that member dominates, w > ¾D (at most one member per cell over all ranks): with `peer` (over two ranks, the other
- * rank's [G, planes, columns] sums as the exchange brought them) the others' sums added directly, rest + peer; without
- * it, left as they are and flagged in owned[g·columns + c] for the caller's exchange. Returns the count of such cells
- * of the rank. One pass over the cells; grid [G, planes, columns]. */
+ * of every cell become the sums without the rank's top there, N − gw and D − w (≥ D/4 while w ≤ ¾D; `share` is ¾,
+ * otb_spec.tolerances.DOMINANT_SHARE), except where that member dominates, w > share·D (at most one member per cell
+ * over all ranks): with `peer` (over two ranks, the other rank's [G, planes, columns] sums as the exchange brought
+ * them) the others' sums added directly, rest + peer; without it, left as they are and flagged in owned[g·columns + c]
+ * for the caller's exchange. Returns the count of such cells of the rank. One pass over the cells; grid [G, planes,
+ * columns]. */
 OTB_EXPORT void FN(otb_dist_tops_in)(T *grid, const T *tops, T *rest, int64_t groups, int planes, int64_t columns) {
     for (int64_t g = 0; g < groups; ++g) {
         T *restrict n = grid + g * planes * columns, *restrict d = n + columns;
@@ -1283,7 +1284,7 @@ OTB_EXPORT void FN(otb_dist_tops_in)(T *grid, const T *tops, T *rest, int64_t gr
 }
 
 OTB_EXPORT int64_t FN(otb_dist_tops_out)(T *grid, const T *tops, const T *rest, const T *peer, int64_t groups,
-                                         int planes, int64_t columns, unsigned char *owned) {
+                                         int planes, int64_t columns, double share, unsigned char *owned) {
     int64_t count = 0;
     for (int64_t g = 0; g < groups; ++g) {
         T *restrict n = grid + g * planes * columns, *restrict d = n + columns;
@@ -1292,7 +1293,7 @@ OTB_EXPORT int64_t FN(otb_dist_tops_out)(T *grid, const T *tops, const T *rest, 
         const T *restrict pn = peer ? peer + g * planes * columns : 0, *restrict pd = pn ? pn + columns : 0;
         unsigned char *restrict flag = owned ? owned + g * columns : 0;
         for (int64_t c = 0; c < columns; ++c) {
-            const int dominant = w[c] > (T)0.75 * d[c];
+            const int dominant = w[c] > (T)share * d[c];
             count += dominant;
             if (flag) flag[c] = (unsigned char)dominant;
             if (!dominant) {

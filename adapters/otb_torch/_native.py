@@ -38,6 +38,8 @@ from typing import Any, Callable, ContextManager, Iterator, NamedTuple, Sequence
 import numpy as np
 import torch
 
+from otb_spec.tolerances import DOMINANT_SHARE
+
 __all__ = ["NativeKernelStatus", "native_kernel_status"]
 
 _SOURCE = Path(__file__).with_name("_kernel.c")
@@ -606,14 +608,15 @@ def distributed_tops_in(grid: torch.Tensor, tops: torch.Tensor) -> torch.Tensor:
 def distributed_tops_out(grid: torch.Tensor, tops: torch.Tensor, rest: torch.Tensor, peer: torch.Tensor | None
                          ) -> tuple[int, torch.Tensor | None]:
     """Leave-one-out, after the grid's SUM all-reduce (``_kernel.c``: otb_dist_tops_out): each cell's N and D in place
-    become the sums without the rank's top member there, and where that member dominates (weight above ¾ of the
-    cell's D) the others' sums ``rest`` + ``peer`` (the other rank's [G, 3, K] sums over two ranks). Returns the count
-    of such cells and, without ``peer``, their flags [G, K] (bool), those cells left for the caller to fill."""
+    become the sums without the rank's top member there, and where that member dominates (weight above
+    :data:`otb_spec.tolerances.DOMINANT_SHARE` of the cell's D) the others' sums ``rest`` + ``peer`` (the other rank's
+    [G, 3, K] sums over two ranks). Returns the count of such cells and, without ``peer``, their flags [G, K] (bool),
+    those cells left for the caller to fill."""
     groups, planes, columns = grid.shape
     owned = None if peer is not None else torch.empty((groups, columns), dtype=torch.bool)
     function = _function("dist_tops_out", grid.dtype, rest, ctypes.c_int64)
     count = function(_pointer(grid), _pointer(tops), _pointer(rest), _pointer(peer), ctypes.c_int64(groups),
-                     ctypes.c_int(planes), ctypes.c_int64(columns), _pointer(owned))
+                     ctypes.c_int(planes), ctypes.c_int64(columns), ctypes.c_double(DOMINANT_SHARE), _pointer(owned))
     return int(count), owned
 
 

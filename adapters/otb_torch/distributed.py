@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from otb_spec.tolerances import DOMINANT_SHARE
 from otb_torch import _checks as check
 from otb_torch import _native
 from otb_torch._logits import (
@@ -1009,7 +1010,7 @@ def _dominant_others(numerator: torch.Tensor, denominator: torch.Tensor, weights
     """The eager path's leave-one-out: where a member's weight is more than ¾ of its column's D (``column_energy``),
     its others' sums ``numerator`` and ``denominator`` [B, T_c] (D − Wᵢ there) become theirs added directly
     (:func:`_sums_without_dominant`), in place. ``cells`` [B, T_c]: each token's grid cell g·K + c."""
-    dominant = weights > 0.75 * column_energy
+    dominant = weights > DOMINANT_SHARE * column_energy
     mine = torch.unique(cells[dominant])
 
     def contributions(wanted: torch.Tensor) -> torch.Tensor:
