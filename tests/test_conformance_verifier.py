@@ -848,3 +848,40 @@ def test_a_skip_pattern_that_matches_nothing_is_warned_about():
     assert report.conformant and len(warnings) == 1, warnings
     assert "'otb/goldne/*' (a typo) matched no check" in warnings[0]
     assert any(result.status == "skip" and "known" in result.message for result in report.results)
+
+
+def test_the_verl_convention_passes_the_trainers_algorithm_config_and_int64_mask(monkeypatch):
+    """verl 0.9.1's trainer calls an estimator with config=self.config.algorithm (a struct-mode DictConfig) and the
+    int64 response mask its agent loop builds: the verl convention does the same, with omegaconf or without it (the
+    stand-in behaves as struct mode does)."""
+    pytest.importorskip("torch")
+    import realistic_ports
+    from otb_spec.conformance import verl_algorithm_config
+
+    seen = []
+
+    def records_its_arguments(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                              rollout_is_weights=None, config=None, **kwargs):
+        seen.append((str(response_mask.dtype), config))
+        return realistic_ports.torch_index_add(token_level_rewards, response_mask, index, old_log_probs,
+                                               sum_pi_squared, rollout_is_weights, **kwargs)
+
+    for omegaconf_missing in (False, True):
+        if omegaconf_missing:
+            monkeypatch.setitem(sys.modules, "omegaconf", None)          # import omegaconf raises ImportError
+        config = verl_algorithm_config("tir-otb", rollout_is=True)
+        assert config.adv_estimator == "tir_optimal_token_baseline" and config["gamma"] == 1.0
+        assert config.rollout_correction.rollout_is == "token" and "kl_ctrl" in config
+        assert config.get("otb_epsilon", 1e-6) == 1e-6
+        with pytest.raises(AttributeError):
+            config.otb_epsilon
+        with pytest.raises(KeyError):
+            config["otb_epsilon"]
+        seen.clear()
+        report = verify(records_its_arguments, "otb", layers=("golden",))
+        assert report.conformant, report.to_text()
+        assert {dtype for dtype, _ in seen} == {"torch.int64"}
+        assert all(found.adv_estimator == "optimal_token_baseline" for _, found in seen)
+        assert type(seen[0][1]).__name__ == ("_StructConfig" if omegaconf_missing else "DictConfig")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        verl_algorithm_config("loo-otb")

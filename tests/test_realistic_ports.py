@@ -82,7 +82,9 @@ def test_a_verl_convention_snippet_reproduces_a_failure_from_defaults():
     report = verify(function, kind, convention=convention, layers=("golden",))
     failure = next(r for r in report.failures if r.snippet and "handle_zero_tail=True" in r.case)
     call = next(line for line in failure.snippet.splitlines() if line.startswith("got_advantages, got_returns ="))
-    assert "config=None" in call and "handle_zero_tail" not in call and "epsilon" not in call
+    assert "config=otb_spec.conformance.verl_algorithm_config('otb', rollout_is=" in call
+    assert "response_mask=torch.as_tensor(response_mask).to(device='cpu', dtype=torch.int64)" in call
+    assert "handle_zero_tail" not in call and "epsilon" not in call
     advantages = next(c for c in failure.comparisons if c.output == "advantages")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):

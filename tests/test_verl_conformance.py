@@ -18,10 +18,9 @@ pytest.importorskip("torch")
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos", reason="needs verl 0.9.1 (the `verl` test extra)")
 
 TARGETS = {
-    "otb": ("verl.trainer.ppo.core_algos:compute_optimal_token_baseline_advantage",
-            {"epsilon-zero-nan", "half-precision-lengths"}),
+    "otb": ("verl.trainer.ppo.core_algos:compute_optimal_token_baseline_advantage", {"epsilon-zero-nan"}),
     "tir-otb": ("verl.trainer.ppo.core_algos:compute_multi_turn_optimal_token_baseline_advantage",
-                {"epsilon-zero-nan", "half-precision-lengths"}),
+                {"epsilon-zero-nan"}),
     "sum-pi-squared": ("verl.utils.torch_functional:calculate_sum_pi_squared_from_logits", set()),
     "fused-token-statistics": ("verl.utils.experimental.torch_functional:FusedLinearForPPO",
                                {"fused-float64-in-float32"}),
@@ -53,8 +52,8 @@ def test_verl_passes_out_of_the_box_with_its_deviations_listed(verl_reports):
     assert first == (f"CONFORMANT WITH {len(expected)} DOCUMENTED DEVIATION{plural}" if expected else "CONFORMANT")
     for deviation in expected:
         assert f"{deviation} [" in text and "observed in" in text
-    if kind in ("otb", "tir-otb"):   # the bfloat16 defect stays visible
-        assert any(r.deviation == "half-precision-lengths" and "bfloat16" in r.id for r in report.deviations)
+    if kind in ("otb", "tir-otb"):   # the trainer's int64 mask: verl's lengths are exact, its bfloat16 cases pass
+        assert any(r.layer == "special" and r.id.endswith("bfloat16") and r.status == "pass" for r in report.results)
     if kind == "fused-token-statistics":
         # log π and entropy, values and gradients, in float32, bfloat16 and float16 agree with the reference; the
         # deviation is confined to float64 inputs; verl returns no Σπ², and the report says it was not checked
@@ -118,6 +117,18 @@ class _VerlBehindTheAdapterProtocol:
             token_level_rewards=rewards, response_mask=response_mask, index=segments, old_log_probs=log_probs,
             sum_pi_squared=sum_pi_squared, rollout_is_weights=is_weights, handle_zero_tail=handle_zero_tail,
             epsilon=epsilon)
+
+
+def test_verls_half_precision_lengths_show_only_with_a_half_precision_mask():
+    """verl's trainer holds response_mask as int64 (its agent loop; compute_response_mask slices the attention mask),
+    so verl's lengths are exact there and its reports above (the trainer's call) observe no half-precision-lengths.
+    Given the mask in bfloat16 — as the adapter protocol passes every input in the case's dtype — verl rounds lengths
+    above 256, and the verifier recognises the documented deviation on the long bfloat16 case only."""
+    from otb_spec.conformance import verify_adapter
+
+    report = verify_adapter(_VerlBehindTheAdapterProtocol(), kinds=("otb",), layers=("special",))
+    assert report.conformant and report.observed_deviations == ["half-precision-lengths"], report.to_text()
+    assert {r.id for r in report.deviations} == {"otb/special/long-sequences-as-bfloat16-inputs/bfloat16"}
 
 
 def test_an_adapter_is_held_to_float32_arithmetic_when_it_says_so():

@@ -47,7 +47,7 @@ from otb_spec.conformance._checks import (DEFAULT_TIMEOUT, LAYERS, SHRINK_BUDGET
                                           TargetTimeout, compare, read_skip_file, run_checks)
 from otb_spec.conformance._deviations import DEVIATIONS, Deviation
 from otb_spec.conformance._conventions import (CONVENTIONS, Convention, Outcome, Subject, adapter_subject,
-                                               register_convention)
+                                               register_convention, verl_algorithm_config)
 from otb_spec.conformance._report import REPORT_SCHEMA, REPORT_SCHEMA_VERSION, Report
 from otb_spec.tolerances import machine_epsilon
 
@@ -86,6 +86,7 @@ __all__ = [
     "special_cases",
     "verify",
     "verify_adapter",
+    "verl_algorithm_config",
 ]
 
 

@@ -5,9 +5,10 @@ NumPy outputs plus what the structural checks need (output dtypes and devices, w
 writes a copy-pasteable snippet reproducing a call. Built in:
 
 * ``verl`` — verl 0.9.1's functions, called as its trainer calls an advantage estimator (``compute_advantage`` in
-  ``verl.trainer.ppo.ray_trainer``): by keyword — ``token_level_rewards``, ``response_mask``, ``config`` (None, the
-  default of ``compute_advantage``; verl's own functions take it into ``**kwargs``), ``index`` (a NumPy array of
-  ids), ``sum_pi_squared``, ``old_log_probs``, ``rollout_is_weights`` (None when the case has none) — torch tensors;
+  ``verl.trainer.ppo.ray_trainer``): by keyword — ``token_level_rewards``, ``response_mask`` (int64, as the trainer
+  holds it), ``config`` (the trainer's algorithm config, :func:`verl_algorithm_config`; verl's own functions take it
+  into ``**kwargs``), ``index`` (a NumPy array of ids), ``sum_pi_squared``, ``old_log_probs``,
+  ``rollout_is_weights`` (None when the case has none) — torch tensors;
   ``handle_zero_tail`` and ``epsilon`` only where the case's differ from verl's defaults (True, 1e-8), so that a
   target's own defaults are what the trainer gets. A target whose signature cannot take those keywords (other
   parameter names, no room for ``config``) but takes verl's positional order is checked positionally instead —
@@ -33,8 +34,9 @@ Add one with :func:`register_convention`. Adapters (``otb_spec.adapters``) are s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -44,7 +46,8 @@ from otb_spec.conformance._subjects import (Outcome, Subject, _bind_problem, _ca
                                             _jax_placement, _jax_put, _numpy_dtype, _outcome, _Shown, _torch,
                                             _torch_dtype, changed)
 
-__all__ = ["Outcome", "Subject", "Convention", "CONVENTIONS", "register_convention", "adapter_subject"]
+__all__ = ["Outcome", "Subject", "Convention", "CONVENTIONS", "register_convention", "adapter_subject",
+           "verl_algorithm_config"]
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,11 @@ def _verl(target: Callable, target_spec: str, kind: str, device: str) -> Subject
         host = np.array(array, dtype=np.float32 if dtype != "float64" else np.float64, copy=True)
         return torch.from_numpy(host).to(device=device, dtype=_torch_dtype(dtype))
 
+    def mask_tensor(case: Case):
+        if _verl_mask_dtype(case) == "int64":
+            return torch.from_numpy(np.asarray(case.response_mask).astype(np.int64)).to(device=device)
+        return tensor(case.response_mask, case.dtype)
+
     keyword_problem = None if kind == "sum-pi-squared" else _verl_keyword_problem(target)
     by_keyword = keyword_problem is None
     positional_problem = _signature_check(target, 5, "rollout_is_weights")     # verl's order, the options as keywords
@@ -184,7 +192,7 @@ def _verl(target: Callable, target_spec: str, kind: str, device: str) -> Subject
             results = (("sum_pi_squared", target(inputs["logits"])),)
         else:
             inputs = {"token_level_rewards": tensor(case.rewards, case.dtype),
-                      "response_mask": tensor(case.response_mask, case.dtype),
+                      "response_mask": mask_tensor(case),
                       "old_log_probs": tensor(case.log_probs, case.dtype),
                       "sum_pi_squared": tensor(case.sum_pi_squared, case.dtype)}
             if case.is_weights is not None:
@@ -194,7 +202,7 @@ def _verl(target: Callable, target_spec: str, kind: str, device: str) -> Subject
             index = np.array(case.group_ids, copy=True)
             index_before = index.copy()
             if by_keyword:
-                result = target(**_verl_keywords(case, inputs, index))
+                result = target(**_verl_keywords(case, inputs, index, verl_algorithm_config(kind, case)))
             else:
                 result = target(inputs["token_level_rewards"], inputs["response_mask"], index,
                                 inputs["old_log_probs"], inputs["sum_pi_squared"],
@@ -208,21 +216,24 @@ def _verl(target: Callable, target_spec: str, kind: str, device: str) -> Subject
         return outcome
 
     def snippet(case: Case) -> str:
-        lines = [_case_source(case), "import torch, otb_spec", _import_line(target_spec),
+        lines = [_case_source(case), "import torch, otb_spec, otb_spec.conformance", _import_line(target_spec),
                  f"t = lambda a: None if a is None else torch.as_tensor(a).to(device={device!r}, "
                  f"dtype=torch.{case.dtype})"]
+        mask = f"torch.as_tensor(response_mask).to(device={device!r}, dtype=torch.{_verl_mask_dtype(case)})"
         if kind == "sum-pi-squared":
             lines.append("got = target(t(logits))")
         else:
             options = "" if by_keyword and _verl_defaults(case) else \
                 ", handle_zero_tail=handle_zero_tail, epsilon=epsilon"
             if by_keyword:
+                config = (f"otb_spec.conformance.verl_algorithm_config({kind!r}, "
+                          f"rollout_is={case.is_weights is not None})")
                 lines.append("got_advantages, got_returns = target(token_level_rewards=t(rewards), "
-                             "response_mask=t(response_mask), config=None, index=group_ids, "
+                             f"response_mask={mask}, config={config}, index=group_ids, "
                              "sum_pi_squared=t(sum_pi_squared), old_log_probs=t(log_probs), "
                              f"rollout_is_weights=t(is_weights){options})")
             else:
-                lines.append("got_advantages, got_returns = target(t(rewards), t(response_mask), group_ids, "
+                lines.append(f"got_advantages, got_returns = target(t(rewards), {mask}, group_ids, "
                              f"t(log_probs), t(sum_pi_squared), rollout_is_weights=t(is_weights){options})")
         lines.append(_reference_line(case))
         host = "{}.detach().double().cpu().numpy()"
@@ -234,16 +245,18 @@ def _verl(target: Callable, target_spec: str, kind: str, device: str) -> Subject
         if case.kind == "sum-pi-squared":
             return _described_call(case, {}, lambda a, dtype: _Shown("Tensor", a, dtype, device), None)
         shown = {name: "None" if value is None else _Shown("Tensor", value, case.dtype, device)
-                 for name, value in (("token_level_rewards", case.rewards), ("response_mask", case.response_mask),
-                                     ("sum_pi_squared", case.sum_pi_squared), ("old_log_probs", case.log_probs),
-                                     ("rollout_is_weights", case.is_weights))}
+                 for name, value in (("token_level_rewards", case.rewards), ("sum_pi_squared", case.sum_pi_squared),
+                                     ("old_log_probs", case.log_probs), ("rollout_is_weights", case.is_weights))}
+        shown["response_mask"] = _Shown("Tensor", case.response_mask, _verl_mask_dtype(case), device)
         shown["index"] = _Shown("ndarray", case.group_ids, str(np.asarray(case.group_ids).dtype))
         if not by_keyword:                                      # positionally, in verl's order
             return "(" + ", ".join(str(shown[name]) for name in _VERL_POSITIONAL) + ", " + ", ".join(
                 f"{name}={value}" for name, value in (("rollout_is_weights", shown["rollout_is_weights"]),
                                                      ("handle_zero_tail", case.handle_zero_tail),
                                                      ("epsilon", case.epsilon))) + ")"
-        keywords = _verl_keywords(case, shown, shown["index"])
+        shown["config"] = (f"DictConfig (verl's trainer algorithm config: otb_spec.conformance.verl_algorithm_config("
+                           f"{case.kind!r}, rollout_is={case.is_weights is not None}))")
+        keywords = _verl_keywords(case, shown, shown["index"], None)
         return "(" + ", ".join(f"{name}={shown[name]}" if name in shown else f"{name}={value!r}"
                                for name, value in keywords.items()) + ")"
 
@@ -271,15 +284,90 @@ _VERL_KEYWORDS = ("token_level_rewards", "response_mask", "config", "index", "su
                   "rollout_is_weights")                           # compute_advantage's adv_kwargs, in its order
 
 
+_VERL_ESTIMATORS = {"otb": "optimal_token_baseline", "tir-otb": "tir_optimal_token_baseline"}
+
+
+def verl_algorithm_config(kind: str = "otb", rollout_is: bool = False) -> Mapping:
+    """The ``config`` verl 0.9.1's trainer passes an advantage estimator: ``self.config.algorithm``
+    (``compute_advantage`` in ``verl.trainer.ppo.ray_trainer``), a Hydra-composed OmegaConf ``DictConfig`` in struct
+    mode — the defaults of verl's ``trainer/config/_generated_ppo_trainer.yaml`` with ``adv_estimator`` set for ``kind``
+    (``"otb"`` → ``optimal_token_baseline``, ``"tir-otb"`` → ``tir_optimal_token_baseline``) and, with ``rollout_is``,
+    rollout importance weights turned on per token (which is when verl computes ``rollout_is_weights``). A
+    ``DictConfig`` where omegaconf is installed, else a read-only stand-in with its behaviour: ``config.key`` and
+    ``config["key"]``, ``config.get(key, default)``, ``key in config``; a key it lacks raises (AttributeError,
+    KeyError), as struct mode does. So an estimator that reads its options from ``config`` is checked with what the
+    trainer gives it."""
+    if kind not in _VERL_ESTIMATORS:
+        raise ValueError(f"kind must be one of {sorted(_VERL_ESTIMATORS)} (verl's OTB estimators), got {kind!r}")
+    values = {
+        "rollout_correction": {"rollout_is": "token" if rollout_is else None, "rollout_is_threshold": 2.0,
+                               "rollout_rs": None, "rollout_rs_threshold": None, "bypass_mode": False,
+                               "loss_type": "ppo_clip", "rollout_is_batch_normalize": False},
+        "_target_": "verl.trainer.config.AlgoConfig", "gamma": 1.0, "lam": 1.0, "adv_estimator": _VERL_ESTIMATORS[kind],
+        "norm_adv_by_std_in_grpo": True,
+        "filter_groups": {"_target_": "verl.trainer.config.FilterGroupsConfig", "enable": False, "metric": "reward",
+                          "max_num_gen_batches": 0, "max_inflight_gen_batches": 1},
+        "use_kl_in_reward": False, "kl_penalty": "kl",
+        "kl_ctrl": {"_target_": "verl.trainer.config.KLControlConfig", "type": "fixed", "kl_coef": 0.001,
+                    "horizon": 10000, "target_kl": 0.1},
+        "use_pf_ppo": False, "pf_ppo": {"reweight_method": "pow", "weight_pow": 2.0}}
+    try:
+        from omegaconf import OmegaConf
+    except ImportError:
+        return _StructConfig(values)
+    config = OmegaConf.create(values)
+    OmegaConf.set_struct(config, True)
+    return config
+
+
+class _StructConfig(Mapping):
+    """A read-only nested mapping with attribute access that raises on a missing key, as an OmegaConf ``DictConfig``
+    in struct mode does (:func:`verl_algorithm_config` without omegaconf)."""
+
+    def __init__(self, values: dict):
+        object.__setattr__(self, "_values", {key: _StructConfig(value) if isinstance(value, dict) else value
+                                             for key, value in values.items()})
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_values":       # copy and pickle look these up before __init__ ran
+            raise AttributeError(name)
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(f"Key '{name}' is not in struct") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("verl_algorithm_config() is read-only")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._values!r})"
+
+
+def _verl_mask_dtype(case: Case) -> str:
+    """The dtype of ``response_mask`` as verl's trainer holds it: int64 (its agent loop and ``compute_response_mask``
+    slice the int64 attention mask; ``get_response_mask`` builds int64), or the case's dtype where it is not 0/1."""
+    return "int64" if np.isin(np.asarray(case.response_mask), (0, 1)).all() else case.dtype
+
+
 def _verl_defaults(case: Case) -> bool:
     """Whether the case's options are verl's defaults, which its trainer never passes."""
     return case.handle_zero_tail == _VERL_DEFAULTS["handle_zero_tail"] and case.epsilon == _VERL_DEFAULTS["epsilon"]
 
 
-def _verl_keywords(case: Case, inputs: dict, index: Any) -> dict:
+def _verl_keywords(case: Case, inputs: dict, index: Any, config: Any) -> dict:
     """The keyword arguments of verl 0.9.1's trainer (``compute_advantage``: ``adv_estimator_fn(**adv_kwargs)``), in
-    its order, from ``inputs`` keyed by verl's names; the options only where they differ from verl's defaults."""
-    keywords = {name: index if name == "index" else inputs.get(name) for name in _VERL_KEYWORDS}    # config: None
+    its order, from ``inputs`` keyed by verl's names and the trainer's algorithm ``config``; the options only where
+    they differ from verl's defaults."""
+    keywords = {name: {"index": index, "config": config}.get(name, inputs.get(name)) for name in _VERL_KEYWORDS}
     if not _verl_defaults(case):
         keywords.update(handle_zero_tail=case.handle_zero_tail, epsilon=case.epsilon)
     return keywords
