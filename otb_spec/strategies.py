@@ -136,7 +136,9 @@ def group_ids(sizes: Sequence[int], *, kind: str = "any", shuffle: bool = True) 
 
     Args:
       sizes: members per group (each ≥ 1).
-      kind: ``"int"`` (sparse non-negative ints), ``"str"`` (``"prompt-17"``), ``"uuid"`` (uuid4-format strings),
+      kind: ``"int"`` (non-negative int64: sparse small ints; or ids that only int64 tells apart — neighbours
+        above 2²⁴, equal in float32, or pairs 2³² apart, equal in int32; all below 2⁵³, exact in JSON and float64),
+        ``"str"`` (``"prompt-17"``), ``"uuid"`` (uuid4-format strings),
         ``"object"`` (object array mixing ints, strings and tuples — not orderable, so implementations must hash),
         ``"trainer"`` (one of int, str, uuid: what trainers use — verl's uids are strings), or ``"any"``.
       shuffle: permute the batch so groups are not contiguous.
@@ -153,6 +155,17 @@ def group_ids(sizes: Sequence[int], *, kind: str = "any", shuffle: bool = True) 
     return _group_ids(sizes, kind, shuffle)
 
 
+def _int64_only_codes(draw: Any, codes: list[int]) -> list[int]:
+    """``codes`` as they are, or distinct ids that a port narrowing them loses: neighbours just above 2²⁴ (float32
+    holds only every other integer there) or the previous group's code + 2³² (the same int32). Below 2⁵³."""
+    width = draw(st.sampled_from(("small", "float32 neighbours", "int32 aliases")), label="group id width")
+    if width == "float32 neighbours":
+        return [2**24 + position for position in range(len(codes))]
+    if width == "int32 aliases":
+        return [codes[position - position % 2] + position % 2 * 2**32 for position in range(len(codes))]
+    return codes
+
+
 @st.composite
 def _group_ids(draw: Any, sizes: list[int], kind: str, shuffle: bool) -> np.ndarray:
     n_groups = len(sizes)
@@ -162,6 +175,8 @@ def _group_ids(draw: Any, sizes: list[int], kind: str, shuffle: bool) -> np.ndar
         kind = draw(st.sampled_from(_CONCRETE_ID_KINDS[:3]), label="group id kind")
     codes = draw(st.lists(st.integers(0, 10**6), min_size=n_groups, max_size=n_groups, unique=True),
                  label="group codes")
+    if kind in ("int", "object"):
+        codes = _int64_only_codes(draw, codes)
     if kind == "int":
         names: list[Any] = codes
     elif kind == "str":

@@ -700,6 +700,63 @@ def _names_of_log_pi_and_sum_swapped(token_level_rewards, response_mask, index, 
                            rollout_is_weights, handle_zero_tail, epsilon)
 
 
+def torch_options_from_config(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                              rollout_is_weights=None, handle_zero_tail=True, epsilon=1e-8, config=None, **kwargs):
+    """Correct: written as verl's own config-reading estimators are (``assert config is not None``, the options from
+    ``config.get`` with the given ones as defaults) — right in the trainer, which always passes its algorithm
+    config."""
+    assert config is not None, "this estimator reads its options from verl's algorithm config"
+    return torch_index_add(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                           rollout_is_weights, config.get("otb_handle_zero_tail", handle_zero_tail),
+                           config.get("otb_epsilon", epsilon))
+
+
+def _config_defaults_of_its_own(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                                rollout_is_weights=None, handle_zero_tail=True, epsilon=1e-8, config=None, **kwargs):
+    """BUG: where a config is given, ε read from it with a default of the author's own (1e-6) — what verl's trainer,
+    whose algorithm config has no such key, gets; right when called without a config."""
+    if config is not None:
+        epsilon = config.get("otb_epsilon", 1e-6)
+    return torch_index_add(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                           rollout_is_weights, handle_zero_tail, epsilon)
+
+
+def _baselines_like_the_mask(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                             rollout_is_weights=None, handle_zero_tail=True, epsilon=1e-8, **kwargs):
+    """BUG: the baselines kept in ``torch.zeros_like(response_mask)`` — an integer buffer with verl's int64 mask, so
+    every baseline is truncated toward 0; right with a float mask."""
+    advantages, returns = torch_index_add(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                                          rollout_is_weights, handle_zero_tail, epsilon)
+    baselines = torch.zeros_like(response_mask)
+    baselines[...] = returns - advantages
+    return (returns - baselines) * response_mask, returns
+
+
+def _counts_members_with_index_add(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                                   rollout_is_weights=None, handle_zero_tail=True, epsilon=1e-8, **kwargs):
+    """BUG: the valid members per group and position counted by ``index_add_`` of the mask into a float buffer —
+    raises with verl's int64 mask (index_add_ needs one dtype); right with a float mask."""
+    labels, groups = _labels(index, token_level_rewards.device)
+    valid = torch.zeros(groups, response_mask.shape[1], dtype=token_level_rewards.dtype)
+    valid.index_add_(0, labels, response_mask)
+    return torch_index_add(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                           rollout_is_weights, handle_zero_tail, epsilon)
+
+
+def _narrowed_ids(dtype: torch.dtype) -> Callable:
+    def port(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, rollout_is_weights=None,
+             handle_zero_tail=True, epsilon=1e-8, **kwargs):
+        """BUG: integer ids passed through a narrower tensor before grouping (``torch.as_tensor(index).to(dtype)``):
+        ids that only int64 tells apart — neighbours above 2²⁴ in float32, ids 2³² apart in int32 — merge."""
+        ids = np.asarray(index)
+        if ids.dtype.kind in "iu":
+            index = torch.as_tensor(ids).to(dtype).numpy()
+        return torch_index_add(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                               rollout_is_weights, handle_zero_tail, epsilon)
+    port.__name__ = port.__qualname__ = f"ids_through_{str(dtype).removeprefix('torch.')}"
+    return port
+
+
 CORRECT: dict[str, tuple[str, str, Callable[..., Any]]] = {
     "numpy_loops": ("otb", "numpy", numpy_loops),
     "numpy_reduceat": ("otb", "numpy", numpy_reduceat),
@@ -713,6 +770,7 @@ CORRECT: dict[str, tuple[str, str, Callable[..., Any]]] = {
     "torch_one_reversed_scan": ("otb", "verl", torch_one_reversed_scan),
     "torch_one_hot_matmul": ("otb", "verl", torch_one_hot_matmul),
     "torch_keywords_in_another_order": ("otb", "verl", torch_keywords_in_another_order),
+    "torch_options_from_config": ("otb", "verl", torch_options_from_config),
     "torch_multi_turn_scatter": ("tir-otb", "verl", torch_multi_turn_scatter),
     "spp_shifted_log_sum_exp": ("sum-pi-squared", "verl", spp_shifted_log_sum_exp),
     "spp_unshifted_log_sum_exp": ("sum-pi-squared", "verl", spp_unshifted_log_sum_exp),
@@ -768,6 +826,16 @@ BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
     "zero_tail_off_by_default": ("otb", "verl", _zero_tail_off_by_default,
                                  "handle_zero_tail defaults to False (the trainer never passes it)"),
     "epsilon_default_1e6": ("otb", "verl", _epsilon_default_1e6, "ε defaults to 1e-6 (the trainer never passes it)"),
+    "config_defaults_of_its_own": ("otb", "verl", _config_defaults_of_its_own,
+                                   "ε read from the trainer's config with a default of its own (1e-6)"),
+    "baselines_like_the_mask": ("otb", "verl", _baselines_like_the_mask,
+                                "baselines in zeros_like(response_mask): integers with verl's int64 mask"),
+    "counts_members_with_index_add": ("otb", "verl", _counts_members_with_index_add,
+                                      "index_add_ of the mask into a float buffer (raises with an int64 mask)"),
+    "ids_through_float32": ("otb", "verl", _narrowed_ids(torch.float32),
+                            "integer ids through a float32 tensor (neighbours above 2²⁴ merge)"),
+    "ids_through_int32": ("otb", "verl", _narrowed_ids(torch.int32),
+                          "integer ids through an int32 tensor (ids 2³² apart merge)"),
     "names_of_log_pi_and_sum_swapped": ("otb", "verl", _names_of_log_pi_and_sum_swapped,
                                         "old_log_probs and sum_pi_squared named in each other's places"),
     "groups_per_micro_batch": ("otb", "verl", _groups_per_micro_batch,

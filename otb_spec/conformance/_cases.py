@@ -382,6 +382,14 @@ def _otb_golden(kind: str) -> list[Case]:
     cases.append(Case(kind, "ε = 0 beside a tool-output hole (the alignment decides where no other member is)",
                       "float64", np.array([[0, 0, 0, 1.0], [0, 0, 0, 0.5]]), np.array([[1, 0, 0, 1], [1, 1, 1, 1.0]]),
                       _ids("a", "a"), lp, spp, epsilon=0.0, note=verl_nan if kind in LEAVE_ONE_OUT_KINDS else ""))
+    # integer ids that only int64 tells apart: 2²⁴ and 2²⁴ + 1 are one float32, 5 and 5 + 2³² one int32, so a port
+    # narrowing its ids merges two pairs of groups (all below 2⁵³: exact in float64 and in any JSON reader)
+    lp, spp = _policy_statistics((8, 4), 14)
+    rewards = np.zeros((8, 4))
+    rewards[:, -1] = [1.0, 0.0, 0.0, 1.0, 0.5, 1.0, 0.0, 0.25]
+    cases.append(Case(kind, "integer ids that only int64 tells apart (2²⁴ and 2²⁴ + 1; 5 and 5 + 2³²)", "float64",
+                      rewards, np.ones((8, 4)), np.array([2**24, 2**24 + 1, 5 + 2**32, 5, 2**24 + 1, 2**24, 5,
+                                                          5 + 2**32], dtype=np.int64), lp, spp))
     return cases
 
 
@@ -723,8 +731,12 @@ def _energy_timing_case(kind: str, equal_groups: bool) -> Case:
     (π ≈ 0.01 with another token near-certain: w ≈ 1.9) and the rest near a coin flip (π ≈ ½: w ≈ ½), the other half
     the other way round (coin flips first, the 512 high-energy tokens last); dense rewards on every token, and a bonus
     at the end for the first half. A running total kept in bfloat16 stops growing once its increments fall below half
-    its spacing (G and W stall near 256 increments), which leaves returns wrong by hundreds and distorts how the
-    halves' energies compare; per-token work in bfloat16 — every w well away from 0 here — and float32 sums do not."""
+    its spacing (G and W stall near 256 increments), which leaves returns wrong by hundreds: a port whose returns
+    stall is rejected here; per-token work in bfloat16 — every w well away from 0 here — and float32 sums pass. A
+    stalled W alone moves the baselines (W-weighted means of the members' returns) by less than the bfloat16 bound
+    admits: a port keeping only W as a bfloat16 running total passed this case by default (0.006× its allowed error,
+    0.28× under ``working_dtype="float32"``) — as verl's own bfloat16 arithmetic, less accurate still, must — and
+    failed ``working_dtype="float32"`` on the long bfloat16 case only (2.8×; a review's probe, 2026-11-27)."""
     rng = portable.PortableRandom(14)
     rows, positions, burst = 8, 4096, 512
     high = np.zeros((rows, positions), dtype=bool)
