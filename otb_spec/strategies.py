@@ -175,7 +175,7 @@ def _group_ids(draw: Any, sizes: list[int], kind: str, shuffle: bool) -> np.ndar
         kind = draw(st.sampled_from(_CONCRETE_ID_KINDS[:3]), label="group id kind")
     codes = draw(st.lists(st.integers(0, 10**6), min_size=n_groups, max_size=n_groups, unique=True),
                  label="group codes")
-    if kind in ("int", "object"):
+    if kind == "int":
         codes = _int64_only_codes(draw, codes)
     if kind == "int":
         names: list[Any] = codes

@@ -84,7 +84,9 @@ DOMINANT_SHARE = 0.75
 Wᵢ ≤ DOMINANT_SHARE·D, so that Dᵢ ≥ D/4 keeps the cancellation to a few ulps of D; a member above it (at most one per
 column: two would sum to more than 1.5·D, rounding included) takes the other members' sums added directly. Exact in
 every binary dtype, so a kernel comparing in float32 or float64 applies the same rule. Used by otb_torch (eager and
-distributed; the native kernel receives it as an argument) and otb_jax; proofs/N1 item 5, docs/distributed.md."""
+distributed; the native kernel receives it as an argument) and otb_jax, each bound at import (changing this name at
+run time changes nothing); proofs/N1 item 5, docs/distributed.md."""
+
 
 @dataclass(frozen=True)
 class Tolerance:

@@ -743,18 +743,23 @@ def _counts_members_with_index_add(token_level_rewards, response_mask, index, ol
                            rollout_is_weights, handle_zero_tail, epsilon)
 
 
-def _narrowed_ids(dtype: torch.dtype) -> Callable:
-    def port(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, rollout_is_weights=None,
-             handle_zero_tail=True, epsilon=1e-8, **kwargs):
-        """BUG: integer ids passed through a narrower tensor before grouping (``torch.as_tensor(index).to(dtype)``):
-        ids that only int64 tells apart — neighbours above 2²⁴ in float32, ids 2³² apart in int32 — merge."""
-        ids = np.asarray(index)
-        if ids.dtype.kind in "iu":
-            index = torch.as_tensor(ids).to(dtype).numpy()
-        return torch_index_add(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
-                               rollout_is_weights, handle_zero_tail, epsilon)
-    port.__name__ = port.__qualname__ = f"ids_through_{str(dtype).removeprefix('torch.')}"
-    return port
+def _narrowed(index, dtype: torch.dtype):
+    ids = np.asarray(index)
+    return torch.as_tensor(ids).to(dtype).numpy() if ids.dtype.kind in "iu" else index
+
+
+def ids_through_float32(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                        rollout_is_weights=None, handle_zero_tail=True, epsilon=1e-8, **kwargs):
+    """BUG: integer ids passed through a float32 tensor before grouping: neighbours above 2²⁴ merge."""
+    return torch_index_add(token_level_rewards, response_mask, _narrowed(index, torch.float32), old_log_probs,
+                           sum_pi_squared, rollout_is_weights, handle_zero_tail, epsilon)
+
+
+def ids_through_int32(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                      rollout_is_weights=None, handle_zero_tail=True, epsilon=1e-8, **kwargs):
+    """BUG: integer ids passed through an int32 tensor before grouping: ids 2³² apart merge."""
+    return torch_index_add(token_level_rewards, response_mask, _narrowed(index, torch.int32), old_log_probs,
+                           sum_pi_squared, rollout_is_weights, handle_zero_tail, epsilon)
 
 
 CORRECT: dict[str, tuple[str, str, Callable[..., Any]]] = {
@@ -832,9 +837,9 @@ BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
                                 "baselines in zeros_like(response_mask): integers with verl's int64 mask"),
     "counts_members_with_index_add": ("otb", "verl", _counts_members_with_index_add,
                                       "index_add_ of the mask into a float buffer (raises with an int64 mask)"),
-    "ids_through_float32": ("otb", "verl", _narrowed_ids(torch.float32),
+    "ids_through_float32": ("otb", "verl", ids_through_float32,
                             "integer ids through a float32 tensor (neighbours above 2²⁴ merge)"),
-    "ids_through_int32": ("otb", "verl", _narrowed_ids(torch.int32),
+    "ids_through_int32": ("otb", "verl", ids_through_int32,
                           "integer ids through an int32 tensor (ids 2³² apart merge)"),
     "names_of_log_pi_and_sum_swapped": ("otb", "verl", _names_of_log_pi_and_sum_swapped,
                                         "old_log_probs and sum_pi_squared named in each other's places"),

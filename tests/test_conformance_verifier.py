@@ -862,7 +862,7 @@ def test_the_verl_convention_passes_the_trainers_algorithm_config_and_int64_mask
 
     def records_its_arguments(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
                               rollout_is_weights=None, config=None, **kwargs):
-        seen.append((str(response_mask.dtype), config))
+        seen.append((str(response_mask.dtype), config, rollout_is_weights is not None))
         return realistic_ports.torch_index_add(token_level_rewards, response_mask, index, old_log_probs,
                                                sum_pi_squared, rollout_is_weights, **kwargs)
 
@@ -880,8 +880,11 @@ def test_the_verl_convention_passes_the_trainers_algorithm_config_and_int64_mask
         seen.clear()
         report = verify(records_its_arguments, "otb", layers=("golden",))
         assert report.conformant, report.to_text()
-        assert {dtype for dtype, _ in seen} == {"torch.int64"}
-        assert all(found.adv_estimator == "optimal_token_baseline" for _, found in seen)
+        assert {dtype for dtype, _, _ in seen} == {"torch.int64"}
+        assert all(found.adv_estimator == "optimal_token_baseline" for _, found, _ in seen)
+        # rollout importance weights are on in the config exactly where the call has weights, as in the trainer
+        assert {(found.rollout_correction.rollout_is, weighted) for _, found, weighted in seen} == {
+            (None, False), ("token", True)}
         assert type(seen[0][1]).__name__ == ("_StructConfig" if omegaconf_missing else "DictConfig")
     with pytest.raises(ValueError, match="kind must be one of"):
         verl_algorithm_config("loo-otb")

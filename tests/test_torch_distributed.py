@@ -28,6 +28,7 @@ from distributed_pool import WORLD_SIZE, Pool  # noqa: E402
 from forced_openings import forced_opening_with_one_deviant, groups_outside, returns_range  # noqa: E402
 from otb_spec import strategies  # noqa: E402
 from otb_spec.groups import group_segments  # noqa: E402
+from otb_spec.tolerances import DOMINANT_SHARE  # noqa: E402
 from otb_spec.tolerances import (  # noqa: E402
     Tolerance,
     otb_comparison_tolerance,
@@ -679,7 +680,7 @@ def test_leave_one_out_sums_its_grid_once_and_only_the_dominant_cells_besides(po
     energy = np.maximum(energy, 0.0) * batch.response_mask
     column_sums = np.zeros((3, batch.rewards.shape[1]))
     np.add.at(column_sums, ids, energy)
-    dominant = int((energy > 0.75 * column_sums[ids]).sum())
+    dominant = int((energy > DOMINANT_SHARE * column_sums[ids]).sum())
     grid = 3 * 3 * batch.rewards.shape[1] + ranks * 4 * 3 + ranks
     for rank, ((status, answer), (rows, columns)) in enumerate(zip(outcomes, pieces)):
         assert status == "ok", f"rank {rank}: {answer}"

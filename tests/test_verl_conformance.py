@@ -131,6 +131,21 @@ def test_verls_half_precision_lengths_show_only_with_a_half_precision_mask():
     assert {r.id for r in report.deviations} == {"otb/special/long-sequences-as-bfloat16-inputs/bfloat16"}
 
 
+def test_a_port_rounding_its_lengths_is_not_excused_where_the_trainer_gives_an_int64_mask():
+    """Under the verl convention the mask is int64, as in verl's trainer, where verl's lengths are exact: a port that
+    casts the mask to the rewards' dtype before counting (verl's function behind such a cast) rounds its lengths where
+    verl does not, and half-precision-lengths does not excuse it."""
+
+    def casts_the_mask(token_level_rewards, response_mask, **kwargs):
+        return core_algos.compute_optimal_token_baseline_advantage(
+            token_level_rewards=token_level_rewards, response_mask=response_mask.to(token_level_rewards.dtype),
+            **kwargs)
+
+    report = verify(casts_the_mask, "otb", layers=("special",))
+    assert not report.conformant and not report.observed_deviations, report.to_text()
+    assert {r.id for r in report.failures} == {"otb/special/long-sequences-as-bfloat16-inputs/bfloat16"}
+
+
 def test_an_adapter_is_held_to_float32_arithmetic_when_it_says_so():
     """verify_adapter(working_dtype="float32") — `otb-spec verify --adapter NAME --working-dtype float32` — holds
     half-precision inputs to float32's bound: verl's half-precision arithmetic behind the adapter protocol conforms by

@@ -387,7 +387,7 @@ def _otb_golden(kind: str) -> list[Case]:
     lp, spp = _policy_statistics((8, 4), 14)
     rewards = np.zeros((8, 4))
     rewards[:, -1] = [1.0, 0.0, 0.0, 1.0, 0.5, 1.0, 0.0, 0.25]
-    cases.append(Case(kind, "integer ids that only int64 tells apart (2²⁴ and 2²⁴ + 1; 5 and 5 + 2³²)", "float64",
+    cases.append(Case(kind, "integer ids that only int64 tells apart (2^24 and 2^24 + 1; 5 and 5 + 2^32)", "float64",
                       rewards, np.ones((8, 4)), np.array([2**24, 2**24 + 1, 5 + 2**32, 5, 2**24 + 1, 2**24, 5,
                                                           5 + 2**32], dtype=np.int64), lp, spp))
     return cases

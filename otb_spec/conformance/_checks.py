@@ -389,7 +389,8 @@ def _matching_deviation(session: _Session, case: Case, outcome: Outcome | None,
                         deviations: tuple[Deviation, ...]) -> tuple[Deviation, list[Comparison]] | None:
     """The documented deviation whose model the outcome (or the exception, ``outcome=None``) matches, if any."""
     for deviation in deviations:
-        if not deviation.applies(case):
+        if not deviation.applies(case) or (deviation.mask_dtypes is not None and
+                                           session.subject.mask_dtype(case) not in deviation.mask_dtypes):
             continue
         model = deviation.model(case)
         if outcome is None:

@@ -202,7 +202,8 @@ def _verl(target: Callable, target_spec: str, kind: str, device: str) -> Subject
             index = np.array(case.group_ids, copy=True)
             index_before = index.copy()
             if by_keyword:
-                result = target(**_verl_keywords(case, inputs, index, verl_algorithm_config(kind, case)))
+                config = verl_algorithm_config(kind, rollout_is=case.is_weights is not None)
+                result = target(**_verl_keywords(case, inputs, index, config))
             else:
                 result = target(inputs["token_level_rewards"], inputs["response_mask"], index,
                                 inputs["old_log_probs"], inputs["sum_pi_squared"],
@@ -254,8 +255,9 @@ def _verl(target: Callable, target_spec: str, kind: str, device: str) -> Subject
                 f"{name}={value}" for name, value in (("rollout_is_weights", shown["rollout_is_weights"]),
                                                      ("handle_zero_tail", case.handle_zero_tail),
                                                      ("epsilon", case.epsilon))) + ")"
-        shown["config"] = (f"DictConfig (verl's trainer algorithm config: otb_spec.conformance.verl_algorithm_config("
-                           f"{case.kind!r}, rollout_is={case.is_weights is not None}))")
+        shown["config"] = (f"{type(verl_algorithm_config()).__name__} (verl's trainer algorithm config: "
+                           f"otb_spec.conformance.verl_algorithm_config({case.kind!r}, "
+                           f"rollout_is={case.is_weights is not None}))")
         keywords = _verl_keywords(case, shown, shown["index"], None)
         return "(" + ", ".join(f"{name}={shown[name]}" if name in shown else f"{name}={value!r}"
                                for name, value in keywords.items()) + ")"
@@ -275,7 +277,8 @@ def _verl(target: Callable, target_spec: str, kind: str, device: str) -> Subject
                 "verl's parameter names and **kwargs")
 
     return Subject(f"{target_spec} (verl convention, {device})", ("otb", "tir-otb", "sum-pi-squared"), device, run,
-                   snippet, signature_problem, signature_note=signature_note, describe_call=describe_call)
+                   snippet, signature_problem, signature_note=signature_note, describe_call=describe_call,
+                   mask_dtype=_verl_mask_dtype)
 
 
 _VERL_DEFAULTS = {"handle_zero_tail": True, "epsilon": 1e-8}    # compute_optimal_token_baseline_advantage's
@@ -293,10 +296,10 @@ def verl_algorithm_config(kind: str = "otb", rollout_is: bool = False) -> Mappin
     mode — the defaults of verl's ``trainer/config/_generated_ppo_trainer.yaml`` with ``adv_estimator`` set for ``kind``
     (``"otb"`` → ``optimal_token_baseline``, ``"tir-otb"`` → ``tir_optimal_token_baseline``) and, with ``rollout_is``,
     rollout importance weights turned on per token (which is when verl computes ``rollout_is_weights``). A
-    ``DictConfig`` where omegaconf is installed, else a read-only stand-in with its behaviour: ``config.key`` and
-    ``config["key"]``, ``config.get(key, default)``, ``key in config``; a key it lacks raises (AttributeError,
-    KeyError), as struct mode does. So an estimator that reads its options from ``config`` is checked with what the
-    trainer gives it."""
+    ``DictConfig`` where omegaconf is installed, else a stand-in with its behaviour: ``config.key`` and
+    ``config["key"]``, ``config.get(key, default)``, ``key in config``, assignment to an existing key; a key it lacks
+    raises (AttributeError, KeyError), as struct mode does. So an estimator that reads its options from ``config`` is
+    checked with what the trainer gives it. A fresh one per call."""
     if kind not in _VERL_ESTIMATORS:
         raise ValueError(f"kind must be one of {sorted(_VERL_ESTIMATORS)} (verl's OTB estimators), got {kind!r}")
     values = {
@@ -321,8 +324,9 @@ def verl_algorithm_config(kind: str = "otb", rollout_is: bool = False) -> Mappin
 
 
 class _StructConfig(Mapping):
-    """A read-only nested mapping with attribute access that raises on a missing key, as an OmegaConf ``DictConfig``
-    in struct mode does (:func:`verl_algorithm_config` without omegaconf)."""
+    """A nested mapping with attribute access that raises on a missing key, as an OmegaConf ``DictConfig`` in struct
+    mode does (:func:`verl_algorithm_config` without omegaconf): an existing key may be assigned (``config.gamma =
+    0.5``, ``config["gamma"] = 0.5``), a new one raises. Not hashable, and not accepted by OmegaConf's own helpers."""
 
     def __init__(self, values: dict):
         object.__setattr__(self, "_values", {key: _StructConfig(value) if isinstance(value, dict) else value
@@ -345,8 +349,15 @@ class _StructConfig(Mapping):
         except KeyError:
             raise AttributeError(f"Key '{name}' is not in struct") from None
 
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key not in self._values:
+            raise KeyError(f"Key '{key}' is not in struct")
+        self._values[key] = value
+
     def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError("verl_algorithm_config() is read-only")
+        if name not in self._values:
+            raise AttributeError(f"Key '{name}' is not in struct")
+        self._values[name] = value
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._values!r})"

@@ -13,10 +13,12 @@ Two categories (docs/verl-differences.md lists both with their case ids):
 * **by definition** — ``epsilon-zero-nan``: ε = 0 and a zero denominator Σᵢ Wᵢmᵢ at a position: verl computes 0/0 = NaN,
   the reference defines the baseline as 0 (as 0/ε = 0 for every ε > 0). Leave-one-out too (verl has none): a port
   that divides Σ_{j≠i} GⱼWⱼmⱼ by Σ_{j≠i} Wⱼmⱼ + ε as verl divides gets 0/0 there, singleton groups included.
-* **known verl defect** — ``half-precision-lengths``: with bfloat16 (or float16) inputs verl computes the response
-  lengths as ``response_mask.sum(-1)`` in that dtype, which rounds lengths above 256 (float16: 2048). The single-turn
-  zero tail then follows the rounded lengths (wrong member, wrong start, or a tie that hides it); the multi-turn
-  compaction raises a shape error.
+* **known verl defect** — ``half-precision-lengths``: given a bfloat16 (or float16) ``response_mask`` verl computes
+  the response lengths as ``response_mask.sum(-1)`` in that dtype, which rounds lengths above 256 (float16: 2048). The
+  single-turn zero tail then follows the rounded lengths (wrong member, wrong start, or a tie that hides it); the
+  multi-turn compaction raises a shape error. verl's trainer holds the mask as int64, so only a subject given the mask
+  in half precision (the adapter protocol, the ``jax`` convention) can show it; under the ``verl`` convention, which
+  passes int64 as the trainer does, a port that rounds its lengths is not excused.
 * **known verl defect** — ``fused-float64-in-float32`` (fused token statistics): verl's ``FusedLinearForPPO`` casts
   the logits to float32 whatever the inputs' dtype, so float64 hidden states and weights give log π in float32 and
   statistics and gradients only as accurate as float32's. Its model: the reference's values, judged with the bound of
@@ -68,6 +70,9 @@ class Deviation:
         of its outputs (``fused-float64-in-float32``: log π returned in float32), so that a port with a bug of the
         deviation's size but not its cause (float64 outputs with float32 errors) is not excused; None: the values
         decide alone.
+      mask_dtypes: the dtypes of ``response_mask`` in which verl shows it (``half-precision-lengths``: bfloat16 and
+        float16), or None for any: a subject that passes the mask otherwise (the ``verl`` convention: int64, as verl's
+        trainer does) cannot be showing verl's behaviour there, so the deviation excuses nothing.
     """
 
     id: str
@@ -84,6 +89,7 @@ class Deviation:
     structure: Callable[[str, Case, str, str], bool] | None = None
     nan_optional: bool = False
     fingerprint: Callable[[Case, dict], bool] | None = None
+    mask_dtypes: tuple[str, ...] | None = None
 
     def to_dict(self) -> dict:
         return {"id": self.id, "category": self.category, "title": self.title, "verl": self.verl,
@@ -227,15 +233,17 @@ DEVIATIONS: tuple[Deviation, ...] = (
         applies=_epsilon_zero_applies, model=_epsilon_zero_model, nan_optional=True),
     Deviation(
         id="half-precision-lengths", category="known verl defect",
-        title="bfloat16/float16 inputs: verl rounds response lengths, so the zero tail lands in the wrong place",
+        title="a bfloat16/float16 response_mask: verl rounds response lengths, so the zero tail lands in the wrong "
+              "place",
         verl="computes lengths as response_mask.sum(-1) in the mask's dtype; bfloat16 holds integers exactly only up "
              "to 256 (float16: 2048), so longer lengths are rounded — the single-turn zero tail then starts at the "
              "rounded second-longest length, or disappears when rounding ties the longest; the multi-turn compaction "
-             "raises a shape error",
+             "raises a shape error. Its trainer's mask is int64, so the trainer never shows it; a caller passing the "
+             "mask in the inputs' half precision does (recognised only where the target is given such a mask)",
         reference="counts lengths exactly (integers) in every precision",
         why="lengths are integers; rounding them is a defect of verl 0.9.1, listed so that it stays visible",
         doc="docs/verl-differences.md #11", kinds=("otb", "tir-otb"),
-        applies=_half_lengths_applies, model=_half_lengths_model),
+        applies=_half_lengths_applies, model=_half_lengths_model, mask_dtypes=("bfloat16", "float16")),
     Deviation(
         id="fused-float64-in-float32", category="known verl defect",
         title="float64 hidden states and LM head: verl's FusedLinearForPPO computes in float32",

@@ -73,6 +73,8 @@ class Subject:
         per dtype).
       notes: lines for the report's header saying how the subject is called and what is checked (e.g. how the
         gradients are taken, or that they are not).
+      mask_dtype: the dtype ``response_mask`` reaches the target in, for a case (default: the case's dtype; the
+        ``verl`` convention: int64, as verl's trainer holds it).
     """
 
     name: str
@@ -91,6 +93,7 @@ class Subject:
     working_dtype: Callable[[str], str] = lambda dtype: dtype
     fixed_shapes: bool = False
     notes: tuple[str, ...] = ()
+    mask_dtype: Callable[[Case], str] = lambda case: case.dtype
 
 
 def _bind_problem(target: Callable, args: int, keywords: dict) -> str | None:
