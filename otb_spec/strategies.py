@@ -176,9 +176,7 @@ def _group_ids(draw: Any, sizes: list[int], kind: str, shuffle: bool) -> np.ndar
     codes = draw(st.lists(st.integers(0, 10**6), min_size=n_groups, max_size=n_groups, unique=True),
                  label="group codes")
     if kind == "int":
-        codes = _int64_only_codes(draw, codes)
-    if kind == "int":
-        names: list[Any] = codes
+        names: list[Any] = _int64_only_codes(draw, codes)
     elif kind == "str":
         names = [f"prompt-{code}" for code in codes]
     elif kind == "uuid":
