@@ -7,8 +7,9 @@ another, the way a trainer's author would: dict-of-groups loops, ``index_add_``,
 same-group matrix, returns as total minus prefix, one reversed scan for both the returns and the energy (W as total
 minus suffix), the energy as (1 − π)² + (Σπ² − π²), and Σπ² as a shifted or
 unshifted log-sum-exp, softmax-then-square or a chunked online pass; and, for fused token statistics, the plain
-unfused program (logits, log_softmax, gather) a fused kernel replaces. Half-precision inputs are computed in float32,
-as a correct port must; results come back in the input's dtype (the unfused program returns its float32 statistics).
+unfused program (logits, log_softmax, gather) a fused kernel replaces, a kernel's vocabulary blocks, and its token
+chunks with a backward pass of their own. Half-precision inputs are computed in float32, as a correct port must;
+results come back in the input's dtype (the unfused program returns its float32 statistics).
 
 ``CORRECT``: name → (kind, convention, function) — the verifier must accept every one.
 ``CALLED_POSITIONALLY``: name → (kind, convention, function) — right values, but verl's trainer could not call them
@@ -498,7 +499,9 @@ def spp_softmax_then_square(logits, **kwargs):
 def spp_chunked_online(logits, chunk: int = 1000, bugs=frozenset(), **kwargs):
     """One online pass over vocabulary chunks keeping (max, Σe, Σe²), rescaled as the maximum grows (bug
     ``half_running_totals``: for bfloat16/float16 logits the pass and its running totals stay in that dtype;
-    ``excluded_as_minus_1e4``: −inf logits replaced by −1e4 first, an "excluded" token made merely unlikely)."""
+    ``excluded_as_minus_1e4``: −inf logits replaced by −1e4 first, an "excluded" token made merely unlikely;
+    ``rescale_not_squared``: Σe² rescaled by e^{m_old − m_new} instead of its square, wrong only once a later chunk
+    raises the maximum)."""
     z = logits if "half_running_totals" in bugs and logits.dtype in (torch.bfloat16, torch.float16) else _spp_in(logits)
     if "excluded_as_minus_1e4" in bugs:
         z = torch.nan_to_num(z, neginf=-1e4)
@@ -513,7 +516,7 @@ def spp_chunked_online(logits, chunk: int = 1000, bugs=frozenset(), **kwargs):
             first, second = first + 1.0, second + ((e / e.sum(-1, keepdim=True)) ** 2).sum(-1)
         else:
             first = first * scale + e.sum(-1)
-            second = second * scale * scale + (e * e).sum(-1)
+            second = second * (scale if "rescale_not_squared" in bugs else scale * scale) + (e * e).sum(-1)
         running = new
     if "chunk_local_softmax" in bugs:
         return (second / first).to(logits.dtype)
@@ -594,12 +597,65 @@ def torch_vocabulary_blocks_token_statistics(hidden, weight, token_ids, temperat
     return ((chosen - log_sum).reshape(lead), entropy.reshape(lead), (s2 / s1**2).detach().reshape(lead))
 
 
+class _TokenChunkStatistics(torch.autograd.Function):
+    """The forward and backward passes of a fused kernel chunked over tokens (rows of h), ``chunk`` at a time: per
+    chunk the logits z = h·Wᵀ/τ (float32 for half-precision inputs), log π = log_softmax(z), H = −Σ π·log π and
+    Σπ² = Σ π²; backward rebuilds each chunk's logits and forms ∂z = g_lp·(onehot(y) − π) − g_H·π·(log π + H),
+    ∂h = ∂z·W/τ, and adds the chunk's ∂zᵀh/τ into ∂W (bug ``grad_weight_assigned_per_chunk``: ∂W assigned per chunk,
+    so it holds the last chunk's tokens only)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, token_ids, temperature, chunk, bugs):
+        compute = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
+        h, w = hidden.reshape(-1, hidden.shape[-1]).to(compute), weight.to(compute)
+        ids = token_ids.reshape(-1).to(torch.int64)
+        per_chunk = []
+        for start in range(0, h.shape[0], chunk):
+            log_p = torch.log_softmax(h[start:start + chunk] @ w.T / temperature, dim=-1)
+            p = log_p.exp()
+            per_chunk.append((log_p.gather(1, ids[start:start + chunk, None])[:, 0], -(p * log_p).sum(-1),
+                              p.square().sum(-1)))
+        log_probs, entropy, spp = (torch.cat(parts) for parts in zip(*per_chunk))
+        ctx.save_for_backward(h, w, ids, entropy)
+        ctx.temperature, ctx.chunk, ctx.bugs = temperature, chunk, bugs
+        ctx.input_shape, ctx.input_dtypes = hidden.shape, (hidden.dtype, weight.dtype)
+        log_probs, entropy, spp = (value.reshape(token_ids.shape) for value in (log_probs, entropy, spp))
+        ctx.mark_non_differentiable(spp)
+        return log_probs, entropy, spp
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy, _):
+        h, w, ids, entropy = ctx.saved_tensors
+        g_lp, g_h = grad_log_probs.reshape(-1).to(h.dtype), grad_entropy.reshape(-1).to(h.dtype)
+        grad_hidden, grad_weight = torch.empty_like(h), torch.zeros_like(w)
+        for start in range(0, h.shape[0], ctx.chunk):
+            rows = slice(start, start + ctx.chunk)
+            log_p = torch.log_softmax(h[rows] @ w.T / ctx.temperature, dim=-1)
+            p = log_p.exp()
+            dz = -g_lp[rows, None] * p - g_h[rows, None] * p * (log_p + entropy[rows, None])
+            dz.scatter_add_(1, ids[rows, None], g_lp[rows, None])
+            grad_hidden[rows] = dz @ w / ctx.temperature
+            if "grad_weight_assigned_per_chunk" in ctx.bugs:
+                grad_weight = dz.T @ h[rows] / ctx.temperature
+            else:
+                grad_weight += dz.T @ h[rows] / ctx.temperature
+        return (grad_hidden.reshape(ctx.input_shape).to(ctx.input_dtypes[0]), grad_weight.to(ctx.input_dtypes[1]),
+                None, None, None, None)
+
+
+def torch_token_chunks_token_statistics(hidden, weight, token_ids, temperature=1.0, chunk=1024, bugs=frozenset(),
+                                        **kwargs):
+    """A fused kernel's other chunking: ``chunk`` tokens at a time over the whole vocabulary, with its own backward
+    pass (:class:`_TokenChunkStatistics`) instead of autograd's."""
+    return _TokenChunkStatistics.apply(hidden, weight, token_ids, temperature, chunk, bugs)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # the net
 
-def _variant(function: Callable, *bugs: str) -> Callable:
+def _variant(function: Callable, *bugs: str, **settings: Any) -> Callable:
     def port(*args, **kwargs):
-        return function(*args, bugs=frozenset(bugs), **kwargs)
+        return function(*args, bugs=frozenset(bugs), **settings, **kwargs)
     port.__name__ = port.__qualname__ = f"{function.__name__}__{'_'.join(bugs)}"
     return port
 
@@ -785,6 +841,7 @@ CORRECT: dict[str, tuple[str, str, Callable[..., Any]]] = {
     "torch_unfused_token_statistics": ("fused-token-statistics", "verl", torch_unfused_token_statistics),
     "torch_vocabulary_blocks_token_statistics": ("fused-token-statistics", "verl",
                                                  torch_vocabulary_blocks_token_statistics),
+    "torch_token_chunks_token_statistics": ("fused-token-statistics", "verl", torch_token_chunks_token_statistics),
 }
 
 # right values, but verl's trainer could not call them by keyword: checked positionally, with a signature warning
@@ -860,6 +917,10 @@ BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
                                   "−inf logits replaced by −1e4 (wrong only beside logits near −1e4: a golden case)"),
     "spp_chunk_local_softmax": ("sum-pi-squared", "verl", _variant(spp_chunked_online, "chunk_local_softmax"),
                                 "Σπ² from a chunk-local softmax (chunks never rescaled to the row maximum)"),
+    "spp_rescale_not_squared_65536": ("sum-pi-squared", "verl",
+                                      _variant(spp_chunked_online, "rescale_not_squared", chunk=65536),
+                                      "65536-wide vocabulary chunks, Σe² rescaled by e^{m_old − m_new}, not its "
+                                      "square"),
     "temperature_after_log_softmax": ("fused-token-statistics", "verl",
                                       _variant(torch_unfused_token_statistics, "temperature_after_log_softmax"),
                                       "log_softmax of h·Wᵀ, then divided by τ (instead of the softmax of h·Wᵀ/τ)"),
@@ -869,6 +930,9 @@ BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
     "running_max_starts_at_zero": ("fused-token-statistics", "verl",
                                    _variant(torch_vocabulary_blocks_token_statistics, "running_max_starts_at_zero"),
                                    "the running maximum of the vocabulary blocks started at 0 instead of −∞"),
+    "grad_weight_assigned_per_chunk": ("fused-token-statistics", "verl",
+                                       _variant(torch_token_chunks_token_statistics, "grad_weight_assigned_per_chunk"),
+                                       "a backward pass over 1024-token chunks assigns ∂W = ∂zᵀh/τ per chunk, not +="),
     "entropy_without_probabilities": ("fused-token-statistics", "verl",
                                       _variant(torch_unfused_token_statistics, "entropy_without_probabilities"),
                                       "the entropy as −Σ log π (the probabilities forgotten)"),

@@ -646,6 +646,8 @@ def _fused_special() -> tuple[Case, ...]:
                       logit_scale=3.0).with_dtype("float32"),
         _lm_head_case("a large prime vocabulary, V = 65537: vocabulary blocks of any width below it take two or more",
                       39, (8,), 32, 65537, logit_scale=3.0).with_dtype("float32"),
+        _lm_head_case("a prime number of tokens, N = 4099 (H = 16, V = 127): token chunks of any width up to 4096 take "
+                      "two or more", 42, (4099,), 16, 127, logit_scale=3.0).with_dtype("float32"),
         _far_below_zero("every logit far below zero (about −200)", 40, 8, 32, 1024, 200.0).with_dtype("float32"),
         _lm_head_case("bfloat16 hidden states and LM head, V = 32768, nearly flat (logits ~N(0, ½²))", 37, (16,), 64,
                       32768, logit_scale=0.5).with_dtype("bfloat16"),
@@ -654,18 +656,42 @@ def _fused_special() -> tuple[Case, ...]:
     )
 
 
+# the smallest prime above the LM head of Qwen2.5 (up to 3B) and Qwen3, 151936 = 2⁷·1187 rows: above 2¹⁷, so chunks of
+# any width up to 2¹⁷ take two or more (65536: three; 131072: two, the last 20865 wide), the last one partial
+_PRIME_VOCABULARY = 151937
+
+
+def _prime_vocabulary_logits() -> np.ndarray:
+    """[4, 151937] logits ~N(0, 3²), each row's largest logit swapped into its last column.
+
+    An online pass over vocabulary chunks keeps (m, S₁ = Σe^{z−m}, S₂ = Σe^{2(z−m)}) and, when the running maximum
+    grows from m to m', must rescale S₁ by e^{m−m'} and S₂ by e^{2(m−m')}. Where the row's maximum sits in the last
+    column, the maximum grows in the last chunk whatever the chunk width, so a pass whose chunks are as wide as the
+    largest power of two below V still rescales once: S₂ rescaled by e^{m−m'} alone is then e^{m'−m} times too large
+    in its earlier part — 20 to 33 times the bound for chunks 1000 to 131072 wide, where 65536-wide chunks took the
+    V = 65536 case in one and passed it.
+    """
+    logits = portable.PortableRandom(16).normal((4, _PRIME_VOCABULARY), scale=3.0)
+    rows, largest = np.arange(logits.shape[0]), np.argmax(logits, axis=-1)
+    logits[rows, largest], logits[rows, -1] = logits[rows, -1], logits[rows, largest]
+    return logits
+
+
 def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
     """Cases where low precision shows: long sequences (T = 4096) in float32 and as bfloat16 inputs (which must be
-    accumulated in float32), and for Σπ² a large vocabulary, extreme logits in float32, and bfloat16 logits — spread
+    accumulated in float32), and for Σπ² large vocabularies (V = 65536, and a prime V = 151937 whose rows peak in
+    their last column: :func:`_prime_vocabulary_logits`), extreme logits in float32, and bfloat16 logits — spread
     (N(0, 4²)) and nearly flat (N(0, ½²), where summing 32768 comparable terms in bfloat16 would stall). Fused token
     statistics (float32 unless said): logits up to ±3000, peaked and nearly flat softmaxes over V = 4096, τ = 0.25 and
     τ = 4, a prime vocabulary (4099) over 520 tokens (more than one of verl's 512-token chunks), 3-D hidden states
     [4, 130, 16], a large prime vocabulary (65537: a kernel's vocabulary blocks, whatever their width below it, take
-    two or more, so a block-local maximum never rescaled shows in float32), every logit far below zero (about −200:
-    a running maximum started at 0 instead of −∞ underflows), and bfloat16 (V = 32768, nearly flat:
-    summing 32768 comparable terms in bfloat16 would stall) and float16 (V = 8191, a prime) hidden states and heads.
-    OTB kinds also get a batch of a trainer's size (:func:`_trainer_batch_case`: over a hundred rows, groups of up to
-    16 scattered, importance weights above 5)."""
+    two or more, so a block-local maximum never rescaled shows in float32), a prime number of tokens (N = 4099: a
+    kernel's token chunks, whatever their width up to 4096, take two or more, so a backward pass that assigns
+    ∂W = Σₙ ∂zₙᵀhₙ/τ chunk by chunk instead of adding the chunks shows; wider chunks would hold more than 4096·V
+    logits, 2.5 GB in float32 at V = 151936), every logit far below zero (about −200: a running maximum started at 0
+    instead of −∞ underflows), and bfloat16 (V = 32768, nearly flat: summing 32768 comparable terms in bfloat16 would
+    stall) and float16 (V = 8191, a prime) hidden states and heads. OTB kinds also get a batch of a trainer's size
+    (:func:`_trainer_batch_case`: over a hundred rows, groups of up to 16 scattered, importance weights above 5)."""
     if kind == FUSED:
         return list(_fused_special())       # built once per process: their references and bounds are kept
     if kind == "sum-pi-squared":
@@ -673,6 +699,9 @@ def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
         large = rng.normal((8, 65536), scale=3.0)
         extreme = rng.normal((8, 4096), scale=5.0) + rng.choice([-1e4, 1e4], (8, 1))
         return [Case(kind, "large vocabulary (V = 65536)", "float64", logits=large).with_dtype("float32"),
+                Case(kind, f"a large prime vocabulary, V = {_PRIME_VOCABULARY}, peaking in the last column: chunks of "
+                     "any width up to 2^17 take two or more", "float64",
+                     logits=_prime_vocabulary_logits()).with_dtype("float32"),
                 Case(kind, "logits near ±1e4", "float64", logits=extreme).with_dtype("float32"),
                 Case(kind, "bfloat16 logits, V = 32768", "float64",
                      logits=rng.normal((8, 32768), scale=4.0)).with_dtype("bfloat16"),
