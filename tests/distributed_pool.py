@@ -20,13 +20,9 @@ lowers, for that call, the bound below which the native path's float32 all-reduc
 (``otb_torch.distributed._FLOAT32_EXACT_BELOW``, 2²⁴): N = 1 takes the all-gather that batches of 2²⁴ rows or
 positions need. ``_count_reduced=True`` makes the rank answer ``(result, values, widths)``: ``values`` the number of
 values the call passed to ``otb_torch.distributed._all_reduce`` (every SUM and MAX of the module goes through it, but
-the native kernel's grid over two ranks, sent in chunks or, for leave-one-out, whole by ``_exchange``: their
-``_post_exchange``, counted too),
+leave-one-out's grid over two ranks: its ``_exchange``, counted too),
 ``widths`` the list of the column counts of the grids the native kernel's calls allocated, in order
-(``otb_torch._native._grid``; empty on the eager path). ``_record_exchanges=True`` makes it answer ``(result, sizes)``:
-the number of values of each send of the two-rank exchange (``_post_exchange``), in order. ``_overlap_chunks=N`` sets,
-for that call, the number of chunks in which two ranks send the native kernel's grid
-(``otb_torch.distributed._OVERLAP_CHUNKS``).
+(``otb_torch._native._grid``; empty on the eager path).
 
 A task that does not answer within ``timeout`` seconds fails the test and the pool is restarted; collectives inside
 the processes time out after ``COLLECTIVE_TIMEOUT`` seconds (the process groups' timeout), so nothing can hang.
@@ -97,10 +93,8 @@ def _worker(rank: int, port: int, inbox: Any, outbox: Any) -> None:  # pragma: n
             kernel = _native.eager_only() if arguments.pop("_eager", False) else contextlib.nullcontext()
             exact_below = arguments.pop("_float32_exact_below", otb_dist._FLOAT32_EXACT_BELOW)
             reduced, all_reduce, grids, make_grid = [0], otb_dist._all_reduce, [], _native._grid
-            post_exchange, inside = otb_dist._post_exchange, [False]
+            exchange, inside = otb_dist._exchange, [False]
             count_reduced = arguments.pop("_count_reduced", False)
-            chunks = arguments.pop("_overlap_chunks", otb_dist._OVERLAP_CHUNKS)
-            record_exchanges, posted = arguments.pop("_record_exchanges", False), []
 
             def counting(tensor, *rest, reduced=reduced, all_reduce=all_reduce, inside=inside):
                 reduced[0] += tensor.numel()
@@ -110,12 +104,10 @@ def _worker(rank: int, port: int, inbox: Any, outbox: Any) -> None:  # pragma: n
                 finally:
                     inside[0] = False
 
-            def exchanging(tensor, *rest, reduced=reduced, post_exchange=post_exchange, inside=inside, posted=posted,
-                           **options):
-                posted.append(tensor.numel())
-                if not inside[0]:                  # a direct exchange (the grid over two ranks, whole or in chunks)
+            def exchanging(tensor, *rest, reduced=reduced, exchange=exchange, inside=inside):
+                if not inside[0]:                  # a direct exchange (leave-one-out's grid over two ranks)
                     reduced[0] += tensor.numel()
-                return post_exchange(tensor, *rest, **options)
+                return exchange(tensor, *rest)
 
             def recording(num_groups, planes, columns, *rest, grids=grids, make_grid=make_grid):
                 grids.append(columns)
@@ -127,16 +119,14 @@ def _worker(rank: int, port: int, inbox: Any, outbox: Any) -> None:  # pragma: n
             elif name == "context_parallel_returns_and_energy":
                 groups = {"context_group": groups.get("context_group", groups.get("group"))}
             saved, otb_dist._FLOAT32_EXACT_BELOW = otb_dist._FLOAT32_EXACT_BELOW, exact_below
-            saved_chunks, otb_dist._OVERLAP_CHUNKS = otb_dist._OVERLAP_CHUNKS, chunks
-            otb_dist._all_reduce, otb_dist._post_exchange, _native._grid = counting, exchanging, recording
+            otb_dist._all_reduce, otb_dist._exchange, _native._grid = counting, exchanging, recording
             try:
                 with kernel:
                     result = function(**call, **groups)
             finally:
                 otb_dist._FLOAT32_EXACT_BELOW, otb_dist._all_reduce, _native._grid = saved, all_reduce, make_grid
-                otb_dist._post_exchange, otb_dist._OVERLAP_CHUNKS = post_exchange, saved_chunks
-            answer = (result, reduced[0], grids) if count_reduced else (result, posted) if record_exchanges else result
-            outbox.put((rank, "ok", _to_numpy(answer)))
+                otb_dist._exchange = exchange
+            outbox.put((rank, "ok", _to_numpy((result, reduced[0], grids) if count_reduced else result)))
         except Exception as exc:  # reported to the parent, which decides
             outbox.put((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))
     dist.destroy_process_group()

@@ -690,61 +690,6 @@ def test_leave_one_out_sums_its_grid_once_and_only_the_dominant_cells_besides(po
         assert reduced == grid + (0 if ranks == 2 else 2 * dominant), (rank, reduced, dominant)
 
 
-@pytest.mark.parametrize("leave_one_out", [False, True])
-@pytest.mark.parametrize("align", ["position", "valid_token"])
-@pytest.mark.parametrize("layout", ["two", "last two"])
-def test_two_ranks_sum_the_grid_in_chunks_with_the_same_bits(pool, layout, align, leave_one_out):
-    """Over two ranks the native path runs its first sweep in phases and sends the grid's chunk of each phase while
-    the next one runs (otb_torch.distributed._sum_in_chunks): in 1, 2, 3 or 7 chunks every rank's results are the
-    same bits — the same terms summed in the same order, then a + b on both ranks — and match one process. One send
-    per chunk (the last with the statistics and verdicts after the grid), together the whole buffer once; where the
-    ranks' rows are not all K wide (here rank 1's last two columns cut off), the buffer goes whole after the sweep."""
-    if not all(answer for _, answer in pool.run("native_kernel_status", "world", [{}] * WORLD_SIZE)):
-        pytest.skip("the native kernel does not build here")
-    rng = np.random.default_rng(11)
-    rows, positions, groups = 48, 9, 13
-    lengths = rng.integers(1, positions - 1, rows)                  # the last two columns hold no valid token
-    mask = (np.arange(positions)[None, :] < lengths[:, None]).astype(np.float32)
-    mask[rng.random((rows, positions)) < 0.15] = 0.0                # tool-output holes
-    log_probs = np.log(rng.uniform(0.05, 1.0, (rows, positions))).astype(np.float32)
-    spp = np.clip(np.exp(2 * log_probs) + rng.uniform(0, 0.4, (rows, positions)), 0, 1).astype(np.float32)
-    batch = otb.RolloutBatch(rewards=rng.normal(size=(rows, positions)).astype(np.float32), response_mask=mask,
-                             group_ids=rng.integers(0, groups, rows), log_probs=log_probs, sum_pi_squared=spp,
-                             is_weights=rng.uniform(0.5, 1.5, (rows, positions)).astype(np.float32))
-    ids = group_segments(batch.group_ids).index
-    num_groups = int(ids.max()) + 1
-    order = rng.permutation(rows)
-    row_shards = [np.sort(order[:20]), np.sort(order[20:])]
-    arguments, pieces = _split_arguments(batch, ids, num_groups, row_shards, [], 1, align=align,
-                                         leave_one_out=leave_one_out, epsilon=1e-8)
-    expected = _reference(batch, ids, align=align, leave_one_out=leave_one_out, epsilon=1e-8)
-    tolerance, _ = otb_comparison_tolerance(
-        batch.rewards, batch.response_mask, ids, batch.log_probs, batch.sum_pi_squared, is_weights=batch.is_weights,
-        align=align, leave_one_out=leave_one_out, handle_zero_tail=not leave_one_out, epsilon=1e-8,
-        compute_dtype=np.float32, clamped_weights=True)
-    planes = 3 if leave_one_out else 2
-    buffer = num_groups * planes * positions + 2 * 4 * num_groups + 2
-    for equal_widths in (True, False):
-        if not equal_widths:                                        # rank 1's rows two columns shorter
-            arguments[1] = {key: value[:, :positions - 2] if isinstance(value, np.ndarray) and value.ndim == 2
-                            else value for key, value in arguments[1].items()}
-        outcomes = {}
-        for chunks in (1, 2, 3, 7):
-            outcomes[chunks] = _run_on_layout(pool, "distributed_token_baseline", layout, [
-                dict(argument, _overlap_chunks=chunks, _record_exchanges=True) for argument in arguments])
-            for rank, (status, answer) in enumerate(outcomes[chunks]):
-                assert status == "ok", f"rank {rank}: {answer}"
-                result, sizes = answer
-                rows_here, columns = pieces[rank][0], slice(0, result.advantages.shape[1])
-                _sliced(tolerance, rows_here, columns).assert_close(
-                    result.advantages, expected.advantages[rows_here][:, columns], f"rank {rank} advantages")
-                assert sum(sizes) == buffer, (chunks, sizes)
-                sends = chunks if equal_widths else 1
-                assert len(sizes) == sends, (chunks, equal_widths, sizes)
-                for got, reference in zip(result, outcomes[1][rank][1][0]):
-                    assert np.array_equal(got, reference), (chunks, equal_widths, rank)
-
-
 @pytest.mark.parametrize("problem", ["id outside num_groups", "num_groups differs", "ids differ in context group",
                                      "rows differ in context group", "align differs", "token id outside vocab",
                                      "NaN logit"])

@@ -159,12 +159,11 @@ def test_results_do_not_depend_on_the_number_of_threads(monkeypatch, function):
             assert torch.equal(got, expected)
 
 
-def _one_rank(batch, variant: str, dtype=torch.float32, shards: int = 1, seed: int = 0, chunks: int = 1, **options):
+def _one_rank(batch, variant: str, dtype=torch.float32, shards: int = 1, seed: int = 0, **options):
     """The distributed kernels (``otb_dist_first``, ``otb_dist_final``) run as a rank holding the whole batch — no
     collective: its grid is the merged one. Its group statistics ([P, 4, G]) are its own (``shards`` = 1) or, for
     the self-inclusive final sweep to merge, those of the rows split at random (``seed``) over ``shards`` ranks, each
-    rank's from its own first sweep. The first sweep runs in ``chunks`` phases, one call each, as a rank of two
-    does while it sends the grid's chunks. Returns (advantages, returns, baselines)."""
+    rank's from its own first sweep. Returns (advantages, returns, baselines)."""
     _, align, leave_one_out = _VARIANTS[variant]
     tensors = [torch.as_tensor(np.asarray(a)).to(dtype) for a in (batch.rewards, batch.response_mask,
                                                                    batch.log_probs, batch.sum_pi_squared)]
@@ -173,16 +172,12 @@ def _one_rank(batch, variant: str, dtype=torch.float32, shards: int = 1, seed: i
     groups = int(ids.max()) + 1
 
     def plan(rows):
-        return _native.local_groups(ids[rows], tensors[0].shape[1], chunks=chunks, num_groups=groups)
+        return _native.local_groups(ids[rows], tensors[0].shape[1])
 
     def first_sweep(rows, rows_plan):
-        swept = None
-        for phase in range(len(rows_plan.phases)):
-            swept = _native.distributed_first(
-                *(value[rows] for value in tensors), None if weights is None else weights[rows], rows_plan,
-                num_groups=groups, align=align, leave_one_out=leave_one_out, dtype=dtype, check=False, slacks=None,
-                phases=[phase], into=swept)
-        return swept
+        return _native.distributed_first(
+            *(value[rows] for value in tensors), None if weights is None else weights[rows], rows_plan,
+            num_groups=groups, align=align, leave_one_out=leave_one_out, dtype=dtype, check=False, slacks=None)
 
     whole = plan(slice(None))
     first = first_sweep(slice(None), whole)
@@ -237,13 +232,12 @@ def test_one_rank_distributed_kernels_equal_the_one_process_kernel(variant, dtyp
     batch = _batch(6, "scattered-unequal", align == "valid_token")
     tensor = lambda name: torch.as_tensor(np.asarray(getattr(batch, name))).to(dtype)  # noqa: E731
     for options in _options(variant):
+        got = _one_rank(batch, variant, dtype, **options)
         one = getattr(otb_torch, function)(tensor("rewards"), tensor("response_mask"), batch.group_ids,
                                            tensor("log_probs"), tensor("sum_pi_squared"),
                                            is_weights=tensor("is_weights"), **options)
-        for chunks in (1, 2, 5):                # the first sweep in phases, as a rank of two runs it
-            got = _one_rank(batch, variant, dtype, chunks=chunks, **options)
-            for name, value, expected in zip(("advantages", "returns", "baselines"), got, one):
-                assert torch.equal(value, expected), (variant, options, chunks, name)
+        for name, value, expected in zip(("advantages", "returns", "baselines"), got, one):
+            assert torch.equal(value, expected), (variant, options, name)
 
 
 def _build_variant(directory, replacements=(), *defines: str):
@@ -342,8 +336,7 @@ def test_the_next_row_prefetched_is_the_row_computed_next(monkeypatch, tmp_path)
 @pytest.mark.bitexact
 @pytest.mark.parametrize("variant", sorted(_VARIANTS))
 def test_distributed_kernels_do_not_depend_on_the_number_of_threads(monkeypatch, variant):
-    """The distributed kernels split a rank's local groups over threads, and its first sweep in phases (a rank of two,
-    sending the grid in chunks): 1, 2 or 3 threads, in 1, 2 or 3 phases, give bitwise the same results."""
+    """The distributed kernels split a rank's local groups over threads: 1, 2 or 3 give bitwise the same results."""
     monkeypatch.setattr(_native, "ELEMENTS_PER_SHARE", 64)
     batch = _batch(9, "scattered-unequal", _VARIANTS[variant][1] == "valid_token")
     threads = torch.get_num_threads()
@@ -351,8 +344,7 @@ def test_distributed_kernels_do_not_depend_on_the_number_of_threads(monkeypatch,
     try:
         for count in (1, 2, 3):
             torch.set_num_threads(count)
-            for chunks in (1, 2, 3):
-                results.append(_one_rank(batch, variant, chunks=chunks, **_options(variant)[0]))
+            results.append(_one_rank(batch, variant, **_options(variant)[0]))
     finally:
         torch.set_num_threads(threads)
     for other in results[1:]:

@@ -392,12 +392,9 @@ def grouped(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor, 
 class LocalGroups(NamedTuple):
     """A rank's rows listed group by group (otb_torch.distributed): ``order`` [B] int64 (members in batch order),
     ``offsets`` [g + 1] where each local group starts in it, ``ids`` [g] int64 their global group ids, ``row_group``
-    [B] int64 each row's local group; ``bounds``, the threads' shares of local groups (:func:`shares`);
-    ``phases``, the first sweep's phases — phase k the local groups whose global ids lie in [``chunks[k]``,
-    ``chunks[k + 1]``), as the threads' shares of them (one phase of all the groups, ``bounds``, unless the plan was
-    asked for chunks) — and ``rows_in_order`` [B] int64, each share of either partition its rows in batch order at its
-    positions of the plan (the distributed kernels visit rows so: a group's members in batch order whatever the
-    shares, so the grid's sums do not depend on them)."""
+    [B] int64 each row's local group; ``bounds``, the threads' shares of local groups (:func:`shares`), and
+    ``rows_in_order`` [B] int64, each share's rows in batch order at its positions of the plan (the distributed
+    kernels visit rows so)."""
 
     order: np.ndarray
     offsets: np.ndarray
@@ -405,34 +402,23 @@ class LocalGroups(NamedTuple):
     row_group: np.ndarray
     bounds: list[int]
     rows_in_order: np.ndarray
-    phases: list[list[int]]
-    chunks: list[int]
 
 
-def local_groups(group_ids: torch.Tensor, width: int, *, chunks: int = 1, num_groups: int = 0) -> LocalGroups:
+def local_groups(group_ids: torch.Tensor, width: int) -> LocalGroups:
     """The local plan of a rank's rows (of ``width`` positions) from their global group ids (a stable sort on the
-    host), with the threads' shares; with ``chunks`` > 1, the first sweep in that many phases, cut at the global ids
-    ⌊k·G/chunks⌋ (G = ``num_groups``, the same cuts on every rank), so that the grid's rows of a chunk are complete
-    once its phase is done (otb_torch.distributed sends them while the next phase runs)."""
+    host), with the threads' shares."""
     host = group_ids.cpu().numpy()
     rows = host.shape[0]
     order = np.argsort(host, kind="stable").astype(np.int64)
     ordered = host[order]
     offsets = np.concatenate(([0], np.flatnonzero(ordered[1:] != ordered[:-1]) + 1, [rows])).astype(np.int64)
-    ids = np.ascontiguousarray(ordered[offsets[:-1]], dtype=np.int64)
     row_group = np.empty(rows, dtype=np.int64)
     row_group[order] = np.repeat(np.arange(offsets.shape[0] - 1, dtype=np.int64), offsets[1:] - offsets[:-1])
-    workers = _workers(rows * width)
-    bounds = shares(offsets, workers)
-    edges = [0, num_groups] if chunks <= 1 else [num_groups * k // chunks for k in range(chunks + 1)]
-    phases = [bounds]
-    if chunks > 1:
-        cuts = np.searchsorted(ids, edges).tolist()
-        phases = [[a + cut for cut in shares(offsets[a:b + 1] - offsets[a], workers)] for a, b in zip(cuts, cuts[1:])]
-    segments = sorted(set(bounds).union(*phases))
-    in_order = np.arange(rows, dtype=np.int64) if len(segments) == 2 else np.concatenate(
-        [np.sort(order[offsets[a]:offsets[b]]) for a, b in zip(segments, segments[1:])]).astype(np.int64)
-    return LocalGroups(order, offsets, ids, row_group, bounds, in_order, phases, edges)
+    bounds = shares(offsets, _workers(rows * width))
+    in_order = np.arange(rows, dtype=np.int64) if len(bounds) == 2 else np.concatenate(
+        [np.sort(order[offsets[a]:offsets[b]]) for a, b in zip(bounds, bounds[1:])]).astype(np.int64)
+    return LocalGroups(order, offsets, np.ascontiguousarray(ordered[offsets[:-1]], dtype=np.int64), row_group,
+                       bounds, in_order)
 
 
 def _array(value: np.ndarray | torch.Tensor | None) -> ctypes.c_void_p:
@@ -480,33 +466,26 @@ def _statistics(num_groups: int) -> torch.Tensor:
 def distributed_first(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torch.Tensor,
                       sum_pi_squared: torch.Tensor, is_weights: torch.Tensor | None, plan: LocalGroups, *,
                       num_groups: int, align: str, leave_one_out: bool, dtype: torch.dtype, check: bool,
-                      slacks: tuple[float, float] | None, context: bool = False, extra: int = 0,
-                      phases: Sequence[int] | None = None, into: FirstSweep | None = None) -> FirstSweep:
+                      slacks: tuple[float, float] | None, context: bool = False, extra: int = 0) -> FirstSweep:
     """The first sweep of a rank's rows (``_kernel.c``: otb_dist_first): returns and energies; without ``context``
     the grid of the rank's terms over its own width T and the group statistics; with it (a context piece) the
     pieces' totals instead, the terms waiting for the other pieces' offsets (:func:`distributed_offsets`).
     Leave-one-out weighs by mₜ·max(Wₜ, 0) (for a context piece, after the offsets).
-
-    ``phases``: which of the plan's phases to run (None: all), into the buffers of ``into`` (a sweep of the same
-    call's earlier phases; None: fresh ones); ``bad`` is then either's flag. Each phase writes only its own rows and
-    its groups' grid rows, so the phases may run apart, in order, with the grid's finished chunks sent in between.
 
     Extra memory: the grid (G·planes·T values; leave-one-out, its tops: 2·G·T more) and 3·T values per thread; the
     energies live in what becomes the advantages' buffer."""
     rows, width = rewards.shape
     mask, (r, lp, spp, rho) = _inputs(dtype, mask, rewards, log_probs, sum_pi_squared, is_weights)
     planes = 3 if leave_one_out else 2
-    if into is None:
-        buffer, grid = (None, None) if context else _grid(num_groups, planes, width, extra, dtype)
-        into = FirstSweep(buffer, grid,
-                          returns=torch.empty((rows, width), dtype=dtype),
-                          energy=torch.empty((rows, width), dtype=dtype) if leave_one_out or context else None,
-                          lengths=torch.empty(rows, dtype=torch.int64), stats=_statistics(num_groups),
-                          totals=torch.empty((3, rows), dtype=torch.float64) if context else None, bad=False,
-                          tops=torch.zeros((num_groups, 2, width), dtype=dtype) if leave_one_out and not context
-                          else None)
-    buffer, grid, returns, energy, lengths, stats, totals, _, tops = into
-    rows_in_order = plan.rows_in_order
+    buffer, grid = (None, None) if context else _grid(num_groups, planes, width, extra, dtype)
+    tops = torch.zeros((num_groups, 2, width), dtype=dtype) if leave_one_out and not context else None
+    returns = torch.empty((rows, width), dtype=dtype)
+    energy = torch.empty((rows, width), dtype=dtype) if leave_one_out or context else None
+    lengths = torch.empty(rows, dtype=torch.int64)
+    stats = _statistics(num_groups)
+    totals = torch.empty((3, rows), dtype=torch.float64) if context else None
+    bounds, rows_in_order = plan.bounds, plan.rows_in_order
+    scratch = torch.empty((len(bounds) - 1, 3 * width), dtype=dtype)
     slack_lp, slack_spp = slacks if slacks is not None else (0.0, 0.0)
     function = _function("dist_first", dtype, mask)
     head = [_pointer(r), _pointer(mask), _pointer(lp), _pointer(spp), _pointer(rho), ctypes.c_int64(width),
@@ -514,25 +493,19 @@ def distributed_first(rewards: torch.Tensor, mask: torch.Tensor, log_probs: torc
     tail = [_array(plan.ids), _pointer(grid), ctypes.c_int64(width), ctypes.c_int(planes),
             ctypes.c_int(int(align != "position")), ctypes.c_int64(num_groups), _pointer(returns), _pointer(energy),
             _pointer(lengths), _pointer(stats), _pointer(totals), ctypes.c_int64(rows)]
-    bad = into.bad
-    for phase in range(len(plan.phases)) if phases is None else phases:
-        bounds = plan.phases[phase]
-        scratch = torch.empty((len(bounds) - 1, 3 * width), dtype=dtype)
-        owners = (r, lp, spp, rho, mask, plan, rows_in_order, buffer, returns, energy, lengths, stats, totals,
-                  scratch, tops)
+    owners = (r, lp, spp, rho, mask, plan, rows_in_order, buffer, returns, energy, lengths, stats, totals, scratch,
+              tops)
 
-        def work(share: int, bounds: list[int] = bounds, scratch: torch.Tensor = scratch,
-                 owners: tuple = owners, first_phase: bool = phase == 0) -> int:
-            assert owners
-            if first_phase:                        # the outputs' pages, all of them, in the first phase
-                populate([returns, energy], share, len(bounds) - 1)
-            return function(*head, ctypes.c_int64(bounds[share]), ctypes.c_int64(bounds[share + 1]), *tail,
-                            _pointer(scratch[share]), ctypes.c_int(int(check)), ctypes.c_double(slack_lp),
-                            ctypes.c_double(slack_spp), ctypes.c_int(int(leave_one_out and not context)),
-                            _pointer(tops))
+    def work(share: int) -> int:
+        assert owners
+        populate([returns, energy], share, len(bounds) - 1)
+        return function(*head, ctypes.c_int64(bounds[share]), ctypes.c_int64(bounds[share + 1]), *tail,
+                        _pointer(scratch[share]), ctypes.c_int(int(check)), ctypes.c_double(slack_lp),
+                        ctypes.c_double(slack_spp), ctypes.c_int(int(leave_one_out and not context)),
+                        _pointer(tops))
 
-        bad = any(_in_parallel(work, len(bounds) - 1)) or bad
-    return into._replace(bad=bad)
+    bad = any(_in_parallel(work, len(bounds) - 1))
+    return FirstSweep(buffer, grid, returns, energy, lengths, stats, totals, bad, tops)
 
 
 def distributed_offsets(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, *, num_groups: int, columns: int,
@@ -620,13 +593,12 @@ def distributed_final(mask: torch.Tensor, plan: LocalGroups, first: FirstSweep, 
     return advantages, baselines
 
 
-def distributed_tops_in(grid: torch.Tensor, tops: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def distributed_tops_in(grid: torch.Tensor, tops: torch.Tensor) -> torch.Tensor:
     """Leave-one-out, before the grid's SUM all-reduce (``_kernel.c``: otb_dist_tops_in): returns the rank's own N and D
-    without its tops, [G, 2, K] (into ``out`` when given), and adds each cell's top (``tops`` [G, 2, K]: w, gw) back
-    into ``grid`` [G, 3, K] in place — contiguous tensors, or a run of whole groups of them. Extra memory: the
-    returned 2·G·K values."""
+    without its tops, [G, 2, K], and adds each cell's top (``tops`` [G, 2, K]: w, gw) back into ``grid`` [G, 3, K]
+    in place. Extra memory: the returned 2·G·K values."""
     groups, planes, columns = grid.shape
-    rest = torch.empty((groups, 2, columns), dtype=grid.dtype) if out is None else out
+    rest = torch.empty((groups, 2, columns), dtype=grid.dtype)
     function = _function("dist_tops_in", grid.dtype, rest, None)
     function(_pointer(grid), _pointer(tops), _pointer(rest), ctypes.c_int64(groups), ctypes.c_int(planes),
              ctypes.c_int64(columns))

@@ -35,7 +35,6 @@ timeout). Tested on gloo; on NCCL one rank only, on a GPU (docs/distributed.md).
 from __future__ import annotations
 
 import datetime
-import functools
 import math
 import struct
 from typing import Any, Callable, NamedTuple
@@ -121,20 +120,14 @@ def _pairwise(tensor: torch.Tensor, op: Any, group: Any) -> bool:
 
 def _exchange(tensor: torch.Tensor, group: Any, timeout: float | None) -> torch.Tensor:
     """Over a group of two ranks: sends ``tensor`` to the other rank and returns the other's (a new tensor)."""
+    peer = dist.get_global_rank(group if group is not None else dist.group.WORLD, 1 - dist.get_rank(group))
     mine = tensor.contiguous()
     received = torch.empty_like(mine)
-    outgoing, incoming = _post_exchange(mine, received, group)
+    outgoing = dist.isend(mine, peer, group=group, tag=_MAGIC)
+    incoming = dist.irecv(received, peer, group=group, tag=_MAGIC)
     _wait(incoming, timeout)
     _wait(outgoing, timeout)
     return received
-
-
-def _post_exchange(mine: torch.Tensor, received: torch.Tensor, group: Any, tag: int = _MAGIC) -> tuple[Any, Any]:
-    """Over a group of two ranks: starts sending ``mine`` (contiguous) to the other rank and receiving its tensor of
-    the same size into ``received`` (contiguous); returns the two work handles (outgoing, incoming). ``mine`` must not
-    change, nor ``received`` be read, before they are waited for."""
-    peer = dist.get_global_rank(group if group is not None else dist.group.WORLD, 1 - dist.get_rank(group))
-    return dist.isend(mine, peer, group=group, tag=tag), dist.irecv(received, peer, group=group, tag=tag)
 
 
 def _all_gather_name() -> str:
@@ -729,7 +722,7 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
             local, start, groups, width, columns_before, align=align, leave_one_out=leave_one_out,
             handle_zero_tail=handle_zero_tail, epsilon=epsilon, dtype=dtype, group=group,
             context_group=context_group, timeout=timeout, most_rows=max(verdicts.column(7)), whole_rows=whole_rows,
-            grid_is_complete=grid_is_complete, equal_widths=min(verdicts.column(8)) == width)
+            grid_is_complete=grid_is_complete)
         _check_outputs((advantages, returns, baselines), check_values, local, width)
         return _in_output_dtype((advantages, returns, baselines), local, dtype, check_values)
     scan = _scan(local, dtype, context_group, columns_before, timeout)
@@ -744,19 +737,14 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
 
 class _NativeStart(NamedTuple):
     """What the native path computed while the handshake travelled: the rank's plan; its first sweep (data
-    parallel: with the grid over its own width T; context parallel: with its row pieces' totals instead), of which
-    the first ``done`` phases have run (:func:`_completed` runs the rest; ``sweep(phases=…, into=…)`` runs some);
-    and, once every phase has run, the reference's error if its values were rejected (sent to the other ranks in
-    the grid's all-reduce — with the row totals where every rank holds every row; in a group of one raised at once).
-    """
+    parallel: with the grid over its own width T; context parallel: with its row pieces' totals instead); and the
+    reference's error if its values were rejected (sent to the other ranks in the grid's all-reduce — with the row
+    totals where every rank holds every row; in a group of one raised at once)."""
 
     plan: _native.LocalGroups
     first: _native.FirstSweep
     failure: ValueError | None
     extra: int
-    sweep: Callable[..., _native.FirstSweep]
-    done: int
-    check_values: bool
 
 
 def _extra(num_groups: int, ranks: int) -> int:
@@ -765,43 +753,27 @@ def _extra(num_groups: int, ranks: int) -> int:
     return ranks * 4 * num_groups + ranks
 
 
-# Over two ranks on CPU, a data-parallel rank's first sweep runs in this many phases, cut at the same global group ids
-# on every rank; each phase's chunk of the grid is sent while the next phase computes (_sum_in_chunks), so that only
-# the last chunk's transfer is left to wait for (docs/distributed.md, issue 25).
-_OVERLAP_CHUNKS = 2
-
-
 def _native_first_sweep(local: _Local, num_groups: int, dtype: torch.dtype, *, align: str, leave_one_out: bool,
                         check_values: bool, context: bool, ranks: int) -> _NativeStart:
     """The native kernel's work before any collective completes, value checks inside: without a context group the
-    first sweep (returns, energies, the rank's grid of width T, group statistics) — over two ranks its first phase
-    only (:data:`_OVERLAP_CHUNKS`), the others run as the grid's chunks are sent — with one the row pieces' totals."""
+    whole first sweep (returns, energies, the rank's grid of width T, group statistics), with one the row pieces'
+    totals. A flag from the kernel (or integer token statistics) runs the reference's validators; their error is
+    kept, not raised, so that this rank still takes part in the collectives that tell the others."""
     assert local.ids is not None
     slacks = (check.slack(local.log_probs), check.slack(local.sum_pi_squared)) if check_values else None
-    chunks = _OVERLAP_CHUNKS if ranks == 2 and not context else 1
-    plan = _native.local_groups(local.ids, local.rewards.shape[1], chunks=chunks, num_groups=num_groups)
+    plan = _native.local_groups(local.ids, local.rewards.shape[1])
     extra = _extra(num_groups, ranks)
-    sweep = functools.partial(_native.distributed_first, local.rewards, local.mask, local.log_probs,
-                              local.sum_pi_squared, local.is_weights, plan, num_groups=num_groups, align=align,
-                              leave_one_out=leave_one_out, dtype=dtype, check=check_values, slacks=slacks,
-                              context=context, extra=extra)
-    return _NativeStart(plan, sweep(phases=[0]), None, extra, sweep, 1, check_values)
-
-
-def _completed(start: _NativeStart, local: _Local) -> _NativeStart:
-    """``start`` with every phase of its first sweep run and its values' verdict: a flag from the kernel (or integer
-    token statistics) runs the reference's validators; their error is kept, not raised, so that this rank still
-    takes part in the collectives that tell the others."""
-    first = start.first
-    if start.done < len(start.plan.phases):
-        first = start.sweep(phases=range(start.done, len(start.plan.phases)), into=first)
+    first = _native.distributed_first(local.rewards, local.mask, local.log_probs, local.sum_pi_squared,
+                                      local.is_weights, plan, num_groups=num_groups, align=align,
+                                      leave_one_out=leave_one_out, dtype=dtype, check=check_values, slacks=slacks,
+                                      context=context, extra=extra)
     exact, failure = _exact(local), None
-    if start.check_values and (exact or first.bad):
+    if check_values and (exact or first.bad):
         try:
             _check_values(local, exact)
         except ValueError as exc:
             failure = exc
-    return start._replace(first=first, failure=failure, done=len(start.plan.phases))
+    return _NativeStart(plan, first, failure, extra)
 
 
 _FLOAT32_EXACT_BELOW = 2**24     # integers below this are exact in float32: the statistics may ride in the grid
@@ -823,21 +795,17 @@ def _raise_rejected(flags: torch.Tensor, failure: ValueError | None, group: Any)
 def _native_baseline(local: _Local, start: _NativeStart, num_groups: int, width: int, columns_before: int, *,
                      align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float, dtype: torch.dtype,
                      group: Any, context_group: Any, timeout: float | None, most_rows: int, whole_rows: bool,
-                     grid_is_complete: bool, equal_widths: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     grid_is_complete: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The native path after the handshake: (context parallel) the other pieces' totals and the first sweep with
     their offsets; one SUM all-reduce over ``group`` of the grid, the group statistics and the value-check flags
-    (every rank raises if one rank's values were rejected) — over two ranks whose rows are all K wide
-    (``equal_widths``), sent in chunks while the first sweep's later phases run (:func:`_sum_in_chunks`) —
-    leave-one-out: then the dominant members' others' sums (:func:`_leave_out_tops`); the final sweep. K = ``width``.
+    (every rank raises if one rank's values were rejected) — leave-one-out: then the dominant members' others' sums
+    (:func:`_leave_out_tops`); the final sweep. K = ``width``.
 
     ``whole_rows``: every rank of ``group`` holds every row (one context group of all of them, or a group of one);
     the value-check flags then ride with the pieces' totals, whose all-gather reaches every rank. ``grid_is_complete``
     (whole rows, by position, or a group of one): the cells a rank reads hold every row's terms already and every
     rank counts the group statistics of all rows, so no all-reduce follows — one blocking collective in all; a
     context piece's grid then holds its own T_c columns, not all K (K/T_c times less memory)."""
-    overlap = len(start.plan.phases) > 1 and equal_widths and not grid_is_complete
-    if not overlap:
-        start = _completed(start, local)
     first, pieces = start.first, {}
     if first.totals is not None:                                   # context parallel: offsets from the other pieces
         totals = first.totals.reshape(-1)
@@ -865,28 +833,24 @@ def _native_baseline(local: _Local, start: _NativeStart, num_groups: int, width:
             raise start.failure
         gathered_statistics = None if leave_one_out else first.stats.numpy()[None]     # [1, 4, G]: every row
     else:
-        first, gathered_statistics = _reduce_grid(start._replace(first=first), local, num_groups, width,
-                                                  leave_one_out=leave_one_out, dtype=dtype, group=group,
-                                                  timeout=timeout, most_rows=most_rows, overlap=overlap)
+        first, gathered_statistics = _reduce_grid(first, start, num_groups, width, leave_one_out=leave_one_out,
+                                                  dtype=dtype, group=group, timeout=timeout, most_rows=most_rows)
     advantages, baselines = _native.distributed_final(
         local.mask, start.plan, first, gathered_statistics, num_groups=num_groups, align=align,
         leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail, epsilon=epsilon, dtype=dtype, **pieces)
     return advantages, first.returns, baselines
 
 
-def _reduce_grid(start: _NativeStart, local: _Local, num_groups: int, width: int, *, leave_one_out: bool,
-                 dtype: torch.dtype, group: Any, timeout: float | None, most_rows: int, overlap: bool
+def _reduce_grid(first: _native.FirstSweep, start: _NativeStart, num_groups: int, width: int, *, leave_one_out: bool,
+                 dtype: torch.dtype, group: Any, timeout: float | None, most_rows: int
                  ) -> tuple[_native.FirstSweep, np.ndarray | None]:
     """The SUM all-reduce over ``group`` of the rank's grid (widened to K = ``width`` where another rank's rows are
     longer), with every rank's group statistics and value-check flag in its own slot after it; raises on every rank
-    if one rank's values were rejected. With ``overlap`` (two ranks, every rank's rows K wide; ``start`` has run its
-    first phase only), the grid is exchanged in chunks as the later phases finish them (:func:`_sum_in_chunks`).
-    Returns the sweep with the summed grid and, self-inclusive, the ranks' statistics [P, 4, G] int64 (merged in
-    the kernel)."""
+    if one rank's values were rejected. Returns the sweep with the summed grid and, self-inclusive, the ranks'
+    statistics [P, 4, G] int64 (merged in the kernel)."""
     ranks, me = dist.get_world_size(group), dist.get_rank(group)
-    first = start.first
+    cells = first.grid.numel()
     if first.grid.shape[2] < width:                                # another rank's rows are longer: widen to K
-        assert not overlap
         buffer = torch.zeros(num_groups * first.grid.shape[1] * width + start.extra, dtype=dtype)
         grid = buffer.narrow(0, 0, num_groups * first.grid.shape[1] * width).view(num_groups, -1, width)
         grid.narrow(2, 0, first.grid.shape[2]).copy_(first.grid)
@@ -894,35 +858,24 @@ def _reduce_grid(start: _NativeStart, local: _Local, num_groups: int, width: int
         if first.tops is not None:
             tops = torch.zeros((num_groups, 2, width), dtype=dtype)
             tops.narrow(2, 0, first.tops.shape[2]).copy_(first.tops)
-        first = first._replace(buffer=buffer, grid=grid, tops=tops)
-    cells = first.grid.numel()
+        first, cells = first._replace(buffer=buffer, grid=grid, tops=tops), grid.numel()
     # leave-one-out: the rank's whole sums go out, its own sums without its tops kept apart
-    rest = None if first.tops is None else torch.empty((num_groups, 2, width), dtype=dtype)
+    rest = None if first.tops is None else _native.distributed_tops_in(first.grid, first.tops)
     slots = first.buffer.narrow(0, cells, start.extra)
     statistics = slots.narrow(0, 0, ranks * 4 * num_groups).view(ranks, 4, num_groups)
     flags = slots.narrow(0, ranks * 4 * num_groups, ranks)
     # the statistics (members and counts ≤ a rank's rows, lengths ≤ K) are exact in the buffer's dtype below 2²⁴
     # in float32; every rank knows K and the ranks' row counts (the handshake), so all make the same choice
     exact = dtype == torch.float64 or max(width, most_rows) < _FLOAT32_EXACT_BELOW
-
-    def fill_slots(done: _NativeStart) -> None:
-        if exact:
-            statistics[me] = done.first.stats.to(dtype)
-        flags[me] = float(done.failure is not None)
-
+    if exact:
+        statistics[me] = first.stats.to(dtype)
+    flags[me] = float(start.failure is not None)
     peer = None
-    if overlap:
-        start, peer = _sum_in_chunks(start._replace(first=first), local, rest, fill_slots, group, timeout)
-        first = start.first
+    if leave_one_out and _pairwise(first.buffer, dist.ReduceOp.SUM, group):      # the peer's own sums, kept
+        peer = _exchange(first.buffer, group, timeout)
+        first.buffer.add_(peer)
     else:
-        if rest is not None:
-            _native.distributed_tops_in(first.grid, first.tops, out=rest)
-        fill_slots(start)
-        if leave_one_out and _pairwise(first.buffer, dist.ReduceOp.SUM, group):      # the peer's own sums, kept
-            peer = _exchange(first.buffer, group, timeout)
-            first.buffer.add_(peer)
-        else:
-            _all_reduce(first.buffer, dist.ReduceOp.SUM, group, timeout)
+        _all_reduce(first.buffer, dist.ReduceOp.SUM, group, timeout)
     _raise_rejected(flags, start.failure, group)
     if leave_one_out:
         assert first.tops is not None and rest is not None
@@ -930,45 +883,6 @@ def _reduce_grid(start: _NativeStart, local: _Local, num_groups: int, width: int
                         peer=None if peer is None else peer.narrow(0, 0, cells).view(first.grid.shape))
         return first, None
     return first, statistics.numpy().astype(np.int64) if exact else _all_gather(first.stats, group, timeout).numpy()
-
-
-def _sum_in_chunks(start: _NativeStart, local: _Local, rest: torch.Tensor | None,
-                   fill_slots: Callable[[_NativeStart], None], group: Any, timeout: float | None
-                   ) -> tuple[_NativeStart, torch.Tensor]:
-    """Over two ranks: the grid's SUM as the first sweep's phases finish it. Phase k fills the grid's rows of the
-    global ids [cₖ, cₖ₊₁) (the plan's chunks, the same on both ranks); once it has run, those rows (leave-one-out:
-    with the tops put back, their rest kept in ``rest``) are sent to the other rank while the next phase runs; the
-    last chunk carries the slots after the grid (``fill_slots``: the statistics and the values' verdict, once every
-    phase has run). Then each chunk received is added to the rank's own: a + b, the same bits on both ranks and as
-    one exchange of the whole buffer. Returns the completed start and the other rank's buffer as received (the
-    peer's own sums, which leave-one-out's dominant members read). Extra memory: that buffer, as the one exchange's.
-    """
-    plan = start.plan
-    buffer, values_per_group = start.first.buffer, start.first.grid.shape[1] * start.first.grid.shape[2]
-    received = torch.empty_like(buffer)
-    posted = []
-    last = len(plan.phases) - 1
-    for phase in range(last + 1):
-        if phase >= start.done:
-            start = start._replace(first=start.sweep(phases=[phase], into=start.first), done=phase + 1)
-        low, high = plan.chunks[phase], plan.chunks[phase + 1]
-        if rest is not None:
-            first = start.first
-            _native.distributed_tops_in(first.grid[low:high], first.tops[low:high], out=rest[low:high])
-        begin, end = low * values_per_group, high * values_per_group
-        if phase == last:
-            start = _completed(start, local)
-            fill_slots(start)
-            end = buffer.numel()
-        if end > begin:                                    # a chunk of no group: nothing to send (both ranks skip it)
-            posted.append((begin, end, _post_exchange(buffer.narrow(0, begin, end - begin),
-                                                      received.narrow(0, begin, end - begin), group,
-                                                      tag=_MAGIC + phase)))
-    for begin, end, (outgoing, incoming) in posted:
-        _wait(incoming, timeout)
-        _wait(outgoing, timeout)                           # the chunk is read by the send until it has gone
-        buffer.narrow(0, begin, end - begin).add_(received.narrow(0, begin, end - begin))
-    return start, received
 
 
 # Leave-one-out's dominant members. A member whose weight is more than ¾ of its column's D (at most one per cell over
