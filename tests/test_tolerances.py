@@ -115,6 +115,24 @@ def test_every_correct_evaluation_is_within_the_bound(logits, dtype, algorithm):
     tolerance.assert_close(got, exact, f"Σπ² by {algorithm} in {dtype}")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+def test_every_correct_evaluation_is_within_the_bound_at_a_qwen_sized_vocabulary(dtype):
+    """The verifier's largest Σπ² case, V = 151937 (a prime above Qwen's 151936 and 2¹⁷; each row's largest logit in
+    its last column), is beyond the V the test above draws: every evaluation — the online pass in 65536-wide chunks,
+    whose maximum then grows in its last chunk — stays within the bound there too."""
+    from otb_spec.conformance._cases import _prime_vocabulary_logits
+
+    given_values = _round_to(dtype, _prime_vocabulary_logits())
+    z = torch.as_tensor(given_values).to(_TORCH_DTYPES[dtype])
+    accumulate = torch.float64 if dtype == "float64" else torch.float32
+    exact = np.array([_oracle(row) for row in np.asarray(given_values, dtype=np.float64)])
+    tolerance = sum_pi_squared_tolerance(given_values, dtype=dtype) + output_rounding(dtype)
+    algorithms = dict(_ALGORITHMS, **{"chunked online": lambda z, a: _chunked_online(z, a, chunk=65536)})
+    for name, algorithm in algorithms.items():
+        got = algorithm(z, accumulate).to(z.dtype).double().numpy()
+        tolerance.assert_close(got, exact, f"Σπ² by {name} in {dtype}, V = {z.shape[-1]}")
+
+
 def test_the_oracle_agrees_with_mpmath_beyond_2048_tokens():
     if not _EXTENDED:
         pytest.skip("no extended-precision long double on this platform: large rows use mpmath only")
