@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     vectors.add_argument("--generated", type=int, default=10, metavar="N",
                          help="Hypothesis-generated cases per profile and kind (default 10)")
     vectors.add_argument("--no-special", action="store_true",
-                         help="leave out the large special cases (T = 4096, V up to 151937; about 135 MB)")
+                         help="leave out the large special cases (T up to 16411, V up to 151937; about 175 MB)")
     vectors.add_argument("--seed", type=_seed, default=0, help="Hypothesis seed of the generated cases (default 0)")
     vectors.set_defaults(run=_run_vectors)
 

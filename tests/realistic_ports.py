@@ -5,11 +5,12 @@ Every port here is written from the math (docs/verl-differences.md), independent
 another, the way a trainer's author would: dict-of-groups loops, ``index_add_``, ``scatter_add_``,
 ``index_put_(accumulate=True)``, sorted segments with ``np.add.reduceat``, one-hot matrix products, a [B, B]
 same-group matrix, returns as total minus prefix, one reversed scan for both the returns and the energy (W as total
-minus suffix), the energy as (1 − π)² + (Σπ² − π²), and Σπ² as a shifted or
-unshifted log-sum-exp, softmax-then-square or a chunked online pass; and, for fused token statistics, the plain
-unfused program (logits, log_softmax, gather) a fused kernel replaces, a kernel's vocabulary blocks, and its token
-chunks with a backward pass of their own. Half-precision inputs are computed in float32, as a correct port must;
-results come back in the input's dtype (the unfused program returns its float32 statistics).
+minus suffix), both scans in blocks of positions with a running carry (a GPU kernel's tiles of T), the energy as
+(1 − π)² + (Σπ² − π²), and Σπ² as a shifted or unshifted log-sum-exp, softmax-then-square or a chunked online pass;
+and, for fused token statistics, the plain unfused program (logits, log_softmax, gather) a fused kernel replaces, a
+kernel's vocabulary blocks, and its token chunks with a backward pass of their own. Half-precision inputs are computed
+in float32, as a correct port must; results come back in the input's dtype (the unfused program returns its float32
+statistics).
 
 ``CORRECT``: name → (kind, convention, function) — the verifier must accept every one.
 ``CALLED_POSITIONALLY``: name → (kind, convention, function) — right values, but verl's trainer could not call them
@@ -465,6 +466,49 @@ def torch_multi_turn_scatter(token_level_rewards, response_mask, index, old_log_
     return advantages.to(out), returns.to(out)
 
 
+def _blocked_scan(values, block: int, *, reverse: bool, carried: bool = True):
+    """Inclusive scan of [B, T] values along positions, ``block`` positions at a time as a GPU kernel's BLOCK_T-wide
+    tiles take it: each block's local cumsum plus the carry, the total of the blocks already done (those before it;
+    after it with ``reverse``, Gₜ = Σ_{k≥t}) — without ``carried`` every block restarts at 0."""
+    out = torch.empty_like(values)
+    carry = torch.zeros_like(values[:, :1])
+    starts = range(0, values.shape[1], block)
+    for start in reversed(starts) if reverse else starts:
+        tile = values[:, start:start + block]
+        local = torch.flip(torch.cumsum(torch.flip(tile, [-1]), -1), [-1]) if reverse else torch.cumsum(tile, -1)
+        out[:, start:start + block] = local + carry if carried else local
+        carry = carry + tile.sum(-1, keepdim=True)
+    return out
+
+
+@torch.no_grad()
+def torch_blocked_scans(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                        rollout_is_weights=None, handle_zero_tail=True, epsilon=1e-8, block=4096, bugs=frozenset(),
+                        **kwargs):
+    """Single-turn OTB with the returns and the energy scanned ``block`` positions at a time with a running carry
+    (:func:`_blocked_scan`), as a GPU kernel tiles T (bugs ``returns_carry_lost``, ``energy_carry_lost``: that scan's
+    carry dropped, so Gₜ sums t's own block only, or Wₜ restarts at every multiple of ``block``)."""
+    out = token_level_rewards.dtype
+    dtype, (r, m, lp, spp, rho) = _t_in(token_level_rewards, response_mask, old_log_probs, sum_pi_squared,
+                                        rollout_is_weights)
+    returns = _blocked_scan(r * m, block, reverse=True, carried="returns_carry_lost" not in bugs)
+    pi = torch.exp(lp.clamp(max=0))
+    w = 1 - 2 * pi + spp
+    if rho is not None:
+        w = w * rho ** 2
+    energy = _blocked_scan(w * m, block, reverse=False, carried="energy_carry_lost" not in bugs)
+    labels, groups = _labels(index, r.device)
+    weight = energy * m
+    numerator = torch.zeros(groups, r.shape[1], dtype=dtype).index_add_(0, labels, returns * weight)
+    denominator = torch.zeros(groups, r.shape[1], dtype=dtype).index_add_(0, labels, weight)
+    sizes = torch.bincount(labels, minlength=groups)
+    baselines = (numerator / (denominator + epsilon))[labels]
+    baselines[sizes[labels] < 2] = 0.0
+    if handle_zero_tail:
+        baselines = _torch_zero_tail(baselines, m, labels, groups, sizes)
+    return ((returns - baselines) * m).to(out), returns.to(out)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Σπ² ports (one argument: logits [..., V])
 
@@ -833,6 +877,7 @@ CORRECT: dict[str, tuple[str, str, Callable[..., Any]]] = {
     "torch_keywords_in_another_order": ("otb", "verl", torch_keywords_in_another_order),
     "torch_options_from_config": ("otb", "verl", torch_options_from_config),
     "torch_multi_turn_scatter": ("tir-otb", "verl", torch_multi_turn_scatter),
+    "torch_blocked_scans": ("otb", "verl", torch_blocked_scans),
     "spp_shifted_log_sum_exp": ("sum-pi-squared", "verl", spp_shifted_log_sum_exp),
     "spp_unshifted_log_sum_exp": ("sum-pi-squared", "verl", spp_unshifted_log_sum_exp),
     "spp_softmax_then_square": ("sum-pi-squared", "verl", spp_softmax_then_square),
@@ -903,6 +948,10 @@ BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
     "groups_per_micro_batch": ("otb", "verl", _groups_per_micro_batch,
                                "groups formed per 32-row micro-batch (a group straddling two is split)"),
     "truncates_weights_again": ("otb", "verl", _truncates_weights_again, "ρ truncated again at 5 in the estimator"),
+    "returns_carry_lost_4096": ("otb", "verl", _variant(torch_blocked_scans, "returns_carry_lost"),
+                                "returns scanned in 4096-position blocks, the later blocks' carry lost"),
+    "energy_carry_lost_4096": ("otb", "verl", _variant(torch_blocked_scans, "energy_carry_lost"),
+                               "the energy scanned in 4096-position blocks, the earlier blocks' carry lost"),
     "tir_keeps_observations": ("tir-otb", "numpy", _variant(numpy_multi_turn_loops, "tir_keeps_observations"),
                                "TIR compaction keeps the observation (tool-output) tokens inside a response"),
     "tir_keeps_empty_members": ("tir-otb", "verl", _variant(torch_multi_turn_scatter, "tir_keeps_empty_members"),

@@ -690,8 +690,11 @@ def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
     ∂W = Σₙ ∂zₙᵀhₙ/τ chunk by chunk instead of adding the chunks shows; wider chunks would hold more than 4096·V
     logits, 2.5 GB in float32 at V = 151936), every logit far below zero (about −200: a running maximum started at 0
     instead of −∞ underflows), and bfloat16 (V = 32768, nearly flat: summing 32768 comparable terms in bfloat16 would
-    stall) and float16 (V = 8191, a prime) hidden states and heads. OTB kinds also get a batch of a trainer's size
-    (:func:`_trainer_batch_case`: over a hundred rows, groups of up to 16 scattered, importance weights above 5)."""
+    stall) and float16 (V = 8191, a prime) hidden states and heads. OTB kinds also get a prime number of positions
+    (:func:`_prime_positions_case`: T = 16411, so that a kernel's position blocks, whatever their width up to 2¹⁴,
+    take two or more, and a carry lost between them shows in the returns or the energy) and a batch of a trainer's
+    size (:func:`_trainer_batch_case`: over a hundred rows, groups of up to 16 scattered, importance weights above
+    5)."""
     if kind == FUSED:
         return list(_fused_special())       # built once per process: their references and bounds are kept
     if kind == "sum-pi-squared":
@@ -726,6 +729,7 @@ def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
     return [base.with_dtype("float32"),
             replace(base, name=f"long sequences as bfloat16 inputs{layout}").with_dtype("bfloat16"),
             _energy_timing_case(kind, equal_groups).with_dtype("bfloat16"),
+            _prime_positions_case(kind, equal_groups).with_dtype("float32"),
             _trainer_batch_case(kind, equal_groups).with_dtype("float32")]
 
 
@@ -783,6 +787,56 @@ def _energy_timing_case(kind: str, equal_groups: bool) -> Case:
     layout = ", contiguous groups" if equal_groups else ""
     return Case(kind, f"dense rewards, energy early or late, T = 4096, as bfloat16 inputs{layout}", "float64", rewards,
                 np.ones((rows, positions)), ids, log_pi, spp)
+
+
+# the smallest prime above 2¹⁴: blocks of any width b ≤ 2¹⁴ split the positions into ⌈T/b⌉ ≥ 2 blocks, and since no
+# b > 1 divides a prime the last is partial (2¹⁴: two, the last 27 wide; 4096: five, the last 27 wide)
+_PRIME_POSITIONS = 16411
+
+
+def _prime_positions_case(kind: str, equal_groups: bool) -> Case:
+    """T = 16411 positions, one group of 4: a GPU port scanning BLOCK_T positions at a time with a running carry.
+
+    Gₜ = Σ_{k≥t} mₖrₖ and Wₜ = Σ_{j≤t} mⱼwⱼ taken per block of b positions must add the other blocks' totals (the
+    carry); a port that loses it has Gₜ = Σ_{k≥t, k in t's block} mₖrₖ and Wₜ restarting at every multiple of b, which
+    no case of T ≤ b shows (the long special cases have T = 4096, one block of a 4096-wide kernel). Here b ≤ 2¹⁴ < T
+    gives two blocks or more, so: each row has rewards r ~ U(−1, 1) at 12 valid positions, one in its first 64 valid
+    tokens and one at its last valid token, past 2¹⁴ in three of the four rows (lengths T, T, T − 14, 11678,
+    right-padded; holes at 100 … 299 in every other row for the valid-token kinds) — a lost return carry drops the
+    rewards of the later blocks from every earlier position; and half the members spend their first 4096 positions
+    far from the sampled token (π ≈ 0.01: w from 1 to 2) and the others their last 4096, the rest π ~ U(0.3, 0.999)
+    (w below 1) — so a W restarted at a block boundary changes the ratio of the members' weights, and with it the
+    baseline. Three members reach past 2¹⁴, because a leave-one-out baseline with one other member,
+    Gⱼ·Wⱼ/(Wⱼ + ε) ≈ Gⱼ, does not depend on the energy. In every OTB kind, for blocks 512 to 2¹⁴ wide, a lost return
+    carry is 72 to 276 times the bound and a lost energy carry 24 to 80 times; correct float32 scans over the 16411
+    positions stay within 2·10⁻⁴ of it (the bound's a·(T + 3)·Σ|·| terms are worst cases)."""
+    rng = portable.PortableRandom(17)
+    positions = _PRIME_POSITIONS
+    lengths = np.array([positions, positions, positions - 14, rng.integers(positions // 2, positions - 4096, 1)[0]])
+    rows = len(lengths)
+    mask = (np.arange(positions)[None, :] < lengths[:, None]).astype(np.float64)
+    if kind in VALID_TOKEN_KINDS:
+        mask[0::2, 100:300] = 0.0                                                    # tool output
+    burst = 4096
+    high = np.zeros((rows, positions), dtype=bool)
+    high[0::2, :burst] = True                             # even rows: high energy first
+    high[1::2, -burst:] = True                            # odd rows: high energy last
+    pi = np.where(high, rng.uniform(0.005, 0.015, (rows, positions)), rng.uniform(0.3, 0.999, (rows, positions)))
+    log_pi = portable.log(pi)
+    spp = _consistent_sum_pi_squared(portable.exp(log_pi), rng.uniform(0.05, 1.0, (rows, positions)))
+    rewards = np.zeros((rows, positions))
+    for row in range(rows):
+        valid = np.flatnonzero(mask[row])
+        where = np.concatenate([valid[rng.integers(0, 64, 1)], valid[rng.integers(0, len(valid), 10)], valid[-1:]])
+        rewards[row, where] = rng.uniform(-1.0, 1.0, len(where))
+    ids = np.array(["blocked"] * rows, dtype=object)
+    layout = ", contiguous groups"
+    if not equal_groups:
+        order = rng.permutation(rows)
+        rewards, mask, log_pi, spp = rewards[order], mask[order], log_pi[order], spp[order]
+        layout = ", rows shuffled"
+    return Case(kind, f"a prime number of positions, T = {positions}: blocks of any width up to 2^14 take two or "
+                f"more{layout}", "float64", rewards, mask, ids, log_pi, spp)
 
 
 def robustness_cases(kind: str) -> list[Case]:
