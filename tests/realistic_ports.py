@@ -266,12 +266,32 @@ def _labels(index, device) -> tuple[torch.Tensor, int]:
     return torch.tensor(labels, device=device), len(first)
 
 
-def _torch_energy(lp, spp, mask, rho, bugs=frozenset()):
+def _torch_token_energy(lp, spp, rho, bugs=frozenset()):
+    """wₜ = 1 − 2πₜ + Σπ²ₜ (× ρₜ²)."""
     pi = torch.exp(lp.clamp(max=0))
     w = 1 - 2 * pi + spp
     if rho is not None:
         w = w * (rho if "rho_not_squared" in bugs else rho ** 2)
-    return torch.cumsum(w * mask, dim=-1)
+    return w
+
+
+def _torch_energy(lp, spp, mask, rho, bugs=frozenset()):
+    return torch.cumsum(_torch_token_energy(lp, spp, rho, bugs) * mask, dim=-1)
+
+
+def _index_add_advantages(returns, energy, m, index, dtype, epsilon, handle_zero_tail, out):
+    """The group step of the index_add_ ports: B = Σ GWm / (Σ Wm + ε) per (group, position), 0 for singletons, the
+    zero tail; returns (advantages, returns) in ``out``."""
+    labels, groups = _labels(index, returns.device)
+    weight = energy * m
+    numerator = torch.zeros(groups, returns.shape[1], dtype=dtype).index_add_(0, labels, returns * weight)
+    denominator = torch.zeros(groups, returns.shape[1], dtype=dtype).index_add_(0, labels, weight)
+    sizes = torch.bincount(labels, minlength=groups)
+    baselines = (numerator / (denominator + epsilon))[labels]
+    baselines[sizes[labels] < 2] = 0.0
+    if handle_zero_tail:
+        baselines = _torch_zero_tail(baselines, m, labels, groups, sizes)
+    return ((returns - baselines) * m).to(out), returns.to(out)
 
 
 def _torch_zero_tail(baselines, mask, labels, groups, sizes):
@@ -296,17 +316,7 @@ def torch_index_add(token_level_rewards, response_mask, index, old_log_probs, su
                                         rollout_is_weights)
     returns = torch.flip(torch.cumsum(torch.flip(r * m, [-1]), -1), [-1])
     energy = _torch_energy(lp, spp, m, rho, bugs)
-    labels, groups = _labels(index, r.device)
-    weight = energy * m
-    numerator = torch.zeros(groups, r.shape[1], dtype=dtype).index_add_(0, labels, returns * weight)
-    denominator = torch.zeros(groups, r.shape[1], dtype=dtype).index_add_(0, labels, weight)
-    sizes = torch.bincount(labels, minlength=groups)
-    baselines = (numerator / (denominator + epsilon))[labels]
-    baselines[sizes[labels] < 2] = 0.0
-    if handle_zero_tail:
-        baselines = _torch_zero_tail(baselines, m, labels, groups, sizes)
-    advantages = (returns - baselines) * m
-    return advantages.to(out), returns.to(out)
+    return _index_add_advantages(returns, energy, m, index, dtype, epsilon, handle_zero_tail, out)
 
 
 @torch.no_grad()
@@ -344,24 +354,11 @@ def torch_one_reversed_scan(token_level_rewards, response_mask, index, old_log_p
     out = token_level_rewards.dtype
     dtype, (r, m, lp, spp, rho) = _t_in(token_level_rewards, response_mask, old_log_probs, sum_pi_squared,
                                         rollout_is_weights)
-    pi = torch.exp(lp.clamp(max=0))
-    w = 1 - 2 * pi + spp
-    if rho is not None:
-        w = w * rho ** 2
-    terms = torch.stack([r * m, w * m])                                     # [2, B, T]
+    terms = torch.stack([r * m, _torch_token_energy(lp, spp, rho) * m])                     # [2, B, T]
     suffix = torch.flip(torch.cumsum(torch.flip(terms, [-1]), -1), [-1])
     returns = suffix[0]
     energy = suffix[1][:, :1] - suffix[1] + terms[1]
-    labels, groups = _labels(index, r.device)
-    weight = energy * m
-    numerator = torch.zeros(groups, r.shape[1], dtype=dtype).index_add_(0, labels, returns * weight)
-    denominator = torch.zeros(groups, r.shape[1], dtype=dtype).index_add_(0, labels, weight)
-    sizes = torch.bincount(labels, minlength=groups)
-    baselines = (numerator / (denominator + epsilon))[labels]
-    baselines[sizes[labels] < 2] = 0.0
-    if handle_zero_tail:
-        baselines = _torch_zero_tail(baselines, m, labels, groups, sizes)
-    return ((returns - baselines) * m).to(out), returns.to(out)
+    return _index_add_advantages(returns, energy, m, index, dtype, epsilon, handle_zero_tail, out)
 
 
 @torch.no_grad()
@@ -492,21 +489,9 @@ def torch_blocked_scans(token_level_rewards, response_mask, index, old_log_probs
     dtype, (r, m, lp, spp, rho) = _t_in(token_level_rewards, response_mask, old_log_probs, sum_pi_squared,
                                         rollout_is_weights)
     returns = _blocked_scan(r * m, block, reverse=True, carried="returns_carry_lost" not in bugs)
-    pi = torch.exp(lp.clamp(max=0))
-    w = 1 - 2 * pi + spp
-    if rho is not None:
-        w = w * rho ** 2
-    energy = _blocked_scan(w * m, block, reverse=False, carried="energy_carry_lost" not in bugs)
-    labels, groups = _labels(index, r.device)
-    weight = energy * m
-    numerator = torch.zeros(groups, r.shape[1], dtype=dtype).index_add_(0, labels, returns * weight)
-    denominator = torch.zeros(groups, r.shape[1], dtype=dtype).index_add_(0, labels, weight)
-    sizes = torch.bincount(labels, minlength=groups)
-    baselines = (numerator / (denominator + epsilon))[labels]
-    baselines[sizes[labels] < 2] = 0.0
-    if handle_zero_tail:
-        baselines = _torch_zero_tail(baselines, m, labels, groups, sizes)
-    return ((returns - baselines) * m).to(out), returns.to(out)
+    energy = _blocked_scan(_torch_token_energy(lp, spp, rho) * m, block, reverse=False,
+                           carried="energy_carry_lost" not in bugs)
+    return _index_add_advantages(returns, energy, m, index, dtype, epsilon, handle_zero_tail, out)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
