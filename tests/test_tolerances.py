@@ -106,13 +106,20 @@ def _rows(draw):
 @settings(max_examples=60, deadline=None)
 @given(logits=_rows(), dtype=st.sampled_from(list(_TORCH_DTYPES)), algorithm=st.sampled_from(list(_ALGORITHMS)))
 def test_every_correct_evaluation_is_within_the_bound(logits, dtype, algorithm):
+    _assert_within_the_bound(logits, dtype, {algorithm: _ALGORITHMS[algorithm]})
+
+
+def _assert_within_the_bound(logits, dtype: str, algorithms: dict) -> None:
+    """Each of ``algorithms`` (name → evaluation) on ``logits`` given in ``dtype`` is within the bound of the exact Σπ²
+    of the values it receives."""
     given_values = _round_to(dtype, logits)                 # the logits the implementation receives, exactly
     z = torch.as_tensor(given_values).to(_TORCH_DTYPES[dtype])
     accumulate = torch.float64 if dtype == "float64" else torch.float32
-    got = _ALGORITHMS[algorithm](z, accumulate).to(z.dtype).double().numpy()     # returned in the input dtype
     exact = np.array([_oracle(row) for row in np.asarray(given_values, dtype=np.float64)])
     tolerance = sum_pi_squared_tolerance(given_values, dtype=dtype) + output_rounding(dtype)
-    tolerance.assert_close(got, exact, f"Σπ² by {algorithm} in {dtype}")
+    for name, algorithm in algorithms.items():
+        got = algorithm(z, accumulate).to(z.dtype).double().numpy()           # returned in the input dtype
+        tolerance.assert_close(got, exact, f"Σπ² by {name} in {dtype}, V = {z.shape[-1]}")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
@@ -122,15 +129,8 @@ def test_every_correct_evaluation_is_within_the_bound_at_a_qwen_sized_vocabulary
     whose maximum then grows in its last chunk — stays within the bound there too."""
     from otb_spec.conformance._cases import _prime_vocabulary_logits
 
-    given_values = _round_to(dtype, _prime_vocabulary_logits())
-    z = torch.as_tensor(given_values).to(_TORCH_DTYPES[dtype])
-    accumulate = torch.float64 if dtype == "float64" else torch.float32
-    exact = np.array([_oracle(row) for row in np.asarray(given_values, dtype=np.float64)])
-    tolerance = sum_pi_squared_tolerance(given_values, dtype=dtype) + output_rounding(dtype)
-    algorithms = dict(_ALGORITHMS, **{"chunked online": lambda z, a: _chunked_online(z, a, chunk=65536)})
-    for name, algorithm in algorithms.items():
-        got = algorithm(z, accumulate).to(z.dtype).double().numpy()
-        tolerance.assert_close(got, exact, f"Σπ² by {name} in {dtype}, V = {z.shape[-1]}")
+    _assert_within_the_bound(_prime_vocabulary_logits(), dtype, dict(
+        _ALGORITHMS, **{"chunked online": lambda z, a: _chunked_online(z, a, chunk=65536)}))
 
 
 def test_the_oracle_agrees_with_mpmath_beyond_2048_tokens():
