@@ -10,6 +10,10 @@ Tests marked ``slow`` (large Monte Carlo runs) are skipped unless ``--run-slow``
 assert bit-for-bit equality; ``.ci/run`` runs them a second time with NumPy's SIMD dispatch limited to its baseline
 (``NPY_DISABLE_CPU_FEATURES``) and ``OTB_TORCH_THREADS=1`` (``torch.set_num_threads`` before any test), so that bits
 depending on the CPU's features or on the thread count fail in CI (docs/vectors.md, "What is promised bit for bit").
+
+The README's test command runs the files in parallel (pytest-xdist, ``-n auto --dist loadfile``: each file stays in one
+worker, so a module's fixtures are built once): as many workers as CPUs this process may run on, at most
+``MAX_WORKERS`` (:func:`pytest_xdist_auto_num_workers`). ``-n 0`` runs everything in one process.
 """
 
 from __future__ import annotations
@@ -38,6 +42,21 @@ if os.environ.get("OTB_TORCH_THREADS"):
         pass
     else:
         torch.set_num_threads(int(os.environ["OTB_TORCH_THREADS"]))
+
+
+# Each worker imports torch, JAX, verl and transformers (about 1–2 GB) and some tests start processes of their own: a
+# handful of workers already splits the suite's largest files apart (tests/test_adapters.py alone is a quarter of it).
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: the CPUs this process may run on (its affinity, not the host's count, which a container or a
+    hyperthreaded VM overstates for this purpose), at most :data:`MAX_WORKERS`."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:                       # macOS, Windows
+        usable = os.cpu_count() or 1
+    return max(1, min(MAX_WORKERS, usable))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
