@@ -967,6 +967,10 @@ BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
     "grad_weight_assigned_per_chunk": ("fused-token-statistics", "verl",
                                        _variant(torch_token_chunks_token_statistics, "grad_weight_assigned_per_chunk"),
                                        "a backward pass over 1024-token chunks assigns ∂W = ∂zᵀh/τ per chunk, not +="),
+    "grad_weight_assigned_per_8192_token_chunk": (
+        "fused-token-statistics", "verl",
+        _variant(torch_token_chunks_token_statistics, "grad_weight_assigned_per_chunk", chunk=8192),
+        "the same over 8192-token chunks, as a kernel that sizes its chunks by a budget of logits takes at small V"),
     "entropy_without_probabilities": ("fused-token-statistics", "verl",
                                       _variant(torch_unfused_token_statistics, "entropy_without_probabilities"),
                                       "the entropy as −Σ log π (the probabilities forgotten)"),

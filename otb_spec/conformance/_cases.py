@@ -627,6 +627,12 @@ def generated_cases(kind: str, *, profile: str = "general", dtypes: tuple[str, .
     return st.builds(build, batches, st.sampled_from(dtypes), zero_tail, st.sampled_from([1e-8, 1e-3]))
 
 
+# the smallest prime above 2¹⁴ (as the OTB kinds' T): a fused kernel's token chunks of any width up to 2¹⁴ take two or
+# more, the last partial. A kernel that sizes its chunks by a budget of logits takes budget/V tokens a chunk, thousands
+# at this case's V = 127: with 4099 tokens, 8192-token chunks took the case in one and a ∂W assigned per chunk hid.
+_PRIME_TOKENS = 16411
+
+
 @functools.lru_cache(maxsize=1)
 def _fused_special() -> tuple[Case, ...]:
     flat = _lm_head_case("nearly flat softmax, V = 4096 (logits within about ±0.003)", 32, (8,), 32, 4096,
@@ -646,8 +652,8 @@ def _fused_special() -> tuple[Case, ...]:
                       logit_scale=3.0).with_dtype("float32"),
         _lm_head_case("a large prime vocabulary, V = 65537: vocabulary blocks of any width below it take two or more",
                       39, (8,), 32, 65537, logit_scale=3.0).with_dtype("float32"),
-        _lm_head_case("a prime number of tokens, N = 4099 (H = 16, V = 127): token chunks of any width up to 4096 take "
-                      "two or more", 42, (4099,), 16, 127, logit_scale=3.0).with_dtype("float32"),
+        _lm_head_case(f"a prime number of tokens, N = {_PRIME_TOKENS} (H = 16, V = 127): token chunks of any width up "
+                      "to 2^14 take two or more", 42, (_PRIME_TOKENS,), 16, 127, logit_scale=3.0).with_dtype("float32"),
         _far_below_zero("every logit far below zero (about −200)", 40, 8, 32, 1024, 200.0).with_dtype("float32"),
         _lm_head_case("bfloat16 hidden states and LM head, V = 32768, nearly flat (logits ~N(0, ½²))", 37, (16,), 64,
                       32768, logit_scale=0.5).with_dtype("bfloat16"),
@@ -679,22 +685,20 @@ def _prime_vocabulary_logits() -> np.ndarray:
 
 def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
     """Cases where low precision shows: long sequences (T = 4096) in float32 and as bfloat16 inputs (which must be
-    accumulated in float32), and for Σπ² large vocabularies (V = 65536, and a prime V = 151937 whose rows peak in
-    their last column: :func:`_prime_vocabulary_logits`), extreme logits in float32, and bfloat16 logits — spread
-    (N(0, 4²)) and nearly flat (N(0, ½²), where summing 32768 comparable terms in bfloat16 would stall). Fused token
-    statistics (float32 unless said): logits up to ±3000, peaked and nearly flat softmaxes over V = 4096, τ = 0.25 and
-    τ = 4, a prime vocabulary (4099) over 520 tokens (more than one of verl's 512-token chunks), 3-D hidden states
-    [4, 130, 16], a large prime vocabulary (65537: a kernel's vocabulary blocks, whatever their width below it, take
-    two or more, so a block-local maximum never rescaled shows in float32), a prime number of tokens (N = 4099: a
-    kernel's token chunks, whatever their width up to 4096, take two or more, so a backward pass that assigns
-    ∂W = Σₙ ∂zₙᵀhₙ/τ chunk by chunk instead of adding the chunks shows; wider chunks would hold more than 4096·V
-    logits, 2.5 GB in float32 at V = 151936), every logit far below zero (about −200: a running maximum started at 0
-    instead of −∞ underflows), and bfloat16 (V = 32768, nearly flat: summing 32768 comparable terms in bfloat16 would
-    stall) and float16 (V = 8191, a prime) hidden states and heads. OTB kinds also get a prime number of positions
-    (:func:`_prime_positions_case`: T = 16411, so that a kernel's position blocks, whatever their width up to 2¹⁴,
-    take two or more, and a carry lost between them shows in the returns or the energy) and a batch of a trainer's
-    size (:func:`_trainer_batch_case`: over a hundred rows, groups of up to 16 scattered, importance weights above
-    5)."""
+    accumulated in float32), and for Σπ² large vocabularies (V = 65536, and a prime V = 151937 whose rows peak in their
+    last column: :func:`_prime_vocabulary_logits`), extreme logits in float32, and bfloat16 logits — spread (N(0, 4²))
+    and nearly flat (N(0, ½²), where summing 32768 comparable terms in bfloat16 would stall). Fused token statistics
+    (float32 unless said): logits up to ±3000, peaked and nearly flat softmaxes over V = 4096, τ = 0.25 and τ = 4, a
+    prime vocabulary (4099) over 520 tokens (more than one of verl's 512-token chunks), 3-D hidden states [4, 130, 16],
+    a large prime vocabulary (65537: a kernel's vocabulary blocks, whatever their width below it, take two or more, so a
+    block-local maximum never rescaled shows in float32), a prime number of tokens (N = 16411: a kernel's token chunks,
+    whatever their width up to 2¹⁴, take two or more, so a backward pass that assigns ∂W = Σₙ ∂zₙᵀhₙ/τ chunk by chunk
+    instead of adding the chunks shows), every logit far below zero (about −200: a running maximum started at 0 instead
+    of −∞ underflows), and bfloat16 (V = 32768, nearly flat: summing 32768 comparable terms in bfloat16 would stall) and
+    float16 (V = 8191, a prime) hidden states and heads. OTB kinds also get a prime number of positions
+    (:func:`_prime_positions_case`: T = 16411, so that a kernel's position blocks, whatever their width up to 2¹⁴, take
+    two or more, and a carry lost between them shows in the returns or the energy) and a batch of a trainer's size
+    (:func:`_trainer_batch_case`: over a hundred rows, groups of up to 16 scattered, importance weights above 5)."""
     if kind == FUSED:
         return list(_fused_special())       # built once per process: their references and bounds are kept
     if kind == "sum-pi-squared":
