@@ -279,13 +279,26 @@ def _torch_energy(lp, spp, mask, rho, bugs=frozenset()):
     return torch.cumsum(_torch_token_energy(lp, spp, rho, bugs) * mask, dim=-1)
 
 
-def _index_add_advantages(returns, energy, m, index, dtype, epsilon, handle_zero_tail, out):
+def _index_add_advantages(returns, energy, m, index, dtype, epsilon, handle_zero_tail, out, block_rows=None,
+                          bugs=frozenset()):
     """The group step of the index_add_ ports: B = Σ GWm / (Σ Wm + ε) per (group, position), 0 for singletons, the
-    zero tail; returns (advantages, returns) in ``out``."""
+    zero tail; returns (advantages, returns) in ``out``. ``block_rows``: the group sums taken over blocks of that many
+    rows, each block's sums added into the totals, as a GPU kernel with a grid over rows adds them atomically (bug
+    ``group_totals_assigned_per_row_block``: each block's sums assigned, so a group holds its last block's rows)."""
     labels, groups = _labels(index, returns.device)
     weight = energy * m
-    numerator = torch.zeros(groups, returns.shape[1], dtype=dtype).index_add_(0, labels, returns * weight)
-    denominator = torch.zeros(groups, returns.shape[1], dtype=dtype).index_add_(0, labels, weight)
+
+    def group_sums(values):
+        if block_rows is None:
+            return torch.zeros(groups, returns.shape[1], dtype=dtype).index_add_(0, labels, values)
+        totals = torch.zeros(groups, returns.shape[1], dtype=dtype)
+        for start in range(0, values.shape[0], block_rows):
+            rows = slice(start, start + block_rows)
+            part = torch.zeros_like(totals).index_add_(0, labels[rows], values[rows])
+            totals = part if "group_totals_assigned_per_row_block" in bugs else totals + part
+        return totals
+
+    numerator, denominator = group_sums(returns * weight), group_sums(weight)
     sizes = torch.bincount(labels, minlength=groups)
     baselines = (numerator / (denominator + epsilon))[labels]
     baselines[sizes[labels] < 2] = 0.0
@@ -317,6 +330,20 @@ def torch_index_add(token_level_rewards, response_mask, index, old_log_probs, su
     returns = torch.flip(torch.cumsum(torch.flip(r * m, [-1]), -1), [-1])
     energy = _torch_energy(lp, spp, m, rho, bugs)
     return _index_add_advantages(returns, energy, m, index, dtype, epsilon, handle_zero_tail, out)
+
+
+@torch.no_grad()
+def torch_row_blocks(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                     rollout_is_weights=None, handle_zero_tail=True, epsilon=1e-8, block_rows=1024, bugs=frozenset(),
+                     **kwargs):
+    """Single-turn OTB whose group sums are taken over blocks of ``block_rows`` rows and added into the totals (a GPU
+    kernel's grid over the rows of a shuffled batch)."""
+    out = token_level_rewards.dtype
+    dtype, (r, m, lp, spp, rho) = _t_in(token_level_rewards, response_mask, old_log_probs, sum_pi_squared,
+                                        rollout_is_weights)
+    returns = torch.flip(torch.cumsum(torch.flip(r * m, [-1]), -1), [-1])
+    energy = _torch_energy(lp, spp, m, rho, bugs)
+    return _index_add_advantages(returns, energy, m, index, dtype, epsilon, handle_zero_tail, out, block_rows, bugs)
 
 
 @torch.no_grad()
@@ -863,6 +890,7 @@ CORRECT: dict[str, tuple[str, str, Callable[..., Any]]] = {
     "torch_options_from_config": ("otb", "verl", torch_options_from_config),
     "torch_multi_turn_scatter": ("tir-otb", "verl", torch_multi_turn_scatter),
     "torch_blocked_scans": ("otb", "verl", torch_blocked_scans),
+    "torch_row_blocks": ("otb", "verl", torch_row_blocks),
     "spp_shifted_log_sum_exp": ("sum-pi-squared", "verl", spp_shifted_log_sum_exp),
     "spp_unshifted_log_sum_exp": ("sum-pi-squared", "verl", spp_unshifted_log_sum_exp),
     "spp_softmax_then_square": ("sum-pi-squared", "verl", spp_softmax_then_square),
@@ -933,6 +961,9 @@ BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
     "groups_per_micro_batch": ("otb", "verl", _groups_per_micro_batch,
                                "groups formed per 32-row micro-batch (a group straddling two is split)"),
     "truncates_weights_again": ("otb", "verl", _truncates_weights_again, "ρ truncated again at 5 in the estimator"),
+    "group_totals_assigned_per_row_block": (
+        "otb", "verl", _variant(torch_row_blocks, "group_totals_assigned_per_row_block", block_rows=1024),
+        "group sums over blocks of 1024 rows, each block's sums stored into the group's totals instead of added"),
     "returns_carry_lost_4096": ("otb", "verl", _variant(torch_blocked_scans, "returns_carry_lost"),
                                 "returns scanned in 4096-position blocks, the later blocks' carry lost"),
     "energy_carry_lost_4096": ("otb", "verl", _variant(torch_blocked_scans, "energy_carry_lost"),

@@ -697,8 +697,10 @@ def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
     of −∞ underflows), and bfloat16 (V = 32768, nearly flat: summing 32768 comparable terms in bfloat16 would stall) and
     float16 (V = 8191, a prime) hidden states and heads. OTB kinds also get a prime number of positions
     (:func:`_prime_positions_case`: T = 16411, so that a kernel's position blocks, whatever their width up to 2¹⁴, take
-    two or more, and a carry lost between them shows in the returns or the energy) and a batch of a trainer's size
-    (:func:`_trainer_batch_case`: over a hundred rows, groups of up to 16 scattered, importance weights above 5)."""
+    two or more, and a carry lost between them shows in the returns or the energy) a batch of a trainer's size
+    (:func:`_trainer_batch_case`: over a hundred rows, groups of up to 16 scattered, importance weights above 5) and a
+    prime number of rows (:func:`_prime_rows_case`: B = 4099, so that a kernel's row blocks, whatever their width up to
+    4096, take two or more, and group sums stored per block instead of added show)."""
     if kind == FUSED:
         return list(_fused_special())       # built once per process: their references and bounds are kept
     if kind == "sum-pi-squared":
@@ -734,7 +736,8 @@ def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
             replace(base, name=f"long sequences as bfloat16 inputs{layout}").with_dtype("bfloat16"),
             _energy_timing_case(kind, equal_groups).with_dtype("bfloat16"),
             _prime_positions_case(kind, equal_groups).with_dtype("float32"),
-            _trainer_batch_case(kind, equal_groups).with_dtype("float32")]
+            _trainer_batch_case(kind, equal_groups).with_dtype("float32"),
+            _prime_rows_case(kind, equal_groups).with_dtype("float32")]
 
 
 def _trainer_batch_case(kind: str, equal_groups: bool) -> Case:
@@ -841,6 +844,43 @@ def _prime_positions_case(kind: str, equal_groups: bool) -> Case:
         layout = ", rows shuffled"
     return Case(kind, f"a prime number of positions, T = {positions}: blocks of any width up to 2^14 take two or "
                 f"more{layout}", "float64", rewards, mask, ids, log_pi, spp)
+
+
+# the smallest prime above 2¹²: a kernel's row blocks of any width up to 4096 split the batch into two or more, the last
+# partial (contiguous groups of 8, for the grouped convention: 4104 rows, the last block of 4096 holding 8)
+_PRIME_ROWS = 4099
+
+
+def _prime_rows_case(kind: str, equal_groups: bool) -> Case:
+    """B = 4099 rows of T = 8 positions in groups of 1 to 16 members, rows shuffled (513 contiguous groups of 8 with
+    ``equal_groups``): a GPU port whose grid runs over blocks of rows must add every block's group sums ΣᵢGᵢWᵢmᵢ and
+    ΣᵢWᵢmᵢ into the group's totals. One that stores them (each block's sums assigned, as a plain store where an atomic
+    add belongs) keeps, for each group, the rows of the last block that holds any — the other cases have at most 175
+    rows, and blocks 256 to 4096 rows wide passed them. Lengths 1 … 8, right-padded, a hole at positions 2–3 in every
+    fifth row for the valid-token kinds, terminal 0/1 rewards, π ~ U(0.05, 0.999)."""
+    rng = portable.PortableRandom(18)
+    positions = 8
+    if equal_groups:
+        sizes = np.full(-(-_PRIME_ROWS // 8), 8)
+    else:
+        sizes = rng.integers(1, 17, _PRIME_ROWS)
+        sizes = sizes[:int(np.searchsorted(np.cumsum(sizes), _PRIME_ROWS)) + 1]
+        sizes[-1] -= int(sizes.sum()) - _PRIME_ROWS
+    rows = int(sizes.sum())
+    lengths = rng.integers(1, positions + 1, rows)
+    mask = (np.arange(positions)[None, :] < lengths[:, None]).astype(np.float64)
+    if kind in VALID_TOKEN_KINDS:
+        mask[::5, 2:4] = 0.0                                                         # tool output
+    log_pi = portable.log(rng.uniform(0.05, 0.999, (rows, positions)))
+    spp = _consistent_sum_pi_squared(portable.exp(log_pi), rng.uniform(0.05, 1.0, (rows, positions)))
+    rewards = np.zeros((rows, positions))
+    rewards[np.arange(rows), lengths - 1] = rng.integers(0, 2, rows)
+    ids = np.array([f"prompt-{group}" for group, size in enumerate(sizes) for _ in range(int(size))], dtype=object)
+    layout = ", contiguous groups of 8" if equal_groups else ", rows shuffled"
+    if not equal_groups:
+        ids = ids[rng.permutation(rows)]
+    return Case(kind, f"a prime number of rows, B = {_PRIME_ROWS} (T = 8, {len(sizes)} groups): row blocks of any "
+                f"width up to 4096 take two or more{layout}", "float64", rewards, mask, ids, log_pi, spp)
 
 
 def robustness_cases(kind: str) -> list[Case]:
