@@ -322,22 +322,10 @@ def _torch_zero_tail(baselines, mask, labels, groups, sizes):
 
 @torch.no_grad()
 def torch_index_add(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
-                    rollout_is_weights=None, handle_zero_tail=True, epsilon=1e-8, bugs=frozenset(), **kwargs):
-    """Single-turn OTB with index_add_ group sums."""
-    out = token_level_rewards.dtype
-    dtype, (r, m, lp, spp, rho) = _t_in(token_level_rewards, response_mask, old_log_probs, sum_pi_squared,
-                                        rollout_is_weights)
-    returns = torch.flip(torch.cumsum(torch.flip(r * m, [-1]), -1), [-1])
-    energy = _torch_energy(lp, spp, m, rho, bugs)
-    return _index_add_advantages(returns, energy, m, index, dtype, epsilon, handle_zero_tail, out)
-
-
-@torch.no_grad()
-def torch_row_blocks(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
-                     rollout_is_weights=None, handle_zero_tail=True, epsilon=1e-8, block_rows=1024, bugs=frozenset(),
-                     **kwargs):
-    """Single-turn OTB whose group sums are taken over blocks of ``block_rows`` rows and added into the totals (a GPU
-    kernel's grid over the rows of a shuffled batch)."""
+                    rollout_is_weights=None, handle_zero_tail=True, epsilon=1e-8, block_rows=None, bugs=frozenset(),
+                    **kwargs):
+    """Single-turn OTB with index_add_ group sums; ``block_rows``: taken over blocks of that many rows and added into
+    the totals, as a GPU kernel's grid over the rows of a shuffled batch adds them."""
     out = token_level_rewards.dtype
     dtype, (r, m, lp, spp, rho) = _t_in(token_level_rewards, response_mask, old_log_probs, sum_pi_squared,
                                         rollout_is_weights)
@@ -712,7 +700,8 @@ def torch_token_chunks_token_statistics(hidden, weight, token_ids, temperature=1
 def _variant(function: Callable, *bugs: str, **settings: Any) -> Callable:
     def port(*args, **kwargs):
         return function(*args, bugs=frozenset(bugs), **settings, **kwargs)
-    port.__name__ = port.__qualname__ = f"{function.__name__}__{'_'.join(bugs)}"
+    suffix = "_".join(list(bugs) + [f"{name}{value}" for name, value in settings.items()])
+    port.__name__ = port.__qualname__ = f"{function.__name__}__{suffix}"
     return port
 
 
@@ -890,7 +879,7 @@ CORRECT: dict[str, tuple[str, str, Callable[..., Any]]] = {
     "torch_options_from_config": ("otb", "verl", torch_options_from_config),
     "torch_multi_turn_scatter": ("tir-otb", "verl", torch_multi_turn_scatter),
     "torch_blocked_scans": ("otb", "verl", torch_blocked_scans),
-    "torch_row_blocks": ("otb", "verl", torch_row_blocks),
+    "torch_row_blocks": ("otb", "verl", _variant(torch_index_add, block_rows=1024)),
     "spp_shifted_log_sum_exp": ("sum-pi-squared", "verl", spp_shifted_log_sum_exp),
     "spp_unshifted_log_sum_exp": ("sum-pi-squared", "verl", spp_unshifted_log_sum_exp),
     "spp_softmax_then_square": ("sum-pi-squared", "verl", spp_softmax_then_square),
@@ -962,7 +951,7 @@ BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
                                "groups formed per 32-row micro-batch (a group straddling two is split)"),
     "truncates_weights_again": ("otb", "verl", _truncates_weights_again, "ρ truncated again at 5 in the estimator"),
     "group_totals_assigned_per_row_block": (
-        "otb", "verl", _variant(torch_row_blocks, "group_totals_assigned_per_row_block", block_rows=1024),
+        "otb", "verl", _variant(torch_index_add, "group_totals_assigned_per_row_block", block_rows=1024),
         "group sums over blocks of 1024 rows, each block's sums stored into the group's totals instead of added"),
     "returns_carry_lost_4096": ("otb", "verl", _variant(torch_blocked_scans, "returns_carry_lost"),
                                 "returns scanned in 4096-position blocks, the later blocks' carry lost"),

@@ -740,6 +740,26 @@ def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
             _prime_rows_case(kind, equal_groups).with_dtype("float32")]
 
 
+def _terminal_reward_rows(rng: portable.PortableRandom, kind: str, rows: int, positions: int,
+                          hole: tuple[slice, slice]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(rewards, mask, log π, Σπ²) [rows, positions]: right-padded lengths 1 … T, tool output at ``hole`` (rows,
+    positions) for the valid-token kinds, π ~ U(0.05, 0.999) with a consistent Σπ², a 0/1 reward at the last token."""
+    lengths = rng.integers(1, positions + 1, rows)
+    mask = (np.arange(positions)[None, :] < lengths[:, None]).astype(np.float64)
+    if kind in VALID_TOKEN_KINDS:
+        mask[hole] = 0.0
+    log_pi = portable.log(rng.uniform(0.05, 0.999, (rows, positions)))
+    spp = _consistent_sum_pi_squared(portable.exp(log_pi), rng.uniform(0.05, 1.0, (rows, positions)))
+    rewards = np.zeros((rows, positions))
+    rewards[np.arange(rows), lengths - 1] = rng.integers(0, 2, rows)
+    return rewards, mask, log_pi, spp
+
+
+def _prompt_ids(sizes: np.ndarray) -> np.ndarray:
+    """Group ids ``prompt-g``, ``sizes[g]`` rows each, in order."""
+    return np.array([f"prompt-{group}" for group, size in enumerate(sizes) for _ in range(int(size))], dtype=object)
+
+
 def _trainer_batch_case(kind: str, equal_groups: bool) -> Case:
     """A batch of a trainer's size: 16 prompts of 4 to 16 samples (8 each with ``equal_groups``: 128 rows), rows
     shuffled as verl's balance_batch leaves them, right-padded lengths 1 … 256 (tool-output holes for the valid-token
@@ -749,16 +769,10 @@ def _trainer_batch_case(kind: str, equal_groups: bool) -> Case:
     rng = portable.PortableRandom(15)
     sizes = np.full(16, 8) if equal_groups else rng.integers(4, 17, 16)
     rows, positions = int(sizes.sum()), 256
-    lengths = rng.integers(1, positions + 1, rows)
-    mask = (np.arange(positions)[None, :] < lengths[:, None]).astype(np.float64)
-    if kind in VALID_TOKEN_KINDS:
-        mask[::4, 20:40] = 0.0                                                       # tool output
-    log_pi = portable.log(rng.uniform(0.05, 0.999, (rows, positions)))
-    spp = _consistent_sum_pi_squared(portable.exp(log_pi), rng.uniform(0.05, 1.0, (rows, positions)))
-    rewards = np.zeros((rows, positions))
-    rewards[np.arange(rows), lengths - 1] = rng.integers(0, 2, rows)
+    tool_output = (slice(None, None, 4), slice(20, 40))
+    rewards, mask, log_pi, spp = _terminal_reward_rows(rng, kind, rows, positions, tool_output)
     is_weights = portable.exp(rng.normal((rows, positions), scale=0.6))
-    ids = np.array([f"prompt-{group}" for group, size in enumerate(sizes) for _ in range(int(size))], dtype=object)
+    ids = _prompt_ids(sizes)
     if not equal_groups:
         ids = ids[rng.permutation(rows)]
     layout = ", contiguous groups" if equal_groups else ", rows shuffled"
@@ -867,15 +881,9 @@ def _prime_rows_case(kind: str, equal_groups: bool) -> Case:
         sizes = sizes[:int(np.searchsorted(np.cumsum(sizes), _PRIME_ROWS)) + 1]
         sizes[-1] -= int(sizes.sum()) - _PRIME_ROWS
     rows = int(sizes.sum())
-    lengths = rng.integers(1, positions + 1, rows)
-    mask = (np.arange(positions)[None, :] < lengths[:, None]).astype(np.float64)
-    if kind in VALID_TOKEN_KINDS:
-        mask[::5, 2:4] = 0.0                                                         # tool output
-    log_pi = portable.log(rng.uniform(0.05, 0.999, (rows, positions)))
-    spp = _consistent_sum_pi_squared(portable.exp(log_pi), rng.uniform(0.05, 1.0, (rows, positions)))
-    rewards = np.zeros((rows, positions))
-    rewards[np.arange(rows), lengths - 1] = rng.integers(0, 2, rows)
-    ids = np.array([f"prompt-{group}" for group, size in enumerate(sizes) for _ in range(int(size))], dtype=object)
+    tool_output = (slice(None, None, 5), slice(2, 4))
+    rewards, mask, log_pi, spp = _terminal_reward_rows(rng, kind, rows, positions, tool_output)
+    ids = _prompt_ids(sizes)
     layout = ", contiguous groups of 8" if equal_groups else ", rows shuffled"
     if not equal_groups:
         ids = ids[rng.permutation(rows)]
