@@ -289,11 +289,10 @@ def _index_add_advantages(returns, energy, m, index, dtype, epsilon, handle_zero
     weight = energy * m
 
     def group_sums(values):
-        if block_rows is None:
-            return torch.zeros(groups, returns.shape[1], dtype=dtype).index_add_(0, labels, values)
         totals = torch.zeros(groups, returns.shape[1], dtype=dtype)
-        for start in range(0, values.shape[0], block_rows):
-            rows = slice(start, start + block_rows)
+        block = block_rows or max(values.shape[0], 1)          # without block_rows, one block: 0 + Σ, exactly Σ
+        for start in range(0, values.shape[0], block):
+            rows = slice(start, start + block)
             part = torch.zeros_like(totals).index_add_(0, labels[rows], values[rows])
             totals = part if "group_totals_assigned_per_row_block" in bugs else totals + part
         return totals

@@ -697,7 +697,7 @@ def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
     of −∞ underflows), and bfloat16 (V = 32768, nearly flat: summing 32768 comparable terms in bfloat16 would stall) and
     float16 (V = 8191, a prime) hidden states and heads. OTB kinds also get a prime number of positions
     (:func:`_prime_positions_case`: T = 16411, so that a kernel's position blocks, whatever their width up to 2¹⁴, take
-    two or more, and a carry lost between them shows in the returns or the energy) a batch of a trainer's size
+    two or more, and a carry lost between them shows in the returns or the energy), a batch of a trainer's size
     (:func:`_trainer_batch_case`: over a hundred rows, groups of up to 16 scattered, importance weights above 5) and a
     prime number of rows (:func:`_prime_rows_case`: B = 4099, so that a kernel's row blocks, whatever their width up to
     4096, take two or more, and group sums stored per block instead of added show)."""
