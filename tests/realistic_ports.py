@@ -403,7 +403,8 @@ def torch_index_put_accumulate(token_level_rewards, response_mask, index, old_lo
 def torch_one_hot_matmul(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
                          rollout_is_weights=None, handle_zero_tail=True, epsilon=1e-8, bugs=frozenset(), **kwargs):
     """Single-turn OTB with a one-hot [G, B] membership matrix: group sums are matrix products; the zero tail from
-    vectorised group maxima."""
+    vectorised group maxima (bug ``group_codes_in_input_dtype``: the matrix built by comparing the group codes
+    0 … G − 1 in the inputs' dtype, where bfloat16 holds integers exactly only up to 256 and float16 up to 2048)."""
     out = token_level_rewards.dtype
     dtype, (r, m, lp, spp, rho) = _t_in(token_level_rewards, response_mask, old_log_probs, sum_pi_squared,
                                         rollout_is_weights)
@@ -414,7 +415,10 @@ def torch_one_hot_matmul(token_level_rewards, response_mask, index, old_log_prob
         labels = torch.arange(r.shape[0]) * groups // r.shape[0]
     else:
         labels, groups = _labels(index, r.device)
-    member = torch.nn.functional.one_hot(labels, groups).T.to(dtype)
+    if "group_codes_in_input_dtype" in bugs:
+        member = (labels.to(out)[None, :] == torch.arange(groups).to(out)[:, None]).to(dtype)
+    else:
+        member = torch.nn.functional.one_hot(labels, groups).T.to(dtype)
     weight = energy * m
     baselines = (member @ (returns * weight) / (member @ weight + epsilon))[labels]
     sizes = member.sum(1)
@@ -532,9 +536,12 @@ def spp_unshifted_log_sum_exp(logits, **kwargs):
 
 
 @torch.no_grad()
-def spp_softmax_then_square(logits, **kwargs):
-    """Σπ² = Σ softmax(z)²."""
+def spp_softmax_then_square(logits, bugs=frozenset(), top: int = 16384, **kwargs):
+    """Σπ² = Σ softmax(z)² (bug ``largest_squares_only``: the sum over the ``top`` largest π only, as a port that
+    reuses a top-k sampling buffer would — exact where the softmax is peaked, not where it is flat)."""
     p = torch.softmax(_spp_in(logits), dim=-1)
+    if "largest_squares_only" in bugs and p.shape[-1] > top:
+        p = p.topk(top, dim=-1).values
     return (p * p).sum(-1).to(logits.dtype)
 
 
@@ -944,6 +951,9 @@ BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
                             "integer ids through a float32 tensor (neighbours above 2²⁴ merge)"),
     "ids_through_int32": ("otb", "verl", ids_through_int32,
                           "integer ids through an int32 tensor (ids 2³² apart merge)"),
+    "group_codes_in_input_dtype": ("otb", "verl", _variant(torch_one_hot_matmul, "group_codes_in_input_dtype"),
+                                   "the one-hot group matrix from group codes compared in the inputs' dtype "
+                                   "(bfloat16: groups above 256 merge)"),
     "names_of_log_pi_and_sum_swapped": ("otb", "verl", _names_of_log_pi_and_sum_swapped,
                                         "old_log_probs and sum_pi_squared named in each other's places"),
     "groups_per_micro_batch": ("otb", "verl", _groups_per_micro_batch,
@@ -966,6 +976,9 @@ BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
                                     _variant(numpy_multi_turn_leave_one_out, "tir_loo_aligned_by_position"),
                                     "multi-turn leave-one-out aligned by absolute position, tool holes not skipped"),
     "spp_in_float16": ("sum-pi-squared", "verl", spp_in_float16, "Σπ² evaluated in float16"),
+    "spp_largest_16384_only": ("sum-pi-squared", "verl",
+                               _variant(spp_softmax_then_square, "largest_squares_only", top=16384),
+                               "Σπ² summed over the 16384 largest probabilities only (flat softmaxes lose mass)"),
     "spp_excluded_as_minus_1e4": ("sum-pi-squared", "verl", _variant(spp_chunked_online, "excluded_as_minus_1e4"),
                                   "−inf logits replaced by −1e4 (wrong only beside logits near −1e4: a golden case)"),
     "spp_chunk_local_softmax": ("sum-pi-squared", "verl", _variant(spp_chunked_online, "chunk_local_softmax"),

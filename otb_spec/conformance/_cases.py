@@ -687,7 +687,8 @@ def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
     """Cases where low precision shows: long sequences (T = 4096) in float32 and as bfloat16 inputs (which must be
     accumulated in float32), and for Σπ² large vocabularies (V = 65536, and a prime V = 151937 whose rows peak in their
     last column: :func:`_prime_vocabulary_logits`), extreme logits in float32, and bfloat16 logits — spread (N(0, 4²))
-    and nearly flat (N(0, ½²), where summing 32768 comparable terms in bfloat16 would stall). Fused token statistics
+    and nearly flat (N(0, ½²), where summing 32768 comparable terms in bfloat16 would stall), and flat float32 logits
+    (N(0, 1), V = 65536: a sum over the largest probabilities only misses mass there). Fused token statistics
     (float32 unless said): logits up to ±3000, peaked and nearly flat softmaxes over V = 4096, τ = 0.25 and τ = 4, a
     prime vocabulary (4099) over 520 tokens (more than one of verl's 512-token chunks), 3-D hidden states [4, 130, 16],
     a large prime vocabulary (65537: a kernel's vocabulary blocks, whatever their width below it, take two or more, so a
@@ -700,7 +701,9 @@ def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
     two or more, and a carry lost between them shows in the returns or the energy), a batch of a trainer's size
     (:func:`_trainer_batch_case`: over a hundred rows, groups of up to 16 scattered, importance weights above 5) and a
     prime number of rows (:func:`_prime_rows_case`: B = 4099, so that a kernel's row blocks, whatever their width up to
-    4096, take two or more, and group sums stored per block instead of added show)."""
+    4096, take two or more, and group sums stored per block instead of added show), and, except for contiguous equal
+    groups, many groups as bfloat16 inputs (:func:`_many_groups_case`: 2731 groups, more than bfloat16 holds integers
+    exactly, so group codes handled in the inputs' dtype merge groups)."""
     if kind == FUSED:
         return list(_fused_special())       # built once per process: their references and bounds are kept
     if kind == "sum-pi-squared":
@@ -715,7 +718,9 @@ def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
                 Case(kind, "bfloat16 logits, V = 32768", "float64",
                      logits=rng.normal((8, 32768), scale=4.0)).with_dtype("bfloat16"),
                 Case(kind, "nearly flat bfloat16 logits, V = 32768", "float64",
-                     logits=rng.normal((8, 32768), scale=0.5)).with_dtype("bfloat16")]
+                     logits=rng.normal((8, 32768), scale=0.5)).with_dtype("bfloat16"),
+                Case(kind, "flat float32 logits (N(0, 1)), V = 65536: no few tokens hold the mass", "float64",
+                     logits=rng.normal((8, 65536), scale=1.0)).with_dtype("float32")]
     rng = portable.PortableRandom(12)
     rows, positions = 16, 4096
     lengths = rng.integers(positions // 2, positions + 1, rows)
@@ -737,7 +742,8 @@ def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
             _energy_timing_case(kind, equal_groups).with_dtype("bfloat16"),
             _prime_positions_case(kind, equal_groups).with_dtype("float32"),
             _trainer_batch_case(kind, equal_groups).with_dtype("float32"),
-            _prime_rows_case(kind, equal_groups).with_dtype("float32")]
+            _prime_rows_case(kind, equal_groups).with_dtype("float32"),
+            *([] if equal_groups else [_many_groups_case(kind).with_dtype("bfloat16")])]
 
 
 def _terminal_reward_rows(rng: portable.PortableRandom, kind: str, rows: int, positions: int,
@@ -889,6 +895,30 @@ def _prime_rows_case(kind: str, equal_groups: bool) -> Case:
         ids = ids[rng.permutation(rows)]
     return Case(kind, f"a prime number of rows, B = {_PRIME_ROWS} (T = 8, {len(sizes)} groups): row blocks of any "
                 f"width up to 4096 take two or more{layout}", "float64", rewards, mask, ids, log_pi, spp)
+
+
+# more groups than half precision holds integers exactly (bfloat16: 256; float16: 2048)
+_MANY_GROUPS = 2731
+
+
+def _many_groups_case(kind: str) -> Case:
+    """4099 rows of T = 8 positions in 2731 groups of 1 or 2 members, rows shuffled, delivered as bfloat16: a port that
+    handles the group codes 0 … G − 1 in the inputs' dtype (a one-hot matrix built by comparing codes as bfloat16,
+    say) merges neighbouring groups above 256 — every other case delivered in half precision has at most 16 groups.
+    The OTB kinds get no float16 cases: there verl's default ε = 1e-8 rounds to 0, and verl's baseline is 0/0 = NaN
+    wherever no member is valid (docs/verl-differences.md #3); the groups exceed float16's 2048 too, for a caller who
+    converts the case. (The ``grouped`` convention takes no ids: not built there.) Lengths 1 … 8, right-padded, a hole
+    at positions 2–3 in every fifth row for the valid-token kinds, terminal 0/1 rewards, π ~ U(0.05, 0.999)."""
+    rng = portable.PortableRandom(19)
+    positions = 8
+    sizes = np.ones(_MANY_GROUPS, dtype=np.int64)
+    sizes[rng.permutation(_MANY_GROUPS)[:_PRIME_ROWS - _MANY_GROUPS]] = 2
+    rows = int(sizes.sum())
+    tool_output = (slice(None, None, 5), slice(2, 4))
+    rewards, mask, log_pi, spp = _terminal_reward_rows(rng, kind, rows, positions, tool_output)
+    ids = _prompt_ids(sizes)[rng.permutation(rows)]
+    return Case(kind, f"many groups, G = {_MANY_GROUPS} of 1 or 2 members (B = {rows}, T = 8): beyond half "
+                "precision's exact integers, rows shuffled", "float64", rewards, mask, ids, log_pi, spp)
 
 
 def robustness_cases(kind: str) -> list[Case]:
