@@ -621,7 +621,8 @@ def torch_vocabulary_blocks_token_statistics(hidden, weight, token_ids, temperat
     """The structure of a fused LM-head kernel: the logits of ``block`` vocabulary columns at a time (float32 for
     half-precision inputs), folded into a running maximum m, S₁ = Σ e^{z−m}, T = Σ e^{z−m}·z and S₂ = Σ e^{2(z−m)},
     each rescaled when m grows; log π = z_y − (m + log S₁), H = m + log S₁ − T/S₁, Σπ² = S₂/S₁². Autograd does the
-    backward pass."""
+    backward pass. (Bug ``shifted_tilt_not_corrected``: the tilt kept shifted, U = Σ e^{z−m}·(z − m), and H =
+    log S₁ − U/S₁, but U only rescaled when m grows, without the (m_old − m_new)·S₁ it gains.)"""
     compute = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
     lead = token_ids.shape
     h = hidden.to(compute).reshape(-1, hidden.shape[-1])
@@ -637,13 +638,17 @@ def torch_vocabulary_blocks_token_statistics(hidden, weight, token_ids, temperat
         if "block_max_not_rescaled" in bugs:        # each block against its own maximum, the sums added as they are
             grown, scale = block_max, torch.ones_like(scale)
         e = torch.exp(z - grown[:, None])
-        s1, tilt, s2 = s1 * scale + e.sum(-1), tilt * scale + (e * z).sum(-1), s2 * scale**2 + (e * e).sum(-1)
+        if "shifted_tilt_not_corrected" in bugs:
+            tilt = tilt * scale + (e * (z - grown[:, None])).sum(-1)
+        else:
+            tilt = tilt * scale + (e * z).sum(-1)
+        s1, s2 = s1 * scale + e.sum(-1), s2 * scale**2 + (e * e).sum(-1)
         maximum = torch.maximum(maximum, grown)
         inside = (ids >= start) & (ids < start + z.shape[1])
         picked = z.gather(1, (ids - start).clamp(0, z.shape[1] - 1)[:, None])[:, 0]
         chosen = chosen + torch.where(inside, picked, torch.zeros_like(picked))
     log_sum = maximum + torch.log(s1)
-    entropy = log_sum - tilt / s1
+    entropy = torch.log(s1) - tilt / s1 if "shifted_tilt_not_corrected" in bugs else log_sum - tilt / s1
     return ((chosen - log_sum).reshape(lead), entropy.reshape(lead), (s2 / s1**2).detach().reshape(lead))
 
 
@@ -993,6 +998,11 @@ BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
     "block_max_not_rescaled": ("fused-token-statistics", "verl",
                                _variant(torch_vocabulary_blocks_token_statistics, "block_max_not_rescaled"),
                                "vocabulary blocks of 8192 columns, each against its own maximum, never rescaled"),
+    "shifted_tilt_not_corrected_32768": ("fused-token-statistics", "verl",
+                                         _variant(torch_vocabulary_blocks_token_statistics,
+                                                  "shifted_tilt_not_corrected", block=32768),
+                                         "32768-column vocabulary blocks, the entropy's tilt kept shifted and only "
+                                         "rescaled as the maximum grows (the (m_old − m_new)·S₁ term forgotten)"),
     "running_max_starts_at_zero": ("fused-token-statistics", "verl",
                                    _variant(torch_vocabulary_blocks_token_statistics, "running_max_starts_at_zero"),
                                    "the running maximum of the vocabulary blocks started at 0 instead of −∞"),

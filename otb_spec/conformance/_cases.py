@@ -457,6 +457,21 @@ def _peaked(name: str, seed: int, n_tokens: int, n_hidden: int, vocab: int, peak
     return replace(base, hidden=hidden, weight=weight, token_ids=ids, _cache={})
 
 
+def _peak_in_last_column(name: str, seed: int, n_tokens: int, n_hidden: int, vocab: int, peak: float) -> Case:
+    """The last token of the vocabulary sits at ``peak`` for every token (the others' logits ~N(0, 1)), far fewer than
+    the rest together hold of the mass: a kernel over vocabulary blocks sees the running maximum grow in its last
+    block, whatever the block's width, after the earlier blocks summed nearly all of S₁ = Σe^{z−m}. A tilt kept
+    shifted, U = Σe^{z−m}(z − m), must then gain (m_old − m_new)·S₁ besides its rescaling; one that does not is off
+    by about the growth of the maximum in the entropy, where moderate logits keep the bound small (the other large
+    vocabulary's logits ~N(0, 3²) admit 0.8 nats there). Uniform token ids."""
+    base = _lm_head_case(name, seed, (n_tokens,), n_hidden, vocab, logit_scale=1.0)
+    hidden, weight = np.array(base.hidden), np.array(base.weight)
+    hidden[:, 0] = 4.0
+    weight[-1] = 0.0
+    weight[-1, 0] = peak / 4.0
+    return replace(base, hidden=hidden, weight=weight, _cache={})
+
+
 def _far_below_zero(name: str, seed: int, n_tokens: int, n_hidden: int, vocab: int, offset: float) -> Case:
     """Every logit about ``offset`` below zero (the others' spread ~N(0, 3²) around it): a running maximum that
     starts at 0 instead of −∞ makes every e^{z − 0} underflow."""
@@ -655,6 +670,8 @@ def _fused_special() -> tuple[Case, ...]:
         _lm_head_case(f"a prime number of tokens, N = {_PRIME_TOKENS} (H = 16, V = 127): token chunks of any width up "
                       "to 2^14 take two or more", 42, (_PRIME_TOKENS,), 16, 127, logit_scale=3.0).with_dtype("float32"),
         _far_below_zero("every logit far below zero (about −200)", 40, 8, 32, 1024, 200.0).with_dtype("float32"),
+        _peak_in_last_column("V = 65537, each token's largest logit (8) in the last column: the running maximum grows "
+                             "in the last block", 43, 8, 32, 65537, 8.0).with_dtype("float32"),
         _lm_head_case("bfloat16 hidden states and LM head, V = 32768, nearly flat (logits ~N(0, ½²))", 37, (16,), 64,
                       32768, logit_scale=0.5).with_dtype("bfloat16"),
         _lm_head_case("float16 hidden states and LM head, V = 8191 (a prime)", 38, (16,), 64, 8191,
@@ -695,7 +712,8 @@ def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
     block-local maximum never rescaled shows in float32), a prime number of tokens (N = 16411: a kernel's token chunks,
     whatever their width up to 2¹⁴, take two or more, so a backward pass that assigns ∂W = Σₙ ∂zₙᵀhₙ/τ chunk by chunk
     instead of adding the chunks shows), every logit far below zero (about −200: a running maximum started at 0 instead
-    of −∞ underflows), and bfloat16 (V = 32768, nearly flat: summing 32768 comparable terms in bfloat16 would stall) and
+    of −∞ underflows), the same large prime vocabulary with each token's largest logit in the last column
+    (:func:`_peak_in_last_column`: the running maximum grows in the last block, whatever its width), and bfloat16 (V = 32768, nearly flat: summing 32768 comparable terms in bfloat16 would stall) and
     float16 (V = 8191, a prime) hidden states and heads. OTB kinds also get a prime number of positions
     (:func:`_prime_positions_case`: T = 16411, so that a kernel's position blocks, whatever their width up to 2¹⁴, take
     two or more, and a carry lost between them shows in the returns or the energy), a batch of a trainer's size
