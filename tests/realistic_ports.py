@@ -652,6 +652,17 @@ def torch_vocabulary_blocks_token_statistics(hidden, weight, token_ids, temperat
     return ((chosen - log_sum).reshape(lead), entropy.reshape(lead), (s2 / s1**2).detach().reshape(lead))
 
 
+def torch_reentrant_checkpoint_token_statistics(hidden, weight, token_ids, temperature=1.0, chunk=512, **kwargs):
+    """The plain program over ``chunk`` tokens at a time, each chunk under ``torch.utils.checkpoint`` with
+    ``use_reentrant=True`` (the activation-memory saving of older trainers): its gradients reach the leaves through
+    ``backward()`` only — ``torch.autograd.grad`` refuses such a graph."""
+    from torch.utils.checkpoint import checkpoint
+    h, ids = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1)
+    parts = [checkpoint(torch_unfused_token_statistics, h[start:start + chunk], weight, ids[start:start + chunk],
+                        temperature, use_reentrant=True) for start in range(0, h.shape[0], chunk)]
+    return tuple(torch.cat(values).reshape(token_ids.shape) for values in zip(*parts))
+
+
 class _TokenChunkStatistics(torch.autograd.Function):
     """The forward and backward passes of a fused kernel chunked over tokens (rows of h), ``chunk`` at a time: per
     chunk the logits z = h·Wᵀ/τ (float32 for half-precision inputs), log π = log_softmax(z), H = −Σ π·log π and
@@ -900,6 +911,8 @@ CORRECT: dict[str, tuple[str, str, Callable[..., Any]]] = {
     "torch_vocabulary_blocks_token_statistics": ("fused-token-statistics", "verl",
                                                  torch_vocabulary_blocks_token_statistics),
     "torch_token_chunks_token_statistics": ("fused-token-statistics", "verl", torch_token_chunks_token_statistics),
+    "torch_reentrant_checkpoint_token_statistics": ("fused-token-statistics", "verl",
+                                                    torch_reentrant_checkpoint_token_statistics),
 }
 
 # right values, but verl's trainer could not call them by keyword: checked positionally, with a signature warning

@@ -98,6 +98,19 @@ _UNPACK = ("got = target(h, w, ids, temperature=temperature)",
 # verl: torch
 
 
+def _gradients_by_backward(torch: Any, outputs: tuple, cotangents: list, leaves: tuple) -> tuple | None:
+    """The gradients as a trainer's ``loss.backward()`` forms them — ``torch.autograd.backward(outputs, cotangents)``,
+    read from the leaves' ``.grad`` — for a graph that refuses ``torch.autograd.grad`` (a reentrant
+    ``torch.utils.checkpoint``, which only supports ``backward``); None where that fails too or leaves a gradient
+    unset."""
+    try:
+        torch.autograd.backward(outputs, cotangents)
+    except RuntimeError:
+        return None
+    grads = tuple(leaf.grad for leaf in leaves)
+    return None if any(grad is None for grad in grads) else grads
+
+
 def torch_subject(target: Callable, target_spec: str, device: str) -> Subject:
     torch = _torch()
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
@@ -122,8 +135,10 @@ def torch_subject(target: Callable, target_spec: str, device: str) -> Subject:
             try:
                 grads = torch.autograd.grad((log_probs, entropy), (hidden, weight), cotangents)
             except RuntimeError as exc:
-                raise RuntimeError("torch.autograd.grad of (log_probs, entropy) with respect to (hidden, weight) "
-                                   f"failed — the statistics must carry gradients: {exc}") from exc
+                grads = _gradients_by_backward(torch, (log_probs, entropy), cotangents, (hidden, weight))
+                if grads is None:
+                    raise RuntimeError("torch.autograd.grad of (log_probs, entropy) with respect to (hidden, weight) "
+                                       f"failed — the statistics must carry gradients: {exc}") from exc
             results += [("grad_hidden", grads[0]), ("grad_weight", grads[1])]
         outcome = _outcome(tuple(results), {str(hidden.device)})
         outcome.mutated = [name for name, value in inputs.items() if changed(before[name], value)]
@@ -147,7 +162,8 @@ def torch_subject(target: Callable, target_spec: str, device: str) -> Subject:
                    describe_call=lambda case: _describe(case, "Tensor", device),
                    notes=(f"called as:   {_CALL} with torch tensors on {device}; {_OUTPUT_RULE}",
                           "gradients:   torch.autograd.grad((log_probs, entropy), (hidden, weight), (g_lp, g_H)) — the "
-                          "gradients of Σ g_lp·log π + g_H·H for the case's cotangents"))
+                          "gradients of Σ g_lp·log π + g_H·H for the case's cotangents (torch.autograd.backward, "
+                          "read from .grad, where the graph refuses .grad(): a reentrant torch.utils.checkpoint)"))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
