@@ -444,17 +444,22 @@ def _lm_head_case(name: str, seed: int, lead: tuple[int, ...], n_hidden: int, vo
     return Case(FUSED, name, "float64", **fields)
 
 
+def _peak_in_column(name: str, seed: int, n_tokens: int, n_hidden: int, vocab: int, peak: float, column: int) -> Case:
+    """Vocabulary entry ``column`` sits at ``peak`` for every token (the others' logits ~N(0, 1)); uniform token ids."""
+    base = _lm_head_case(name, seed, (n_tokens,), n_hidden, vocab, logit_scale=1.0)
+    hidden, weight = np.array(base.hidden), np.array(base.weight)
+    hidden[:, 0] = 4.0
+    weight[column] = 0.0
+    weight[column, 0] = peak / 4.0
+    return replace(base, hidden=hidden, weight=weight, _cache={})
+
+
 def _peaked(name: str, seed: int, n_tokens: int, n_hidden: int, vocab: int, peak: float) -> Case:
     """Token 5 of the vocabulary sits ``peak`` above the rest (logits of the others ~N(0, 1)): the even tokens sample
     it (π ≈ 1, H ≈ 0), the odd ones another token (log π ≈ −peak)."""
-    base = _lm_head_case(name, seed, (n_tokens,), n_hidden, vocab, logit_scale=1.0)
-    hidden = np.array(base.hidden)
-    hidden[:, 0] = 4.0
-    weight = np.array(base.weight)
-    weight[5] = 0.0
-    weight[5, 0] = peak / 4.0
+    base = _peak_in_column(name, seed, n_tokens, n_hidden, vocab, peak, 5)
     ids = np.where(np.arange(n_tokens) % 2 == 0, 5, np.add(np.multiply(np.arange(n_tokens), 7) % (vocab - 6), 6))
-    return replace(base, hidden=hidden, weight=weight, token_ids=ids, _cache={})
+    return replace(base, token_ids=ids, _cache={})
 
 
 def _peak_in_last_column(name: str, seed: int, n_tokens: int, n_hidden: int, vocab: int, peak: float) -> Case:
@@ -464,12 +469,7 @@ def _peak_in_last_column(name: str, seed: int, n_tokens: int, n_hidden: int, voc
     shifted, U = Σe^{z−m}(z − m), must then gain (m_old − m_new)·S₁ besides its rescaling; one that does not is off
     by about the growth of the maximum in the entropy, where moderate logits keep the bound small (the other large
     vocabulary's logits ~N(0, 3²) admit 0.8 nats there). Uniform token ids."""
-    base = _lm_head_case(name, seed, (n_tokens,), n_hidden, vocab, logit_scale=1.0)
-    hidden, weight = np.array(base.hidden), np.array(base.weight)
-    hidden[:, 0] = 4.0
-    weight[-1] = 0.0
-    weight[-1, 0] = peak / 4.0
-    return replace(base, hidden=hidden, weight=weight, _cache={})
+    return _peak_in_column(name, seed, n_tokens, n_hidden, vocab, peak, vocab - 1)
 
 
 def _far_below_zero(name: str, seed: int, n_tokens: int, n_hidden: int, vocab: int, offset: float) -> Case:
@@ -713,8 +713,9 @@ def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
     whatever their width up to 2¹⁴, take two or more, so a backward pass that assigns ∂W = Σₙ ∂zₙᵀhₙ/τ chunk by chunk
     instead of adding the chunks shows), every logit far below zero (about −200: a running maximum started at 0 instead
     of −∞ underflows), the same large prime vocabulary with each token's largest logit in the last column
-    (:func:`_peak_in_last_column`: the running maximum grows in the last block, whatever its width), and bfloat16 (V = 32768, nearly flat: summing 32768 comparable terms in bfloat16 would stall) and
-    float16 (V = 8191, a prime) hidden states and heads. OTB kinds also get a prime number of positions
+    (:func:`_peak_in_last_column`: the running maximum grows in the last block, whatever its width), and bfloat16
+    (V = 32768, nearly flat: summing 32768 comparable terms in bfloat16 would stall) and float16 (V = 8191, a prime)
+    hidden states and heads. OTB kinds also get a prime number of positions
     (:func:`_prime_positions_case`: T = 16411, so that a kernel's position blocks, whatever their width up to 2¹⁴, take
     two or more, and a carry lost between them shows in the returns or the energy), a batch of a trainer's size
     (:func:`_trainer_batch_case`: over a hundred rows, groups of up to 16 scattered, importance weights above 5) and a
