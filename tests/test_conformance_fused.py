@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 
 import numpy as np
 import pytest
@@ -188,3 +189,31 @@ def test_the_working_dtype_decides_the_bound_of_half_precision_inputs():
     strict_bound = verify(_float32_always, KIND, layers=("special",), working_dtype="float32", **FAST)
     failed = {r.id.rsplit("/", 1)[-1] for r in strict_bound.failures}
     assert failed and failed <= {"bfloat16", "float16"}, strict_bound.to_text()
+
+
+def _halved_entropy_under_reentrant_checkpoint(hidden, weight, token_ids, temperature=1.0):
+    """A wrong kernel (the entropy halved) whose graph refuses torch.autograd.grad: a reentrant checkpoint."""
+    torch = pytest.importorskip("torch")
+    from torch.utils.checkpoint import checkpoint
+
+    def statistics(h, w):
+        log_p = torch.log_softmax(h.to(torch.float32) @ w.to(torch.float32).T / temperature, dim=-1)
+        chosen = log_p.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+        return chosen.to(h.dtype), (-0.5 * (log_p.exp() * log_p).sum(-1)).to(h.dtype)
+
+    return checkpoint(statistics, hidden, weight, use_reentrant=True)
+
+
+def test_a_reentrant_checkpoint_ports_snippet_reproduces_its_failure():
+    """The snippet forms the gradients as the verifier did for this graph (backward(), read from .grad): run as
+    printed, it gives the report's largest entropy error instead of torch.autograd.grad's refusal."""
+    pytest.importorskip("torch")
+    report = verify(_halved_entropy_under_reentrant_checkpoint, KIND, convention="verl", layers=("golden",), **FAST)
+    failure = next(r for r in report.failures if r.snippet)
+    entropy = next(c for c in failure.comparisons if c.output == "entropy")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(re.sub(r"^from \S+ import \S+ as target$", "target = port", failure.snippet, flags=re.M),
+             {"port": _halved_entropy_under_reentrant_checkpoint})
+    reproduced = float(re.search(r"entropy ([0-9.e+-]+)", printed.getvalue()).group(1))
+    assert reproduced == pytest.approx(entropy.max_abs_error, rel=1e-6)

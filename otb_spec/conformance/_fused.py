@@ -151,9 +151,11 @@ def torch_subject(target: Callable, target_spec: str, device: str) -> Subject:
             f"h = torch.tensor(hidden, device={device!r}).to(torch.{case.dtype}).requires_grad_()",
             f"w = torch.tensor(weight, device={device!r}).to(torch.{case.dtype}).requires_grad_()",
             f"ids = torch.as_tensor(token_ids, device={device!r})", *_UNPACK,
-            "grad_hidden, grad_weight = torch.autograd.grad((got_log_probs, got_entropy), (h, w), "
+            "# the gradients as loss.backward() forms them (also where a reentrant checkpoint refuses .grad())",
+            "torch.autograd.backward((got_log_probs, got_entropy), "
             f"(torch.tensor(log_probs_cotangent, device={device!r}).to(got_log_probs.dtype), "
             f"torch.tensor(entropy_cotangent, device={device!r}).to(got_entropy.dtype)))",
+            "grad_hidden, grad_weight = h.grad, w.grad",
             "hidden, weight = h.detach().double().cpu().numpy(), w.detach().double().cpu().numpy()  # as given",
             *_reference_lines(True), _difference_line(host, True)])
 
