@@ -204,13 +204,17 @@ def _returns_and_energy(rewards, response_mask, log_probs, sum_pi_squared, is_we
 
 def numpy_leave_one_out(rewards, response_mask, group_ids, log_probs, sum_pi_squared, *, is_weights=None,
                         epsilon=1e-8, bugs=frozenset()):
-    """Leave-one-out OTB: group totals minus the member's own term, 0 where no other member is valid."""
+    """Leave-one-out OTB: group totals minus the member's own term, 0 where no other member is valid (bug
+    ``members_cap16``: a group's members held in a static block of 16, as a kernel sized for the usual group, so the
+    17th and later members are left out of the sums — and get no baseline of their own)."""
     dtype, m, returns, energy = _returns_and_energy(rewards, response_mask, log_probs, sum_pi_squared, is_weights)
     weight = energy * m
     ids = np.asarray(group_ids, dtype=object).tolist()
     baselines = np.zeros_like(returns)
     for gid in dict.fromkeys(ids):
         rows = [i for i, value in enumerate(ids) if value == gid]
+        if "members_cap16" in bugs:
+            rows = rows[:16]
         numerator = (returns[rows] * weight[rows]).sum(0)
         denominator = weight[rows].sum(0)
         valid = m[rows].sum(0)
@@ -551,13 +555,18 @@ def spp_chunked_online(logits, chunk: int = 1000, bugs=frozenset(), **kwargs):
     ``half_running_totals``: for bfloat16/float16 logits the pass and its running totals stay in that dtype;
     ``excluded_as_minus_1e4``: −inf logits replaced by −1e4 first, an "excluded" token made merely unlikely;
     ``rescale_not_squared``: Σe² rescaled by e^{m_old − m_new} instead of its square, wrong only once a later chunk
-    raises the maximum)."""
+    raises the maximum; ``chunk_starts_one_late``: every chunk after the first starts one column past its edge, so one
+    column in ``chunk`` is never summed)."""
     z = logits if "half_running_totals" in bugs and logits.dtype in (torch.bfloat16, torch.float16) else _spp_in(logits)
     if "excluded_as_minus_1e4" in bugs:
         z = torch.nan_to_num(z, neginf=-1e4)
     running = torch.full(z.shape[:-1], -torch.inf, dtype=z.dtype)
     first, second = torch.zeros_like(running), torch.zeros_like(running)
-    for part in z.split(chunk, dim=-1):
+    for index, part in enumerate(z.split(chunk, dim=-1)):
+        if "chunk_starts_one_late" in bugs and index > 0:
+            part = part[..., 1:]
+            if part.shape[-1] == 0:
+                continue
         new = torch.maximum(running, part.amax(-1))
         safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
         scale = torch.exp(running - safe)
@@ -622,7 +631,8 @@ def torch_vocabulary_blocks_token_statistics(hidden, weight, token_ids, temperat
     half-precision inputs), folded into a running maximum m, S₁ = Σ e^{z−m}, T = Σ e^{z−m}·z and S₂ = Σ e^{2(z−m)},
     each rescaled when m grows; log π = z_y − (m + log S₁), H = m + log S₁ − T/S₁, Σπ² = S₂/S₁². Autograd does the
     backward pass. (Bug ``shifted_tilt_not_corrected``: the tilt kept shifted, U = Σ e^{z−m}·(z − m), and H =
-    log S₁ − U/S₁, but U only rescaled when m grows, without the (m_old − m_new)·S₁ it gains.)"""
+    log S₁ − U/S₁, but U only rescaled when m grows, without the (m_old − m_new)·S₁ it gains; ``block_starts_one_late``:
+    every block after the first starts one column past its edge, so one column in ``block`` is never summed.)"""
     compute = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
     lead = token_ids.shape
     h = hidden.to(compute).reshape(-1, hidden.shape[-1])
@@ -630,8 +640,11 @@ def torch_vocabulary_blocks_token_statistics(hidden, weight, token_ids, temperat
     tokens = h.shape[0]
     maximum = torch.full((tokens,), 0.0 if "running_max_starts_at_zero" in bugs else -torch.inf, dtype=compute)
     s1, tilt, s2, chosen = (torch.zeros(tokens, dtype=compute) for _ in range(4))
-    for start in range(0, weight.shape[0], block):
-        z = h @ weight[start:start + block].to(compute).T / temperature
+    for edge in range(0, weight.shape[0], block):
+        start = edge + 1 if "block_starts_one_late" in bugs and edge > 0 else edge
+        if start >= min(edge + block, weight.shape[0]):
+            continue
+        z = h @ weight[start:edge + block].to(compute).T / temperature
         block_max = z.detach().amax(-1)
         grown = torch.maximum(maximum, block_max)
         scale = torch.exp(maximum - grown)
@@ -668,7 +681,8 @@ class _TokenChunkStatistics(torch.autograd.Function):
     chunk the logits z = h·Wᵀ/τ (float32 for half-precision inputs), log π = log_softmax(z), H = −Σ π·log π and
     Σπ² = Σ π²; backward rebuilds each chunk's logits and forms ∂z = g_lp·(onehot(y) − π) − g_H·π·(log π + H),
     ∂h = ∂z·W/τ, and adds the chunk's ∂zᵀh/τ into ∂W (bug ``grad_weight_assigned_per_chunk``: ∂W assigned per chunk,
-    so it holds the last chunk's tokens only)."""
+    so it holds the last chunk's tokens only; ``grad_weight_chunk_starts_one_late``: each chunk after the first adds
+    ∂zᵀh/τ from its second token on, so one token in ``chunk`` is missing from ∂W alone)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, token_ids, temperature, chunk, bugs):
@@ -703,6 +717,8 @@ class _TokenChunkStatistics(torch.autograd.Function):
             grad_hidden[rows] = dz @ w / ctx.temperature
             if "grad_weight_assigned_per_chunk" in ctx.bugs:
                 grad_weight = dz.T @ h[rows] / ctx.temperature
+            elif "grad_weight_chunk_starts_one_late" in ctx.bugs and start > 0:
+                grad_weight += dz[1:].T @ h[start + 1:start + ctx.chunk] / ctx.temperature
             else:
                 grad_weight += dz.T @ h[rows] / ctx.temperature
         return (grad_hidden.reshape(ctx.input_shape).to(ctx.input_dtypes[0]), grad_weight.to(ctx.input_dtypes[1]),
@@ -885,6 +901,13 @@ def ids_through_int32(token_level_rewards, response_mask, index, old_log_probs, 
                            sum_pi_squared, rollout_is_weights, handle_zero_tail, epsilon)
 
 
+def ids_through_float64(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
+                        rollout_is_weights=None, handle_zero_tail=True, epsilon=1e-8, **kwargs):
+    """BUG: integer ids passed through a float64 tensor before grouping: neighbours above 2⁵³ (64-bit hashes) merge."""
+    return torch_index_add(token_level_rewards, response_mask, _narrowed(index, torch.float64), old_log_probs,
+                           sum_pi_squared, rollout_is_weights, handle_zero_tail, epsilon)
+
+
 CORRECT: dict[str, tuple[str, str, Callable[..., Any]]] = {
     "numpy_loops": ("otb", "numpy", numpy_loops),
     "numpy_reduceat": ("otb", "numpy", numpy_reduceat),
@@ -969,6 +992,8 @@ BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
                             "integer ids through a float32 tensor (neighbours above 2²⁴ merge)"),
     "ids_through_int32": ("otb", "verl", ids_through_int32,
                           "integer ids through an int32 tensor (ids 2³² apart merge)"),
+    "ids_through_float64": ("otb", "verl", ids_through_float64,
+                            "integer ids through a float64 tensor (neighbours above 2⁵³ merge)"),
     "group_codes_in_input_dtype": ("otb", "verl", _variant(torch_one_hot_matmul, "group_codes_in_input_dtype"),
                                    "the one-hot group matrix from group codes compared in the inputs' dtype "
                                    "(bfloat16: groups above 256 merge)"),
@@ -990,6 +1015,8 @@ BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
                                 "TIR keeps members with no valid token in their group"),
     "loo_denominator_keeps_self": ("loo-otb", "numpy", _variant(numpy_leave_one_out, "loo_denominator_keeps_self"),
                                    "leave-one-out: own term removed from the numerator only"),
+    "loo_members_cap16": ("loo-otb", "numpy", _variant(numpy_leave_one_out, "members_cap16"),
+                          "leave-one-out over a static block of 16 members (the 17th and later left out)"),
     "tir_loo_aligned_by_position": ("tir-loo-otb", "numpy",
                                     _variant(numpy_multi_turn_leave_one_out, "tir_loo_aligned_by_position"),
                                     "multi-turn leave-one-out aligned by absolute position, tool holes not skipped"),
@@ -1005,6 +1032,10 @@ BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
                                       _variant(spp_chunked_online, "rescale_not_squared", chunk=65536),
                                       "65536-wide vocabulary chunks, Σe² rescaled by e^{m_old − m_new}, not its "
                                       "square"),
+    "spp_chunk_starts_one_late": ("sum-pi-squared", "verl",
+                                  _variant(spp_chunked_online, "chunk_starts_one_late", chunk=8192),
+                                  "8192-column chunks, each after the first starting one column late (one term in "
+                                  "8192 never summed: inside float32's bound, shown by the flat float64 case)"),
     "temperature_after_log_softmax": ("fused-token-statistics", "verl",
                                       _variant(torch_unfused_token_statistics, "temperature_after_log_softmax"),
                                       "log_softmax of h·Wᵀ, then divided by τ (instead of the softmax of h·Wᵀ/τ)"),
@@ -1016,6 +1047,9 @@ BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
                                                   "shifted_tilt_not_corrected", block=32768),
                                          "32768-column vocabulary blocks, the entropy's tilt kept shifted and only "
                                          "rescaled as the maximum grows (the (m_old − m_new)·S₁ term forgotten)"),
+    "block_starts_one_late": ("fused-token-statistics", "verl",
+                              _variant(torch_vocabulary_blocks_token_statistics, "block_starts_one_late"),
+                              "vocabulary blocks of 8192 columns, each after the first starting one column late"),
     "running_max_starts_at_zero": ("fused-token-statistics", "verl",
                                    _variant(torch_vocabulary_blocks_token_statistics, "running_max_starts_at_zero"),
                                    "the running maximum of the vocabulary blocks started at 0 instead of −∞"),
@@ -1026,6 +1060,10 @@ BUGGY: dict[str, tuple[str, str, Callable[..., Any], str]] = {
         "fused-token-statistics", "verl",
         _variant(torch_token_chunks_token_statistics, "grad_weight_assigned_per_chunk", chunk=8192),
         "the same over 8192-token chunks, as a kernel that sizes its chunks by a budget of logits takes at small V"),
+    "grad_weight_chunk_starts_one_late": (
+        "fused-token-statistics", "verl",
+        _variant(torch_token_chunks_token_statistics, "grad_weight_chunk_starts_one_late"),
+        "a backward pass over 1024-token chunks whose ∂W sum starts one token late in every chunk after the first"),
     "entropy_without_probabilities": ("fused-token-statistics", "verl",
                                       _variant(torch_unfused_token_statistics, "entropy_without_probabilities"),
                                       "the entropy as −Σ log π (the probabilities forgotten)"),

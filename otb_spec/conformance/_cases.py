@@ -669,9 +669,14 @@ def _fused_special() -> tuple[Case, ...]:
                       39, (8,), 32, 65537, logit_scale=3.0).with_dtype("float32"),
         _lm_head_case(f"a prime number of tokens, N = {_PRIME_TOKENS} (H = 16, V = 127): token chunks of any width up "
                       "to 2^14 take two or more", 42, (_PRIME_TOKENS,), 16, 127, logit_scale=3.0).with_dtype("float32"),
+        _lm_head_case(f"float64, N = {_PRIME_TOKENS} tokens (H = 16, V = 127): a token lost or counted twice at a "
+                      "chunk's edge of ∂W shows", 42, (_PRIME_TOKENS,), 16, 127, logit_scale=3.0).with_dtype("float64"),
         _far_below_zero("every logit far below zero (about −200)", 40, 8, 32, 1024, 200.0).with_dtype("float32"),
         _peak_in_last_column("V = 65537, each token's largest logit (8) in the last column: the running maximum grows "
                              "in the last block", 43, 8, 32, 65537, 8.0).with_dtype("float32"),
+        _peak_in_last_column("float64, V = 65537, each token's largest logit (8) in the last column: a column lost or "
+                             "counted twice at a vocabulary block's edge shows", 43, 8, 32, 65537, 8.0).with_dtype(
+            "float64"),
         _lm_head_case("bfloat16 hidden states and LM head, V = 32768, nearly flat (logits ~N(0, ½²))", 37, (16,), 64,
                       32768, logit_scale=0.5).with_dtype("bfloat16"),
         _lm_head_case("float16 hidden states and LM head, V = 8191 (a prime)", 38, (16,), 64, 8191,
@@ -684,8 +689,8 @@ def _fused_special() -> tuple[Case, ...]:
 _PRIME_VOCABULARY = 151937
 
 
-def _prime_vocabulary_logits() -> np.ndarray:
-    """[4, 151937] logits ~N(0, 3²), each row's largest logit swapped into its last column.
+def _prime_vocabulary_logits(scale: float = 3.0, seed: int = 16) -> np.ndarray:
+    """[4, 151937] logits ~N(0, ``scale``²), each row's largest logit swapped into its last column.
 
     An online pass over vocabulary chunks keeps (m, S₁ = Σe^{z−m}, S₂ = Σe^{2(z−m)}) and, when the running maximum
     grows from m to m', must rescale S₁ by e^{m−m'} and S₂ by e^{2(m−m')}. Where the row's maximum sits in the last
@@ -693,8 +698,12 @@ def _prime_vocabulary_logits() -> np.ndarray:
     largest power of two below V still rescales once: S₂ rescaled by e^{m−m'} alone is then e^{m'−m} times too large
     in its earlier part — 20 to 33 times the bound for chunks 1000 to 131072 wide, where 65536-wide chunks took the
     V = 65536 case in one and passed it.
+
+    With ``scale`` = 1 (flat: every term of the sums comparable) in float64, whose bound is about (V + 2)·2⁻⁵² where
+    float32's is (V + 2)·2⁻²³, a chunk that starts one column late or ends one column past its edge moves Σπ² by about
+    one term in V, 10⁻⁵: far inside float32's bound, about 10⁵ times float64's.
     """
-    logits = portable.PortableRandom(16).normal((4, _PRIME_VOCABULARY), scale=3.0)
+    logits = portable.PortableRandom(seed).normal((4, _PRIME_VOCABULARY), scale=scale)
     rows, largest = np.arange(logits.shape[0]), np.argmax(logits, axis=-1)
     logits[rows, largest], logits[rows, -1] = logits[rows, -1], logits[rows, largest]
     return logits
@@ -705,24 +714,28 @@ def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
     accumulated in float32), and for Σπ² large vocabularies (V = 65536, and a prime V = 151937 whose rows peak in their
     last column: :func:`_prime_vocabulary_logits`), extreme logits in float32, and bfloat16 logits — spread (N(0, 4²))
     and nearly flat (N(0, ½²), where summing 32768 comparable terms in bfloat16 would stall), and flat float32 logits
-    (N(0, 1), V = 65536: a sum over the largest probabilities only misses mass there). Fused token statistics
+    (N(0, 1), V = 65536: a sum over the largest probabilities only misses mass there), and flat float64 logits at V =
+    151937 (a column lost or counted twice at a chunk's edge, inside float32's bound, shows). Fused token statistics
     (float32 unless said): logits up to ±3000, peaked and nearly flat softmaxes over V = 4096, τ = 0.25 and τ = 4, a
     prime vocabulary (4099) over 520 tokens (more than one of verl's 512-token chunks), 3-D hidden states [4, 130, 16],
     a large prime vocabulary (65537: a kernel's vocabulary blocks, whatever their width below it, take two or more, so a
     block-local maximum never rescaled shows in float32), a prime number of tokens (N = 16411: a kernel's token chunks,
     whatever their width up to 2¹⁴, take two or more, so a backward pass that assigns ∂W = Σₙ ∂zₙᵀhₙ/τ chunk by chunk
-    instead of adding the chunks shows), every logit far below zero (about −200: a running maximum started at 0 instead
-    of −∞ underflows), the same large prime vocabulary with each token's largest logit in the last column
-    (:func:`_peak_in_last_column`: the running maximum grows in the last block, whatever its width), and bfloat16
-    (V = 32768, nearly flat: summing 32768 comparable terms in bfloat16 would stall) and float16 (V = 8191, a prime)
-    hidden states and heads. OTB kinds also get a prime number of positions
-    (:func:`_prime_positions_case`: T = 16411, so that a kernel's position blocks, whatever their width up to 2¹⁴, take
-    two or more, and a carry lost between them shows in the returns or the energy), a batch of a trainer's size
-    (:func:`_trainer_batch_case`: over a hundred rows, groups of up to 16 scattered, importance weights above 5) and a
-    prime number of rows (:func:`_prime_rows_case`: B = 4099, so that a kernel's row blocks, whatever their width up to
-    4096, take two or more, and group sums stored per block instead of added show), and, except for contiguous equal
-    groups, many groups as bfloat16 inputs (:func:`_many_groups_case`: 2731 groups, more than bfloat16 holds integers
-    exactly, so group codes handled in the inputs' dtype merge groups)."""
+    instead of adding the chunks shows; again in float64, where one token lost from ∂W at a chunk's edge shows), every
+    logit far below zero (about −200: a running maximum started at 0 instead of −∞ underflows), the same large prime
+    vocabulary with each token's largest logit in the last column (:func:`_peak_in_last_column`: the running maximum
+    grows in the last block, whatever its width; again in float64, where a column lost at a block's edge shows), and
+    bfloat16 (V = 32768, nearly flat: summing 32768 comparable terms in bfloat16 would stall) and float16 (V = 8191, a
+    prime) hidden states and heads. OTB kinds also get a prime number of positions (:func:`_prime_positions_case`: T =
+    16411, so that a kernel's position blocks, whatever their width up to 2¹⁴, take two or more, and a carry lost
+    between them shows in the returns or the energy), a batch of a trainer's size (:func:`_trainer_batch_case`: over a
+    hundred rows, groups of up to 16 scattered, importance weights above 5) and a prime number of rows
+    (:func:`_prime_rows_case`: B = 4099, so that a kernel's row blocks, whatever their width up to 4096, take two or
+    more, and group sums stored per block instead of added show), large groups (:func:`_large_groups_case`: 257, 129,
+    65, 33 and 17 members, so that members held in a static block of any width up to 256 are left out, with ids only
+    int64 tells apart), and, except for contiguous equal groups, many groups as bfloat16 inputs
+    (:func:`_many_groups_case`: 2731 groups, more than bfloat16 holds integers exactly, so group codes handled in the
+    inputs' dtype merge groups)."""
     if kind == FUSED:
         return list(_fused_special())       # built once per process: their references and bounds are kept
     if kind == "sum-pi-squared":
@@ -739,7 +752,10 @@ def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
                 Case(kind, "nearly flat bfloat16 logits, V = 32768", "float64",
                      logits=rng.normal((8, 32768), scale=0.5)).with_dtype("bfloat16"),
                 Case(kind, "flat float32 logits (N(0, 1)), V = 65536: no few tokens hold the mass", "float64",
-                     logits=rng.normal((8, 65536), scale=1.0)).with_dtype("float32")]
+                     logits=rng.normal((8, 65536), scale=1.0)).with_dtype("float32"),
+                Case(kind, f"flat float64 logits (N(0, 1)), V = {_PRIME_VOCABULARY}, each row's largest in the last "
+                     "column: a column lost or counted twice at a chunk's edge shows", "float64",
+                     logits=_prime_vocabulary_logits(scale=1.0, seed=17)).with_dtype("float64")]
     rng = portable.PortableRandom(12)
     rows, positions = 16, 4096
     lengths = rng.integers(positions // 2, positions + 1, rows)
@@ -762,6 +778,7 @@ def special_cases(kind: str, *, equal_groups: bool = False) -> list[Case]:
             _prime_positions_case(kind, equal_groups).with_dtype("float32"),
             _trainer_batch_case(kind, equal_groups).with_dtype("float32"),
             _prime_rows_case(kind, equal_groups).with_dtype("float32"),
+            _large_groups_case(kind, equal_groups).with_dtype("float32"),
             *([] if equal_groups else [_many_groups_case(kind).with_dtype("bfloat16")])]
 
 
@@ -914,6 +931,35 @@ def _prime_rows_case(kind: str, equal_groups: bool) -> Case:
         ids = ids[rng.permutation(rows)]
     return Case(kind, f"a prime number of rows, B = {_PRIME_ROWS} (T = 8, {len(sizes)} groups): row blocks of any "
                 f"width up to 4096 take two or more{layout}", "float64", rewards, mask, ids, log_pi, spp)
+
+
+# group sizes above every power of two up to 2⁸ (a GRPO group of 64 or 256 samples is common): a member block of any
+# width up to 256 leaves members out or takes two or more blocks
+_LARGE_GROUPS = (257, 129, 65, 33, 17, 1, 2, 3)
+# ids told apart only as int64: 2⁵³ and 2⁵³ + 1, 2⁶² and 2⁶² + 1 are one float64 each; hash(−1) == hash(−2) in CPython
+_LARGE_GROUP_IDS = (2**53, 2**53 + 1, -1, -2, 2**62 + 1, 2**62, 7, 0)
+
+
+def _large_groups_case(kind: str, equal_groups: bool) -> Case:
+    """Groups of 257, 129, 65, 33 and 17 members beside groups of 1, 2 and 3 (B = 507, T = 16), rows shuffled, with
+    integer ids that only int64 tells apart — 2⁵³ and 2⁵³ + 1 (the two largest groups) and 2⁶² and 2⁶² + 1 are one
+    float64 each, −1 and −2 one CPython hash — (two contiguous groups of 257 with ``equal_groups``): a port whose
+    members are held in a static block (16 members, say, as a kernel sized for the usual group) leaves the later
+    members out of the group sums, or loses the sums between two such blocks; ids narrowed through float64 or coded by
+    ``hash`` merge groups. Every other case has at most 16 members a group. Lengths 1 … 16, right-padded, a hole at
+    positions 3–5 in every seventh row for the valid-token kinds, terminal 0/1 rewards, π ~ U(0.05, 0.999)."""
+    rng = portable.PortableRandom(20)
+    positions = 16
+    sizes = np.array((257, 257) if equal_groups else _LARGE_GROUPS)
+    rows = int(sizes.sum())
+    tool_output = (slice(None, None, 7), slice(3, 6))
+    rewards, mask, log_pi, spp = _terminal_reward_rows(rng, kind, rows, positions, tool_output)
+    if equal_groups:
+        return Case(kind, "two contiguous groups of 257 members (T = 16)", "float64", rewards, mask, _prompt_ids(sizes),
+                    log_pi, spp)
+    ids = np.repeat(np.array(_LARGE_GROUP_IDS, dtype=np.int64), sizes)[rng.permutation(rows)]
+    return Case(kind, "groups of up to 257 members (B = 507, T = 16), rows shuffled, ids only int64 tells apart "
+                "(2^53 and 2^53 + 1; -1 and -2)", "float64", rewards, mask, ids, log_pi, spp)
 
 
 # more groups than half precision holds integers exactly (bfloat16: 256; float16: 2048)
