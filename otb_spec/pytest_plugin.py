@@ -57,7 +57,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     from otb_spec.conformance._checks import _slug
 
     marker = metafunc.definition.get_closest_marker("otb_kind")
-    kind = marker.args[0] if marker is not None and marker.args else "otb"
+    kind = "otb"
+    if marker is not None:
+        given = list(marker.args) + [marker.kwargs[key] for key in marker.kwargs if key == "kind"]
+        if len(given) != 1 or set(marker.kwargs) - {"kind"}:
+            raise pytest.UsageError(f"@pytest.mark.otb_kind: expected one kind, as otb_kind('tir-otb') or "
+                                    f"otb_kind(kind='tir-otb'), got args {marker.args!r} and keywords "
+                                    f"{marker.kwargs!r} (one test per kind: parametrize over several)")
+        kind = given[0]
     if kind not in KINDS:
         raise pytest.UsageError(f"@pytest.mark.otb_kind({kind!r}): expected one of {', '.join(KINDS)}")
     for name in wanted:

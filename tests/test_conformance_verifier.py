@@ -888,3 +888,34 @@ def test_the_verl_convention_passes_the_trainers_algorithm_config_and_int64_mask
         assert type(seen[0][1]).__name__ == ("_StructConfig" if omegaconf_missing else "DictConfig")
     with pytest.raises(ValueError, match="kind must be one of"):
         verl_algorithm_config("loo-otb")
+
+
+def test_assert_matches_reference_names_unknown_outputs_and_rejects_less_precise_ones():
+    """A misspelt output raises TypeError naming it (it was ignored, the real one reported missing); outputs returned
+    less precisely than the case's inputs fail, as verify's structure check fails them (they were judged with their
+    own dtype's rounding and passed); working_dtype reaches the bound as in verify."""
+    from otb_spec.conformance import assert_matches_reference
+
+    case = next(c for c in golden_cases("otb", ("float32",)) if c.response_mask.shape[1] > 1)
+    expected = case.expected()
+    advantages, returns = (expected[name].astype(np.float32) for name in ("advantages", "returns"))
+    assert_matches_reference(case, advantages=advantages, returns=returns)
+    assert_matches_reference(case, advantages=advantages, returns=returns, working_dtype="float32")
+    with pytest.raises(TypeError, match="'advantage'"):
+        assert_matches_reference(case, advantage=advantages, returns=returns)
+    with pytest.raises(AssertionError, match="returned in float16, less precise than the case's float32"):
+        assert_matches_reference(case, advantages=advantages.astype(np.float16), returns=returns)
+
+
+def test_a_file_target_imports_the_current_folders_packages(tmp_path, monkeypatch):
+    """``otb-spec verify trainer/api.py:f`` run from a project's root: api.py's ``from trainer.core import …`` imports,
+    as under ``python -m`` (the file's own folder alone was put on the path: "No module named 'trainer'")."""
+    from otb_spec.conformance import load_target
+
+    (tmp_path / "trainer").mkdir()
+    (tmp_path / "trainer" / "core.py").write_text("def f(*args, **kwargs):\n    return 'core'\n")
+    (tmp_path / "trainer" / "api.py").write_text("from trainer.core import f\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    assert load_target("trainer/api.py:f")() == "core"

@@ -83,3 +83,29 @@ def test_an_unknown_kind_is_a_usage_error(pytester):
 def test_plugin_options_are_listed_in_help(pytester):
     result = pytester.runpytest_subprocess("--help")
     result.stdout.fnmatch_lines(["*--otb-max-examples*", "*--otb-seed*", "*--otb-device*"])
+
+
+def test_the_kind_marker_takes_one_kind_by_position_or_keyword(pytester):
+    """otb_kind(kind='tir-otb') selects that kind (it fell back to 'otb'); two kinds are a usage error (the second was
+    dropped)."""
+    pytester.makepyfile(test_marker="""
+        import pytest
+
+        @pytest.mark.otb_kind(kind="tir-otb")
+        def test_by_keyword(otb_golden_case):
+            assert otb_golden_case.kind == "tir-otb"
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    from otb_spec.conformance import golden_cases
+
+    result.assert_outcomes(passed=len(golden_cases("tir-otb")))
+    pytester.makepyfile(test_marker="""
+        import pytest
+
+        @pytest.mark.otb_kind("otb", "tir-otb")
+        def test_two_kinds(otb_golden_case):
+            pass
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    assert result.ret != 0
+    result.stdout.fnmatch_lines(["*otb_kind: expected one kind*"])

@@ -127,6 +127,7 @@ def load_target(spec: str) -> Callable:
             raise TargetError(f"TARGET: no file {module_name!r}")
         path = os.path.abspath(module_name)
         package_root, dotted = _package_of(path)
+        _on_path(os.getcwd())                    # as `python -m`: the current folder's packages import (trainer.x)
         _on_path(os.path.dirname(path))          # as `python file.py` runs it: its folder's modules import
         if dotted is not None:          # a module of a package: imported by its dotted name (relative imports work)
             _on_path(package_root)
@@ -366,19 +367,41 @@ def find_case(kind: str, name: str, dtype: str) -> Case:
 
 
 def assert_matches_reference(case: Case, *, output_dtypes: dict[str, str] | None = None,
-                             compute_dtype: str | None = None, **outputs: Any) -> None:
+                             compute_dtype: str | None = None, working_dtype: str | None = None,
+                             **outputs: Any) -> None:
     """Raise :class:`AssertionError` unless ``outputs`` (``advantages=…, returns=…``, ``sum_pi_squared=…`` or, for
     fused token statistics, ``log_probs=…, entropy=…`` and optionally ``sum_pi_squared``, ``grad_hidden``,
     ``grad_weight``; any array-likes, torch tensors included) match the reference on ``case`` — the rule ``verify``
-    uses."""
+    uses. Each output is judged with the rounding of the dtype it comes in (``output_dtypes``: name → dtype name, for
+    array-likes that do not carry the one the implementation returned); one less precise than the case's inputs (a
+    float32 case returned as bfloat16) fails, as ``verify``'s structure check fails it. ``compute_dtype`` and
+    ``working_dtype`` are :func:`otb_spec.conformance.compare`'s (``working_dtype="float32"``: judged as a program that
+    widens half-precision inputs, as ``verify(..., working_dtype="float32")``). An output name the case has not raises
+    :class:`TypeError`."""
+    unknown = sorted(set(outputs) - set(case.output_names))
+    if unknown:
+        raise TypeError(f"assert_matches_reference: unexpected output(s) {', '.join(map(repr, unknown))}; a {case.kind} "
+                        f"case's outputs are {', '.join(case.output_names)}")
     hosted = {name: _to_numpy(value) for name, value in outputs.items()}
     dtypes = dict(output_dtypes or {})
     for name, value in outputs.items():
         dtypes.setdefault(name, str(getattr(value, "dtype", "")).replace("torch.", "") or case.dtype)
-    problems = [c.describe() for c in compare(case, hosted, output_dtypes=dtypes, compute_dtype=compute_dtype)
-                if not c.ok]
+    problems = [f"{name}: returned in {dtype}, less precise than the case's {case.dtype} inputs"
+                for name, dtype in dtypes.items() if name in outputs and _less_precise(dtype, case.dtype)]
+    problems += [c.describe() for c in compare(case, hosted, output_dtypes=dtypes, compute_dtype=compute_dtype,
+                                               working_dtype=working_dtype) if not c.ok]
     if problems:
         raise AssertionError(f"{case.describe()}:\n  " + "\n  ".join(problems))
+
+
+def _less_precise(dtype: str, than: str) -> bool:
+    """Whether floating ``dtype`` has a larger machine epsilon than ``than`` (False for integer or unknown dtypes)."""
+    from otb_spec.tolerances import machine_epsilon
+
+    try:
+        return machine_epsilon(dtype) > machine_epsilon(than)
+    except ValueError:
+        return False
 
 
 def _to_numpy(value: Any) -> Any:
