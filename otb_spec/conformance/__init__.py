@@ -380,8 +380,8 @@ def assert_matches_reference(case: Case, *, output_dtypes: dict[str, str] | None
     :class:`TypeError`."""
     unknown = sorted(set(outputs) - set(case.output_names))
     if unknown:
-        raise TypeError(f"assert_matches_reference: unexpected output(s) {', '.join(map(repr, unknown))}; a {case.kind} "
-                        f"case's outputs are {', '.join(case.output_names)}")
+        raise TypeError(f"assert_matches_reference: unexpected output(s) {', '.join(map(repr, unknown))}; "
+                        f"a {case.kind} case's outputs are {', '.join(case.output_names)}")
     hosted = {name: _to_numpy(value) for name, value in outputs.items()}
     dtypes = dict(output_dtypes or {})
     for name, value in outputs.items():
