@@ -59,7 +59,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     marker = metafunc.definition.get_closest_marker("otb_kind")
     kind = "otb"
     if marker is not None:
-        given = list(marker.args) + [marker.kwargs[key] for key in marker.kwargs if key == "kind"]
+        given = list(marker.args) + ([marker.kwargs["kind"]] if "kind" in marker.kwargs else [])
         if len(given) != 1 or set(marker.kwargs) - {"kind"}:
             raise pytest.UsageError(f"@pytest.mark.otb_kind: expected one kind, as otb_kind('tir-otb') or "
                                     f"otb_kind(kind='tir-otb'), got args {marker.args!r} and keywords "
