@@ -11,7 +11,10 @@ All options are keyword-only and validated when the strategy is built (a bad opt
 :class:`hypothesis.errors.InvalidArgument` at once, naming it). The strategies hold no global state; under
 ``derandomize=True`` they draw the same examples every run. Arrays of more than ``4096`` elements are filled from a
 NumPy generator seeded by Hypothesis (drawing each element through Hypothesis would be too slow); smaller arrays are
-drawn element by element, so Hypothesis can shrink them value by value.
+drawn element by element, so Hypothesis can shrink them value by value. Likewise per-group and per-row choices (group
+sizes and ids, the batch order, each row's length, padding side and holes) are drawn one by one for up to ``64``
+groups and rows, and from a seeded generator above that, so trainer-sized batches (``min_groups=256,
+min_group_size=8``, thousands of positions) draw without tripping Hypothesis's size limits.
 
 Strategies:
 
@@ -54,6 +57,7 @@ _REWARD_STYLES = ("terminal", "dense", "sparse", "any")
 _FILLS = ("junk", "trainer", "zero")
 _FLOAT_DTYPES = ("float64", "float32")
 _ELEMENTWISE_LIMIT = 4096
+_ROWWISE_LIMIT = 64
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -123,8 +127,29 @@ def _values(draw: Any, shape: tuple[int, ...], low: float, high: float, label: s
     if size <= _ELEMENTWISE_LIMIT:
         elements = st.floats(low, high, allow_nan=False, allow_infinity=False, allow_subnormal=False)
         return draw(hnp.arrays(np.float64, shape, elements=elements), label=label)
-    seed = draw(st.integers(0, 2**32 - 1), label=f"{label} (seed)")
-    return portable.PortableRandom(seed).uniform(low, high, shape)
+    return _seeded(draw, label).uniform(low, high, shape)
+
+
+def _seeded(draw: Any, label: str) -> portable.PortableRandom:
+    """A bit-portable generator seeded by one Hypothesis draw (for draws too many to make one by one)."""
+    return portable.PortableRandom(draw(st.integers(0, 2**32 - 1), label=f"{label} (seed)"))
+
+
+def _choices(draw: Any, shape: tuple[int, ...], elements: st.SearchStrategy, values: Sequence[Any], dtype: Any,
+             label: str) -> np.ndarray:
+    """An array of ``shape`` of ``values``: drawn element by element from ``elements`` (a strategy of those values)
+    when small, uniformly from a seeded generator above ``_ELEMENTWISE_LIMIT`` elements."""
+    if int(np.prod(shape)) <= _ELEMENTWISE_LIMIT:
+        return draw(hnp.arrays(dtype, shape, elements=elements), label=label)
+    return _seeded(draw, label).choice(np.asarray(values, dtype=dtype), shape)
+
+
+def _row_integers(draw: Any, count: int, low: int, high: int, label: str) -> list[int]:
+    """``count`` integers in [low, high] (inclusive): one Hypothesis draw each up to ``_ROWWISE_LIMIT``, else
+    seeded."""
+    if count <= _ROWWISE_LIMIT:
+        return draw(st.lists(st.integers(low, high), min_size=count, max_size=count), label=label)
+    return _seeded(draw, label).integers(low, high + 1, count).tolist()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -166,6 +191,24 @@ def _int64_only_codes(draw: Any, codes: list[int]) -> list[int]:
     return codes
 
 
+def _group_codes(draw: Any, n_groups: int) -> list[int]:
+    """``n_groups`` distinct integers in [0, max(10⁶, 2·n_groups)]: one by one up to ``_ROWWISE_LIMIT`` groups, else
+    seeded (draws in order of first appearance, repeats dropped, until there are enough)."""
+    universe = max(10**6, 2 * n_groups)
+    if n_groups <= _ROWWISE_LIMIT:
+        return draw(st.lists(st.integers(0, universe), min_size=n_groups, max_size=n_groups, unique=True),
+                    label="group codes")
+    generator = _seeded(draw, "group codes")
+    codes: list[int] = []
+    seen: set[int] = set()
+    while len(codes) < n_groups:
+        for code in generator.integers(0, universe + 1, 2 * n_groups).tolist():
+            if code not in seen and len(codes) < n_groups:
+                seen.add(code)
+                codes.append(code)
+    return codes
+
+
 @st.composite
 def _group_ids(draw: Any, sizes: list[int], kind: str, shuffle: bool) -> np.ndarray:
     n_groups = len(sizes)
@@ -173,8 +216,7 @@ def _group_ids(draw: Any, sizes: list[int], kind: str, shuffle: bool) -> np.ndar
         kind = draw(st.sampled_from(_CONCRETE_ID_KINDS), label="group id kind")
     elif kind == "trainer":
         kind = draw(st.sampled_from(_CONCRETE_ID_KINDS[:3]), label="group id kind")
-    codes = draw(st.lists(st.integers(0, 10**6), min_size=n_groups, max_size=n_groups, unique=True),
-                 label="group codes")
+    codes = _group_codes(draw, n_groups)
     if kind == "int":
         names: list[Any] = _int64_only_codes(draw, codes)
     elif kind == "str":
@@ -186,8 +228,10 @@ def _group_ids(draw: Any, sizes: list[int], kind: str, shuffle: bool) -> np.ndar
         names = [makers[position % 3](code) for position, code in enumerate(codes)]
     ids = [names[g] for g, size in enumerate(sizes) for _ in range(size)]
     order = list(range(len(ids)))
-    if shuffle:
+    if shuffle and len(ids) <= _ROWWISE_LIMIT:
         order = draw(st.permutations(order), label="batch order")
+    elif shuffle:
+        order = _seeded(draw, "batch order").permutation(len(ids)).tolist()
     array = np.empty(len(ids), dtype=object)
     array[:] = [ids[position] for position in order]
     if kind == "int":
@@ -479,8 +523,7 @@ def _rollout_batches(draw: Any, min_groups: int, max_groups: int, min_group_size
                      min_abs_reward: float, fill_masked: str, vocab_size: int | None, max_vocab_size: int,
                      logit_scale: float, dtype: np.dtype) -> RolloutBatch:
     n_groups = draw(st.integers(min_groups, max_groups), label="groups")
-    sizes = draw(st.lists(st.integers(min_group_size, max_group_size), min_size=n_groups, max_size=n_groups),
-                 label="group sizes")
+    sizes = _row_integers(draw, n_groups, min_group_size, max_group_size, "group sizes")
     ids = draw(group_ids(sizes, kind=id_kind, shuffle=shuffle), label="group_ids")
     n_rows = len(ids)
     n_positions = draw(st.integers(min_length, max_length), label="T")
@@ -490,8 +533,11 @@ def _rollout_batches(draw: Any, min_groups: int, max_groups: int, min_group_size
     rewards = _draw_rewards(draw, mask, reward_style, max_abs_reward, min_abs_reward)
     if vocab_size is not None:
         logit_values = _values(draw, (n_rows, n_positions, vocab_size), -3.0, 3.0, "logits") * (logit_scale / 3.0)
-        token_ids = draw(hnp.arrays(np.int64, (n_rows, n_positions), elements=st.integers(0, vocab_size - 1)),
-                         label="token_ids")
+        if n_rows * n_positions <= _ELEMENTWISE_LIMIT:
+            token_ids = draw(hnp.arrays(np.int64, (n_rows, n_positions), elements=st.integers(0, vocab_size - 1)),
+                             label="token_ids")
+        else:
+            token_ids = _seeded(draw, "token_ids").integers(0, vocab_size, (n_rows, n_positions))
         log_probs = _token_log_probs(logit_values, token_ids)
         spp = _sum_pi_squared(logit_values)
     else:
@@ -547,20 +593,39 @@ def _draw_mask(draw: Any, n_rows: int, n_positions: int, padding: str, holes: bo
     min_valid = 0 if allow_empty else 1
     # drawn as the number of positions *not* used, so that the simplest row (what Hypothesis shrinks towards) is a
     # full response rather than an empty one
-    unused = draw(st.lists(st.integers(0, n_positions - min_valid), min_size=n_rows, max_size=n_rows),
-                  label="unused positions per row")
+    unused = _row_integers(draw, n_rows, 0, n_positions - min_valid, "unused positions per row")
     lengths = [n_positions - count for count in unused]
+    if n_rows <= _ROWWISE_LIMIT:        # one Hypothesis draw per choice, so each shrinks on its own
+        def side_of_row() -> str:
+            return draw(st.sampled_from(["right", "left"]), label="padding side")
+
+        def holes_in_row() -> bool:
+            return draw(st.booleans(), label="holes in row")
+
+        def integer(low: int, high: int, label: str) -> int:
+            return draw(st.integers(low, high), label=label)
+    else:       # one seeded generator for every row's choices (thousands of draws would overrun Hypothesis's buffer)
+        generator = _seeded(draw, "row layout")
+
+        def integer(low: int, high: int, label: str) -> int:
+            return int(generator.integers(low, high + 1, 1)[0])
+
+        def side_of_row() -> str:
+            return ("right", "left")[integer(0, 1, "padding side")]
+
+        def holes_in_row() -> bool:
+            return integer(0, 1, "holes in row") == 1
     mask = np.zeros((n_rows, n_positions))
     for row, length in enumerate(lengths):
-        side = draw(st.sampled_from(["right", "left"]), label="padding side") if padding == "any" else padding
+        side = side_of_row() if padding == "any" else padding
         start = 0 if side == "right" else n_positions - length
         mask[row, start:start + length] = 1.0
-        want_holes = draw(st.booleans(), label="holes in row") if holes is None else holes
+        want_holes = holes_in_row() if holes is None else holes
         if want_holes and length >= 3:
-            n_holes = draw(st.integers(1, 2), label="holes")
+            n_holes = integer(1, 2, "holes")
             for _ in range(n_holes):
-                hole_start = draw(st.integers(start + 1, start + length - 2), label="hole start")
-                hole_length = draw(st.integers(1, 3), label="hole length")
+                hole_start = integer(start + 1, start + length - 2, "hole start")
+                hole_length = integer(1, 3, "hole length")
                 mask[row, hole_start:min(hole_start + hole_length, start + length - 1)] = 0.0
     return mask
 
@@ -571,7 +636,7 @@ def _draw_rewards(draw: Any, mask: np.ndarray, style: str, max_abs: float, min_a
     n_rows, n_positions = mask.shape
     binary = min_abs == 0.0 and draw(st.booleans(), label="binary rewards")
     if binary:
-        values = draw(hnp.arrays(np.float64, mask.shape, elements=st.sampled_from([0.0, 1.0])), label="rewards")
+        values = _choices(draw, mask.shape, st.sampled_from([0.0, 1.0]), (0.0, 1.0), np.float64, "rewards")
     else:
         values = _values(draw, mask.shape, -max_abs, max_abs, "rewards")
         if min_abs > 0.0:   # fold [−max, max] onto ±[min, max]: |v| ↦ min + |v|·(max − min)/max, sign(0) = +
@@ -586,7 +651,7 @@ def _draw_rewards(draw: Any, mask: np.ndarray, style: str, max_abs: float, min_a
         rows = np.flatnonzero(has_token)
         rewards[rows, last[rows]] = values[rows, last[rows]]
         return rewards
-    chosen = draw(hnp.arrays(bool, mask.shape, elements=st.booleans()), label="sparse reward positions")
+    chosen = _choices(draw, mask.shape, st.booleans(), (False, True), bool, "sparse reward positions")
     return values * mask * chosen
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
@@ -148,3 +148,41 @@ def test_large_arrays_are_filled_from_a_seeded_generator():
         assert np.isfinite(batch.log_probs).all()
 
     check()
+
+
+@settings(max_examples=4, deadline=None)
+@given(batch=otb_st.rollout_batches(min_groups=256, max_groups=256, min_group_size=8, max_group_size=8, min_length=48,
+                                    max_length=48, padding="any", holes=None, empty_rows=False))
+def test_trainer_sized_batches_draw(batch):
+    """256 prompts × 8 samples (more than 64 groups and rows: per-group and per-row choices come from a seeded
+    generator, not one Hypothesis draw each): every group has 8 members, scattered; each row is one response, padded
+    on one side, with its first and last valid tokens inside the response; the reference accepts the batch."""
+    groups = _groups(batch)
+    assert len(groups) == 256 and all(len(group) == 8 for group in groups)
+    assert any(np.any(np.diff(group) != 1) for group in groups)          # shuffled, not contiguous
+    mask = np.asarray(batch.response_mask)
+    assert mask.shape == (2048, 48) and np.all(mask.sum(axis=1) >= 1)
+    sides = {("right" if row[0] == 1 else "") + ("left" if row[-1] == 1 else "") for row in mask}
+    assert {"right", "left"} <= sides                                    # padding="any" varies per row
+    otb.optimal_token_baseline(batch.rewards, mask, batch.group_ids, batch.log_probs, batch.sum_pi_squared,
+                               is_weights=batch.is_weights)
+
+
+@settings(max_examples=3, deadline=None)
+@given(ids=otb_st.group_ids([1, 2, 3] * 100, kind="int"))
+def test_many_group_ids_are_distinct_per_group(ids):
+    """300 groups: 300 distinct ids with the requested sizes (600 rows, shuffled from a seeded generator)."""
+    _, counts = np.unique(ids, return_counts=True)
+    assert sorted(counts.tolist()) == sorted([1, 2, 3] * 100)
+
+
+@settings(max_examples=3, deadline=None, derandomize=True)
+@given(batch=otb_st.rollout_batches(min_groups=100, max_groups=100, min_length=60, max_length=60, reward_style="sparse",
+                                    vocab_size=3, dtype=np.float32))
+def test_large_batches_with_logits_are_consistent(batch):
+    """Above 4096 elements, token ids and sparse reward positions come from a seeded generator too: the statistics
+    still come from the drawn logits and tokens exactly."""
+    assert batch.token_ids.shape == batch.rewards.shape and batch.token_ids.min() >= 0 and batch.token_ids.max() < 3
+    valid = np.asarray(batch.response_mask) > 0
+    expected = otb.token_log_probs(np.asarray(batch.logits, np.float64), batch.token_ids)
+    np.testing.assert_allclose(np.asarray(batch.log_probs)[valid], expected[valid], rtol=1e-6, atol=1e-6)
