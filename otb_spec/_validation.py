@@ -242,6 +242,16 @@ def zero_tail(handle_zero_tail: Any, leave_one_out: bool) -> bool:
     return handle_zero_tail
 
 
+ALIGNMENTS = ("position", "valid_token")
+
+
+def alignment(value: Any) -> str:
+    """The ``align`` option: ``"position"`` (single-turn) or ``"valid_token"`` (multi-turn)."""
+    if not isinstance(value, str) or value not in ALIGNMENTS:
+        raise ValueError(f"align: expected one of {ALIGNMENTS}, got {value!r}")
+    return value
+
+
 def epsilon(value: Any) -> float:
     """The ε of a baseline's denominator: a finite scalar ≥ 0."""
     return scalar("epsilon", value, minimum=0.0)

@@ -61,7 +61,6 @@ __all__ = [
     "sharded_token_baseline",
 ]
 
-_ALIGNMENTS = ("position", "valid_token")
 
 
 class RowTotals(NamedTuple):
@@ -212,12 +211,6 @@ def _group_ids(group_ids: Any, rows: int, num_groups: Any) -> tuple[np.ndarray, 
     return ids.astype(np.int64), int(num_groups)
 
 
-def _align(align: Any) -> str:
-    if align not in _ALIGNMENTS:
-        raise ValueError(f"align: expected one of {_ALIGNMENTS}, got {align!r}")
-    return str(align)
-
-
 def _columns(mask: np.ndarray, align: str, columns_before: int, valid_before: Any) -> np.ndarray:
     """[B, T_c] int64: the aligned column of every valid token of the shard (meaningless where m = 0)."""
     if align == "position":
@@ -262,7 +255,7 @@ def shard_group_totals(returns: Any, realized_energy: Any, response_mask: Any, g
         energy = leave_one_out_energy(energy)
     mask = check.mask_array("response_mask", response_mask, shape, like="returns")
     ids, groups = _group_ids(group_ids, shape[0], num_groups)
-    columns = _columns(mask, _align(align), columns_before, valid_before)
+    columns = _columns(mask, check.alignment(align), columns_before, valid_before)
     width = _checked_width(width, columns, mask)
     rows, cols = np.nonzero(mask)
     cells = ids[rows] * width + columns[rows, cols]
@@ -310,7 +303,7 @@ def shard_group_lengths(lengths: Any, group_ids: Any, *, num_groups: int, align:
                          f"shape {counts.shape}")
     ids, groups = _group_ids(group_ids, counts.shape[0], num_groups)
     counts = counts.astype(np.int64)
-    members = counts > 0 if _align(align) == "valid_token" else np.ones(counts.shape, dtype=bool)
+    members = counts > 0 if check.alignment(align) == "valid_token" else np.ones(counts.shape, dtype=bool)
     member_count = np.bincount(ids[members], minlength=groups).astype(np.int64)
     longest = np.full(groups, -1, np.int64)
     np.maximum.at(longest, ids[members], counts[members])
@@ -362,7 +355,7 @@ def shard_token_baseline(totals: GroupTotals, group_lengths: GroupLengths, retur
     counts = np.asarray(lengths, dtype=np.int64)
     if counts.shape != (shape[0],):
         raise ValueError(f"lengths: expected {shape[0]} counts (one per row), got shape {counts.shape}")
-    align = _align(align)
+    align = check.alignment(align)
     leave_one_out = check.flag("leave_one_out", leave_one_out)
     if bool(getattr(totals, "leave_one_out", False)) != leave_one_out:
         raise ValueError(f"totals: summed with leave_one_out={not leave_one_out}, but leave_one_out={leave_one_out} "
@@ -431,7 +424,7 @@ def sharded_token_baseline(rewards: Any, response_mask: Any, group_ids: Any, log
                          f"{list(column_cuts)}")
     spans = list(zip(cuts, cuts[1:]))
     widths = [b - a for a, b in spans]
-    options = dict(num_groups=segments.n_groups, align=_align(align))
+    options = dict(num_groups=segments.n_groups, align=check.alignment(align))
 
     with np.errstate(over="ignore"):                  # ρ² beyond float64 in the rows' energy: named as in one process
         _raise_if_weights_overflow(cumulative_energy(token_energy, mask64, weights64), mask64, weights64)

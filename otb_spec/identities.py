@@ -29,7 +29,6 @@ from otb_spec.trajectory import cumulative_energy, importance_weights
 
 __all__ = ["leave_one_out_from_self_inclusive"]
 
-_ALIGNMENTS = ("position", "valid_token")
 
 
 def leave_one_out_from_self_inclusive(
@@ -96,8 +95,7 @@ def leave_one_out_from_self_inclusive(
     segments = group_segments(group_ids, shape[0])
     log_probs64, spp64 = check.token_statistics(log_probs, sum_pi_squared, mask, shape, like="advantages")
     weights = None if is_weights is None else importance_weights(is_weights, shape, like="advantages")
-    if align not in _ALIGNMENTS:
-        raise ValueError(f"align: expected one of {_ALIGNMENTS}, got {align!r}")
+    align = check.alignment(align)
     handle_zero_tail = check.flag("handle_zero_tail", handle_zero_tail)
     epsilon = check.epsilon(epsilon)
 

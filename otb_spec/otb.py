@@ -55,7 +55,6 @@ __all__ = [
 ]
 
 Alignment = Literal["position", "valid_token"]
-_ALIGNMENTS = ("position", "valid_token")
 
 
 class AdvantageResult(NamedTuple):
@@ -206,7 +205,7 @@ def leave_one_out_token_baseline(
       [[1.0, 1.0, 1.0], [-1.0, -1.0, 0.0]]
     """
     prepared = _prepare(rewards, response_mask, group_ids, log_probs, sum_pi_squared, is_weights)
-    return _token_baseline(*prepared, align=_align(align), leave_one_out=True, handle_zero_tail=False,
+    return _token_baseline(*prepared, align=check.alignment(align), leave_one_out=True, handle_zero_tail=False,
                            epsilon=check.epsilon(epsilon))
 
 
@@ -244,7 +243,7 @@ def exact_norm_token_baseline(
     leave_one_out = check.flag("leave_one_out", leave_one_out)
     with np.errstate(over="ignore", invalid="ignore"):      # returns-to-go beyond float64: _token_baseline raises
         returns = reward_to_go(rewards64, mask)
-    return _token_baseline(returns, norms, mask, segments, align=_align(align),
+    return _token_baseline(returns, norms, mask, segments, align=check.alignment(align),
                            leave_one_out=leave_one_out,
                            handle_zero_tail=check.zero_tail(handle_zero_tail, leave_one_out),
                            epsilon=check.epsilon(epsilon))
@@ -286,7 +285,7 @@ def token_baseline(
     check.nonnegative_where("realized_energy", energy, mask > 0, raw_energy.dtype)
     segments = group_segments(group_ids, shape[0])
     leave_one_out = check.flag("leave_one_out", leave_one_out)
-    return _token_baseline(returns64, energy, mask, segments, align=_align(align), leave_one_out=leave_one_out,
+    return _token_baseline(returns64, energy, mask, segments, align=check.alignment(align), leave_one_out=leave_one_out,
                            handle_zero_tail=check.zero_tail(handle_zero_tail, leave_one_out),
                            epsilon=check.epsilon(epsilon), name="returns")
 
@@ -313,12 +312,6 @@ def _raise_if_weights_overflow(realized: np.ndarray, mask: np.ndarray, weights: 
     if weights is not None and not np.isfinite(realized[mask > 0]).all():
         largest = float(np.abs(np.where(mask > 0, weights, 0.0)).max(initial=0.0))
         raise check.weights_overflow_error(largest, "float64", certain=True)
-
-
-def _align(align: Any) -> str:
-    if align not in _ALIGNMENTS:
-        raise ValueError(f"align: expected one of {_ALIGNMENTS}, got {align!r}")
-    return str(align)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

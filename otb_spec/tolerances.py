@@ -52,7 +52,7 @@ import numpy as np
 from otb_spec import _validation
 from otb_spec._baseline import Grid, forced_zero, grid_baseline, leave_one_out_energy, validated_otb_inputs
 from otb_spec._dtypes import dtype_name as _dtype_name
-from otb_spec._dtypes import input_range_slack, machine_epsilon, smallest_normal
+from otb_spec._dtypes import EPSILON_BY_NAME, input_range_slack, machine_epsilon, smallest_normal
 from otb_spec.groups import Segments, segment_sums
 from otb_spec.lm_head import validated_lm_head_inputs
 from otb_spec.trajectory import cumulative_energy, reward_to_go
@@ -95,7 +95,7 @@ class Tolerance:
     Attributes:
       rtol: relative tolerance, a float or an array of the compared shape (per-element bounds).
       atol: absolute tolerance, a float or an array of the compared shape (per-element bounds; +inf marks an
-        element whose value is ill-conditioned and is not checked).
+        element whose value is ill-conditioned: any finite result passes there, ±inf and NaN fail).
       reason: one line saying where the numbers come from (shown in failure reports).
     """
 
@@ -114,14 +114,34 @@ class Tolerance:
         return float(np.isfinite(atol).mean()) if atol.size else 1.0
 
     def violations(self, actual: Any, expected: Any) -> np.ndarray:
-        """Boolean array, True where ``actual`` is outside the tolerance of ``expected`` (NaN is a violation)."""
+        """Boolean array of ``expected``'s shape, True where ``actual`` is outside the tolerance of ``expected``.
+
+        NaN is a violation, and so is ±inf where ``expected`` is finite — also at unchecked (ill-conditioned)
+        elements: their exact value is finite, only its digits are unknown. ``actual`` must have ``expected``'s
+        shape, and ``rtol`` and ``atol`` must broadcast to it (a ValueError otherwise: broadcasting a wrong shape
+        would compare the wrong elements)."""
         actual = np.asarray(actual, dtype=np.float64)
         expected = np.asarray(expected, dtype=np.float64)
-        allowed = self.atol + self.rtol * np.abs(expected)
+        if actual.shape != expected.shape:
+            raise ValueError(f"actual: shape {actual.shape} differs from expected's {expected.shape}")
+        allowed = self._allowed(expected)
         with np.errstate(invalid="ignore"):
-            close = np.abs(actual - expected) <= allowed
-        unchecked = np.isinf(allowed) & ~np.isnan(actual)
-        return ~(close | unchecked)
+            close = (np.abs(actual - expected) <= allowed) | np.isinf(allowed) | (actual == expected)
+        wrong_infinity = np.isinf(actual) & (actual != expected)
+        return np.isnan(actual) | wrong_infinity | ~close
+
+    def _allowed(self, expected: np.ndarray) -> np.ndarray:
+        """atol + rtol·|expected|, of expected's shape (a ValueError naming rtol or atol if either does not fit)."""
+        for name in ("rtol", "atol"):
+            shape = np.shape(getattr(self, name))
+            try:
+                fits = np.broadcast_shapes(shape, expected.shape) == expected.shape
+            except ValueError:
+                fits = False
+            if not fits:
+                raise ValueError(f"{name}: shape {shape} does not broadcast to the compared shape {expected.shape}")
+        with np.errstate(invalid="ignore"):         # 0·inf at an infinite expected value: NaN, which fails below
+            return np.broadcast_to(np.add(self.atol, np.multiply(self.rtol, np.abs(expected))), expected.shape)
 
     def holds(self, actual: Any, expected: Any) -> bool:
         """True when every element is within tolerance."""
@@ -134,7 +154,7 @@ class Tolerance:
             return
         actual = np.asarray(actual, dtype=np.float64)
         expected = np.asarray(expected, dtype=np.float64)
-        allowed = np.broadcast_to(self.atol + self.rtol * np.abs(expected), bad.shape)
+        allowed = self._allowed(expected)
         excess = np.where(bad, np.abs(actual - expected) - allowed, -np.inf)
         worst = np.unravel_index(int(np.nanargmax(np.nan_to_num(excess, nan=np.inf))), bad.shape) if bad.ndim else ()
         atol_text = f"{float(np.broadcast_to(self.atol, bad.shape)[worst]):.3g}"
@@ -311,12 +331,18 @@ def otb_tolerance(
 def _otb_bounds(prepared: tuple, *, align: str, leave_one_out: bool, handle_zero_tail: bool, epsilon: float,
                 dtype: Any, input_dtype: Any, clamped_weights: bool) -> tuple[Tolerance, Tolerance]:
     """:func:`otb_tolerance` on inputs already validated by ``otb_spec._baseline.validated_otb_inputs``."""
-    accumulation = machine_epsilon(dtype)
-    elementwise = max(machine_epsilon(input_dtype), accumulation)
+    accumulation = machine_epsilon(_floating("dtype", dtype))
+    try:
+        given = machine_epsilon(input_dtype)
+    except ValueError:
+        raise ValueError(f"input_dtype: expected a floating, integer or boolean dtype, got {input_dtype!r}") from None
+    elementwise = max(given, accumulation)
+    leave_one_out = _validation.flag("leave_one_out", leave_one_out)
+    handle_zero_tail = _validation.flag("handle_zero_tail", handle_zero_tail)
     advantage_bound, returns_bound = _otb_error_bounds(
-        *prepared, align=align, leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail and not leave_one_out,
-        epsilon=float(epsilon), elementwise_unit=elementwise, accumulation_unit=accumulation,
-        clamped_weights=clamped_weights)
+        *prepared, align=_validation.alignment(align), leave_one_out=leave_one_out,
+        handle_zero_tail=handle_zero_tail and not leave_one_out, epsilon=_validation.epsilon(epsilon),
+        elementwise_unit=elementwise, accumulation_unit=accumulation, clamped_weights=clamped_weights)
     name = _dtype_name(dtype)
     given = _dtype_name(input_dtype)
     where = name if given == name else f"{given} (sums in {name})"
@@ -414,6 +440,14 @@ def _otb_error_bounds(rewards: np.ndarray, mask: np.ndarray, segments: Segments,
     return advantage_error, returns_bound
 
 
+def _floating(name: str, dtype: Any) -> Any:
+    """``dtype`` if it is a floating dtype whose precision is known (the precision of sums: an integer or boolean
+    dtype accumulates nothing), else a ValueError naming the argument."""
+    if _dtype_name(dtype) not in EPSILON_BY_NAME:
+        raise ValueError(f"{name}: expected a floating dtype ({', '.join(EPSILON_BY_NAME)}), got {dtype!r}")
+    return dtype
+
+
 def output_rounding(dtype: Any) -> Tolerance:
     """Rounding a result to ``dtype`` on output: relative error ≤ u = ε/2 (written as rtol = ε), plus the smallest
     normal number of ``dtype`` for results that become subnormal or are flushed to zero."""
@@ -447,6 +481,9 @@ def otb_comparison_tolerance(
     """
     prepared = validated_otb_inputs(rewards, response_mask, group_ids, log_probs, sum_pi_squared, is_weights)
     options = dict(align=align, leave_one_out=leave_one_out, handle_zero_tail=handle_zero_tail, epsilon=epsilon)
+    _floating("compute_dtype", compute_dtype)
+    if output_dtype is not None:
+        _floating("output_dtype", output_dtype)
     given = compute_dtype if input_dtype is None else input_dtype
     implementation = _otb_bounds(prepared, dtype=compute_dtype, input_dtype=given,
                                  clamped_weights=_validation.flag("clamped_weights", clamped_weights), **options)

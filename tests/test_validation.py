@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import otb_spec as otb
+from otb_spec import tolerances
 
 B, T = 3, 4
 GOOD = dict(
@@ -213,3 +214,49 @@ def test_float32_statistics_cast_to_float64_get_a_hint_about_the_cast():
     with pytest.raises(ValueError, match="float32 statistics cast to float64"):
         otb.optimal_token_baseline(rewards, mask, [0], np.full((1, 1), log_probs, np.float64),
                                    np.full((1, 1), spp, np.float64))
+
+
+@pytest.mark.parametrize("function", [tolerances.otb_tolerance, tolerances.otb_comparison_tolerance],
+                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("changes, error, message", [
+    (dict(align="multi_turn"), ValueError, "align: expected one of"),
+    (dict(epsilon=-1e-8), ValueError, "epsilon: must be ≥ 0"),
+    (dict(epsilon=float("nan")), ValueError, "epsilon: must be finite"),
+    (dict(leave_one_out="yes"), TypeError, "leave_one_out: expected True or False"),
+    (dict(handle_zero_tail=1), TypeError, "handle_zero_tail: expected True or False"),
+    (dict(input_dtype="complex"), ValueError, "input_dtype: expected a floating, integer or boolean dtype"),
+], ids=["align", "negative-epsilon", "nan-epsilon", "leave-one-out", "zero-tail", "input-dtype"])
+def test_tolerance_options_are_checked_like_the_baselines_own(function, changes, error, message):
+    """The bounds are of a call that the reference would accept: an option it rejects is rejected here too (a
+    bound for align="multi_turn" or ε < 0 would bound nothing)."""
+    with pytest.raises(error, match=message):
+        _call(function, **changes)
+
+
+def test_the_precision_of_sums_must_be_a_floating_dtype():
+    with pytest.raises(ValueError, match="dtype: expected a floating dtype"):
+        _call(tolerances.otb_tolerance, dtype=np.int8)
+    with pytest.raises(ValueError, match="compute_dtype: expected a floating dtype"):
+        _call(tolerances.otb_comparison_tolerance, compute_dtype="int32")
+    with pytest.raises(ValueError, match="output_dtype: expected a floating dtype"):
+        _call(tolerances.otb_comparison_tolerance, output_dtype=bool)
+
+
+def test_a_tolerance_compares_arrays_of_one_shape_only():
+    """Broadcasting would compare the wrong elements (a [T] row against every row of [B, T]): an error instead."""
+    tolerance = tolerances.Tolerance(rtol=1e-6, atol=np.full((B, T), 1e-6))
+    with pytest.raises(ValueError, match=r"actual: shape \(4,\) differs from expected's \(3, 4\)"):
+        tolerance.violations(np.zeros(T), np.zeros((B, T)))
+    with pytest.raises(ValueError, match=r"actual: shape \(1, 4\) differs"):
+        tolerance.assert_close(np.zeros((1, T)), np.zeros((B, T)))
+    with pytest.raises(ValueError, match=r"atol: shape \(3, 4\) does not broadcast to the compared shape \(4,\)"):
+        tolerance.holds(np.zeros(T), np.zeros(T))
+
+
+def test_unchecked_elements_still_reject_infinities_and_nan():
+    """An ill-conditioned element (tolerance +inf) has a finite exact value whose digits are unknown: any finite
+    result passes there, but ±inf and NaN are wrong whatever the conditioning."""
+    tolerance = tolerances.Tolerance(rtol=0.0, atol=np.array([np.inf, np.inf, np.inf, 0.0]))
+    expected = np.array([1.0, 1.0, 1.0, np.inf])
+    assert tolerance.violations([1e300, np.inf, np.nan, np.inf], expected).tolist() == [False, True, True, False]
+    assert tolerance.violations([-5.0, -np.inf, 1.0, 3.0], expected).tolist() == [False, True, False, True]
