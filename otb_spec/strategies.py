@@ -171,7 +171,8 @@ def group_ids(sizes: Sequence[int], *, kind: str = "any", shuffle: bool = True) 
     One draw (``.example()`` is random: yours will differ): ``group_ids([2, 1], kind="str").example()`` →
     ``array(['prompt-9', 'prompt-0', 'prompt-9'], ...)``.
     """
-    sizes = [_check_int("sizes[...]", size, 1) for size in _check_sequence("sizes", sizes, "group sizes, e.g. [2, 1]")]
+    sizes = [_check_int(f"sizes[{index}]", size, 1)
+             for index, size in enumerate(_check_sequence("sizes", sizes, "group sizes, e.g. [2, 1]"))]
     if not sizes:
         raise InvalidArgument("sizes: need at least one group")
     kind = _check_choice("kind", kind, _ID_KINDS)
@@ -255,7 +256,8 @@ def token_statistics(shape: tuple[int, ...], *, min_vocab_size: int = 2,
     π ranges from e^{−20} ≈ 2e-9 to 0.999 and, in some draws, exactly 1 at some positions (certain tokens, w = 0).
     Shrinks towards π = ½ — an ordinary token — not towards the degenerate π = 1.
     """
-    shape = tuple(_check_int("shape[...]", n, 0) for n in _check_sequence("shape", shape, "sizes, e.g. (4, 6)"))
+    shape = tuple(_check_int(f"shape[{index}]", n, 0)
+                  for index, n in enumerate(_check_sequence("shape", shape, "sizes, e.g. (4, 6)")))
     low = _check_int("min_vocab_size", min_vocab_size, 2)
     high = _check_int("max_vocab_size", max_vocab_size, 2)
     _check_range("min_vocab_size", low, "max_vocab_size", high)
@@ -298,7 +300,8 @@ def logits(shape: tuple[int, ...], *, vocab_size: int | None = None, min_vocab_s
     One draw (``.example()`` is random: yours will differ): ``logits((2,), vocab_size=3).example()`` →
     ``array([[ 0.5, -3. , 12.1], [ 0. ,  0. ,  0. ]])``.
     """
-    shape = tuple(_check_int("shape[...]", n, 0) for n in _check_sequence("shape", shape, "sizes, e.g. (2,)"))
+    shape = tuple(_check_int(f"shape[{index}]", n, 0)
+                  for index, n in enumerate(_check_sequence("shape", shape, "sizes, e.g. (2,)")))
     if vocab_size is not None:
         vocab_size = _check_int("vocab_size", vocab_size, 1)
         min_vocab_size = max_vocab_size = vocab_size

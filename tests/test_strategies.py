@@ -118,7 +118,7 @@ def test_token_statistics_are_consistent_with_a_policy(pair):
     (otb_st.rollout_batches, dict(id_kind="bytes"), "id_kind='bytes'"),
     (otb_st.rollout_batches, dict(min_abs_reward=3.0, max_abs_reward=2.0), "min_abs_reward=3.0 exceeds"),
     (otb_st.logits, dict(shape=(2,), vocab_size=0), "vocab_size=0: must be ≥ 1"),
-    (otb_st.group_ids, dict(sizes=[0]), r"sizes\[...\]=0: must be ≥ 1"),
+    (otb_st.group_ids, dict(sizes=[2, 0]), r"sizes\[1\]=0: must be ≥ 1"),
     (otb_st.token_statistics, dict(shape=(2,), min_vocab_size=1), "min_vocab_size=1: must be ≥ 2"),
     (otb_st.token_statistics, dict(shape=4), "shape=4: expected a sequence of sizes"),
     (otb_st.logits, dict(shape=3), "shape=3: expected a sequence of sizes"),
