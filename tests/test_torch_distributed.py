@@ -820,6 +820,35 @@ def test_options_that_differ_between_ranks_are_shown_as_passed(pool, option, val
         assert all(text in message for text in shown), message
 
 
+@pytest.mark.parametrize("function", ["distributed_token_baseline", "context_parallel_returns_and_energy",
+                                      "vocab_parallel_token_statistics"])
+@pytest.mark.parametrize("other", ["float16", "float64"])
+def test_ranks_given_different_dtypes_raise_on_every_rank(pool, function, other):
+    """Rank 2's floating inputs in another dtype than the others' float32: its results would come back in that dtype
+    (float16) or its sums would differ (float64), and a later collective over the results would mix dtypes — every
+    rank raises, naming each rank's dtypes (float16 beside float32 passed unnoticed before)."""
+    batch = _fixed_batch()
+    if function == "vocab_parallel_token_statistics":
+        logits = np.random.default_rng(0).normal(size=(2, 3, 8))
+        arguments = [dict(logits_shard=piece.astype(np.float32), token_ids=np.zeros((2, 3), np.int64))
+                     for piece in _vocab_split(logits, 4, [2, 4, 6])]
+    elif function == "context_parallel_returns_and_energy":
+        cuts = [0, 2, 3, 5, 6]
+        arguments = [{name: np.ascontiguousarray(getattr(batch, name)[:, a:b], dtype=np.float32)
+                      for name in ("rewards", "response_mask", "log_probs", "sum_pi_squared")}
+                     for a, b in zip(cuts, cuts[1:])]
+    else:
+        arguments = [{key: value.astype(np.float32) if isinstance(value, np.ndarray) and value.dtype.kind == "f" else
+                      value for key, value in argument.items()} for argument in _four_ranks(batch)]
+    arguments[2] = {key: value.astype(other) if isinstance(value, np.ndarray) and value.dtype.kind == "f" else value
+                    for key, value in arguments[2].items()}
+    layout = "context" if function == "context_parallel_returns_and_energy" else "world"
+    for _, kind, message in _errors(pool.run(function, layout, arguments), range(4)):
+        assert kind == "ValueError" and "differs between ranks" in message, message
+        assert "rank 0: 'float32 results, sums in float32'" in message, message
+        assert f"rank 2: '{other} results, sums in {'float64' if other == 'float64' else 'float32'}'" in message
+
+
 def test_a_type_error_on_one_rank_is_a_type_error_on_every_rank(pool):
     """Float group ids on rank 1: its own error is the reference's TypeError, and the other ranks raise the same type
     (naming rank 1), so that one except clause serves every rank."""

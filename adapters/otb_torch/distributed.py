@@ -190,6 +190,24 @@ def _shown_flag(field: int) -> Any:
     return bool(field) if field >= 0 else "not a bool"
 
 
+_DTYPE_CODES = {torch.float64: 1, torch.float32: 2, torch.bfloat16: 3, torch.float16: 4}
+_DTYPE_NAMES = {code: str(dtype).removeprefix("torch.") for dtype, code in _DTYPE_CODES.items()}
+
+
+def _dtypes_field(results: torch.dtype, sums: torch.dtype) -> int:
+    """The dtype of a call's results and of its sums as one handshake field (0: not a known floating dtype)."""
+    return 8 * _DTYPE_CODES.get(results, 0) + _DTYPE_CODES.get(sums, 0)
+
+
+def _shown_dtypes(field: int) -> str:
+    return (f"{_DTYPE_NAMES.get(field // 8, 'another dtype')} results, sums in "
+            f"{_DTYPE_NAMES.get(field % 8, 'another dtype')}")
+
+
+_DTYPES_DIFFER = ("the inputs' dtype (results come in the rewards' dtype, sums in float64 where an input is float64: "
+                  "ranks of one call must agree)")
+
+
 def _shown_float(field: int) -> float:
     return struct.unpack("<d", struct.pack("<q", field))[0]
 
@@ -368,7 +386,7 @@ def vocab_parallel_token_statistics(logits_shard: Any, token_ids: Any = None, *,
         failure = exc
     rows = int(np.prod(lead)) if z is not None else 0
     width = int(z.shape[-1]) if z is not None else 0
-    dtype_code = {torch.float64: 2, torch.float32: 1}.get(_compute_dtype(z), 0) if z is not None else 0
+    dtype_code = _dtypes_field(z.dtype, _compute_dtype(z)) if z is not None else 0
     verdicts = _Verdicts("vocab_parallel_token_statistics",
                          [len(lead), rows, hash(lead) & 0x7FFFFFFF, width, ids is not None, dtype_code,
                           -1 if vocab_start is None else vocab_start, _flag_field(check_values)], failure, group,
@@ -377,8 +395,7 @@ def vocab_parallel_token_statistics(logits_shard: Any, token_ids: Any = None, *,
     verdicts.require_equal(1, "logits_shard (number of positions)")
     verdicts.require_equal(2, "logits_shard (leading shape)")
     verdicts.require_equal(4, "token_ids (given on some ranks only)", shown_as=bool)
-    verdicts.require_equal(5, "logits_shard (dtype: float64 on some ranks only)",
-                           shown_as=lambda code: {2: "float64", 1: "float32"}.get(code, "not floating"))
+    verdicts.require_equal(5, "logits_shard (dtype: ranks of one call must agree)", shown_as=_shown_dtypes)
     verdicts.require_equal(7, "check_values", shown_as=_shown_flag)
     widths, starts = verdicts.column(3), verdicts.column(6)
     if len(set(start < 0 for start in starts)) > 1:
@@ -603,12 +620,15 @@ def context_parallel_returns_and_energy(rewards: Any, response_mask: Any, log_pr
     except (TypeError, ValueError) as exc:
         failure = exc
     shape = (0, 0) if local is None else tuple(local.rewards.shape)
+    dtypes = 0 if local is None else _dtypes_field(check.output_dtype(local.rewards), check.accumulation_dtype(
+        local.rewards, local.log_probs, local.sum_pi_squared, local.is_weights))
     verdicts = _Verdicts("context_parallel_returns_and_energy",
                          [shape[0], shape[1], local is not None and local.is_weights is not None,
-                          _flag_field(check_values)], failure, context_group, waits,
+                          _flag_field(check_values), dtypes], failure, context_group, waits,
                          _handshake_device(rewards, context_group), context_group)
     verdicts.require_equal(2, "is_weights (given on some ranks only)", shown_as=bool)
     verdicts.require_equal(3, "check_values", shown_as=_shown_flag)
+    verdicts.require_equal(4, _DTYPES_DIFFER, shown_as=_shown_dtypes)
     columns_before, _, _ = _layout(verdicts, 0, 1, None)
     assert local is not None
     dtype = check.accumulation_dtype(local.rewards, local.log_probs, local.sum_pi_squared, local.is_weights)
@@ -689,7 +709,8 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
     fingerprint = 0 if local is None or local.ids is None or context_group is None else _fingerprint(local.ids)
     groups = int(num_groups) if isinstance(num_groups, (int, np.integer)) and not isinstance(num_groups, bool) else -1
     verdicts = _Verdicts("distributed_token_baseline",
-                         options + [groups, int(dtype == torch.float64),
+                         options + [groups, 0 if local is None else _dtypes_field(check.output_dtype(local.rewards),
+                                                                                   dtype),
                                     int(local is not None and local.is_weights is not None),
                                     shape[0], shape[1], fingerprint, _flag_field(check_values), int(native)],
                          failure, group,
@@ -701,11 +722,9 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
                                     check_values=check_values, context=context_group is not None,
                                     ranks=dist.get_world_size(group))
         verdicts.finish()
-    shown = (lambda index: _ALIGNMENTS[index], _shown_flag, _shown_flag, _shown_float, int,
-             lambda wide: "float64" if wide else "float32", bool)
+    shown = (lambda index: _ALIGNMENTS[index], _shown_flag, _shown_flag, _shown_float, int, _shown_dtypes, bool)
     for field, name in enumerate(("align", "leave_one_out", "handle_zero_tail", "epsilon", "num_groups",
-                                  "the accumulation dtype (float64 inputs on some ranks only)",
-                                  "is_weights (given on some ranks only)")):
+                                  _DTYPES_DIFFER, "is_weights (given on some ranks only)")):
         verdicts.require_equal(field, name, shown_as=shown[field])
     verdicts.require_equal(10, "check_values", shown_as=_shown_flag)
     # the native and eager paths exchange different buffers and collectives: every rank must take the same one
