@@ -502,7 +502,8 @@ BAD_CONFIGS = {
     "scale_rewards-group": (dict(scale_rewards="group"), "scale_rewards"),
     "scale_rewards-batch": (dict(scale_rewards="batch"), "scale_rewards"),
     "scale_rewards-True": (dict(scale_rewards=True), "scale_rewards"),
-    "luspo": (dict(loss_type="luspo", importance_sampling_level="token"), "loss_type"),
+    "luspo": (dict(loss_type="luspo", importance_sampling_level="sequence"), "loss_type"),   # as LUSPO needs it
+    "luspo-token": (dict(loss_type="luspo", importance_sampling_level="token"), "loss_type"),
     "vespo": (dict(loss_type="vespo"), "loss_type"),
     "sequence-level-ratio": (dict(importance_sampling_level="sequence", loss_type="grpo"), "importance_sampling_level"),
     "normalize_then_sum": (dict(multi_objective_aggregation="normalize_then_sum"), "multi_objective_aggregation"),

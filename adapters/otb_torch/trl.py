@@ -611,16 +611,18 @@ def _check_config(config: Any) -> None:
             f"multi_objective_aggregation: OTBGRPOTrainer needs 'sum_then_normalize' (the weighted sum of the reward "
             f"functions, unscaled with scale_rewards='none'), got {config.multi_objective_aggregation!r}, which "
             "normalises each reward per group and the sum per batch")
-    if config.importance_sampling_level != "token":
-        raise ValueError(
-            f"importance_sampling_level: OTBGRPOTrainer needs 'token', got {config.importance_sampling_level!r}: a "
-            "sequence-level ratio (GSPO) carries the gradient of every token of a sequence, so each token would be "
-            "weighted by the sequence's mean advantage instead of its own")
+    # the loss type first: a rejected one (LUSPO) would otherwise first send its user to change the importance
+    # sampling level it needs
     if config.loss_type in _REJECTED_LOSS_TYPES:
         raise ValueError(f"loss_type: {config.loss_type!r} is not supported by OTBGRPOTrainer: "
                          f"{_REJECTED_LOSS_TYPES[config.loss_type]}; use one of {ACCEPTED_LOSS_TYPES}")
     if config.loss_type not in ACCEPTED_LOSS_TYPES:
         raise ValueError(f"loss_type: expected one of {ACCEPTED_LOSS_TYPES}, got {config.loss_type!r}")
+    if config.importance_sampling_level != "token":
+        raise ValueError(
+            f"importance_sampling_level: OTBGRPOTrainer needs 'token', got {config.importance_sampling_level!r}: a "
+            "sequence-level ratio (GSPO) carries the gradient of every token of a sequence, so each token would be "
+            "weighted by the sequence's mean advantage instead of its own")
 
 
 def _signature() -> inspect.Signature:
