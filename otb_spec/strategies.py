@@ -11,10 +11,11 @@ All options are keyword-only and validated when the strategy is built (a bad opt
 :class:`hypothesis.errors.InvalidArgument` at once, naming it). The strategies hold no global state; under
 ``derandomize=True`` they draw the same examples every run. Arrays of more than ``4096`` elements are filled from a
 NumPy generator seeded by Hypothesis (drawing each element through Hypothesis would be too slow); smaller arrays are
-drawn element by element, so Hypothesis can shrink them value by value. Likewise per-group and per-row choices (group
-sizes and ids, the batch order, each row's length, padding side and holes) are drawn one by one for up to ``64``
-groups and rows, and from a seeded generator above that, so trainer-sized batches (``min_groups=256,
-min_group_size=8``, thousands of positions) draw without tripping Hypothesis's size limits.
+drawn element by element, so Hypothesis can shrink them value by value — except rewards, always seeded (element-wise
+draws made about half the batches reward-free: Hypothesis's simplest value, 0, fills the end of many examples). Likewise
+per-group and per-row choices (group sizes and ids, the batch order, each row's length, padding side and holes) are
+drawn one by one for up to ``64`` groups and rows, and from a seeded generator above that, so trainer-sized batches
+(``min_groups=256, min_group_size=8``, thousands of positions) draw without tripping Hypothesis's size limits.
 
 Strategies:
 
@@ -133,15 +134,6 @@ def _values(draw: Any, shape: tuple[int, ...], low: float, high: float, label: s
 def _seeded(draw: Any, label: str) -> portable.PortableRandom:
     """A bit-portable generator seeded by one Hypothesis draw (for draws too many to make one by one)."""
     return portable.PortableRandom(draw(st.integers(0, 2**32 - 1), label=f"{label} (seed)"))
-
-
-def _choices(draw: Any, shape: tuple[int, ...], elements: st.SearchStrategy, values: Sequence[Any], dtype: Any,
-             label: str) -> np.ndarray:
-    """An array of ``shape`` of ``values``: drawn element by element from ``elements`` (a strategy of those values)
-    when small, uniformly from a seeded generator above ``_ELEMENTWISE_LIMIT`` elements."""
-    if int(np.prod(shape)) <= _ELEMENTWISE_LIMIT:
-        return draw(hnp.arrays(dtype, shape, elements=elements), label=label)
-    return _seeded(draw, label).choice(np.asarray(values, dtype=dtype), shape)
 
 
 def _row_integers(draw: Any, count: int, low: int, high: int, label: str) -> list[int]:
@@ -457,7 +449,10 @@ def rollout_batches(
       shuffle: non-contiguous groups.
       is_weights: rollout importance weights ρ ∈ [0, 3]: True, False, or None (sometimes).
       reward_style: ``"terminal"`` (one reward on the last valid token), ``"dense"`` (every valid token),
-        ``"sparse"`` (a few valid tokens) or ``"any"``.
+        ``"sparse"`` (a few valid tokens) or ``"any"``. Reward values are either 0/1 outcomes (each 1 at a drawn rate
+        of ½, ¼ or ¾, as a task's pass/fail) or uniform on [−max_abs_reward, max_abs_reward], from a seeded generator
+        (so a batch without any reward is the exception, as in training, not the rule; they shrink by their seed,
+        not value by value).
       max_abs_reward: rewards lie in [−max_abs_reward, max_abs_reward].
       min_abs_reward: rewarded positions get |r| ≥ min_abs_reward (> 0: no zero rewards there, and no 0/1 rewards —
         useful where a zero reward would hide a wrong baseline).
@@ -634,28 +629,52 @@ def _draw_mask(draw: Any, n_rows: int, n_positions: int, padding: str, holes: bo
 
 
 def _draw_rewards(draw: Any, mask: np.ndarray, style: str, max_abs: float, min_abs: float = 0.0) -> np.ndarray:
+    """Rewards of ``style`` from a seeded generator: 0/1 outcomes at a rate of ½, ¼ or ¾, or values uniform on
+    [−max_abs, max_abs] (folded away from 0 by ``min_abs``). Not element-wise Hypothesis draws, which repeat one fill
+    value and, late in an example, fall back to 0: about half the batches held no reward at all."""
     if style == "any":
         style = draw(st.sampled_from(_REWARD_STYLES[:-1]), label="reward style")
     n_rows, n_positions = mask.shape
     binary = min_abs == 0.0 and draw(st.booleans(), label="binary rewards")
-    if binary:
-        values = _choices(draw, mask.shape, st.sampled_from([0.0, 1.0]), (0.0, 1.0), np.float64, "rewards")
-    else:
-        values = _values(draw, mask.shape, -max_abs, max_abs, "rewards")
-        if min_abs > 0.0:   # fold [−max, max] onto ±[min, max]: |v| ↦ min + |v|·(max − min)/max, sign(0) = +
-            magnitude = min_abs + np.abs(values) * ((max_abs - min_abs) / max_abs)
-            values = np.where(values < 0, -magnitude, magnitude)
-    if style == "dense":
-        return values * mask
-    if style == "terminal":
+
+    def outcomes(shape: tuple[int, ...], label: str) -> np.ndarray:
+        if binary:
+            return _bernoulli(draw, shape, label).astype(np.float64)
+        return _fold_away_from_zero(_uniform_values(draw, shape, -max_abs, max_abs, label), max_abs, min_abs)
+
+    if style == "terminal":     # one outcome per row, on its last valid token
+        row_outcomes = outcomes((n_rows,), "row rewards")
         rewards = np.zeros(mask.shape)
         has_token = mask.any(axis=1)
         last = n_positions - 1 - np.argmax(mask[:, ::-1], axis=1)
         rows = np.flatnonzero(has_token)
-        rewards[rows, last[rows]] = values[rows, last[rows]]
+        rewards[rows, last[rows]] = row_outcomes[rows]
         return rewards
-    chosen = _choices(draw, mask.shape, st.booleans(), (False, True), bool, "sparse reward positions")
-    return values * mask * chosen
+    values = outcomes(mask.shape, "rewards")
+    if style == "dense":
+        return values * mask
+    return values * mask * _bernoulli(draw, mask.shape, "sparse reward positions")
+
+
+def _bernoulli(draw: Any, shape: tuple[int, ...], label: str) -> np.ndarray:
+    """Independent coin flips at a rate of ½, ¼ or ¾ (drawn), from a seeded generator."""
+    rate = draw(st.sampled_from([0.5, 0.25, 0.75]), label=f"{label} (rate)")
+    return _seeded(draw, label).random(shape) < rate
+
+
+def _uniform_values(draw: Any, shape: tuple[int, ...], low: float, high: float, label: str) -> np.ndarray:
+    """float64 values uniform on [low, high] from a seeded generator, whatever the size: Hypothesis fills the end of
+    many an example with its simplest choices, so element-wise draws there (rewards come late in a batch) are all 0,
+    while the simplest seed, 0, still gives varied values."""
+    return _seeded(draw, label).uniform(low, high, shape)
+
+
+def _fold_away_from_zero(values: np.ndarray, max_abs: float, min_abs: float) -> np.ndarray:
+    """[−max, max] folded onto ±[min, max]: |v| ↦ min + |v|·(max − min)/max, sign(0) = + (unchanged when min = 0)."""
+    if min_abs == 0.0:
+        return values
+    magnitude = min_abs + np.abs(values) * ((max_abs - min_abs) / max_abs)
+    return np.where(values < 0, -magnitude, magnitude)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
