@@ -62,7 +62,6 @@ __all__ = [
 ]
 
 
-
 class RowTotals(NamedTuple):
     """Per-row totals of one context shard, [B] each: R = Σ mₜrₜ, E = Σ mₜρₜ²wₜ, V = Σ mₜ (int64)."""
 

@@ -30,7 +30,6 @@ from otb_spec.trajectory import cumulative_energy, importance_weights
 __all__ = ["leave_one_out_from_self_inclusive"]
 
 
-
 def leave_one_out_from_self_inclusive(
     advantages: Any,
     returns: Any,
