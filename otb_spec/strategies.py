@@ -215,7 +215,9 @@ def _group_ids(draw: Any, sizes: list[int], kind: str, shuffle: bool) -> np.ndar
     elif kind == "str":
         names = [f"prompt-{code}" for code in codes]
     elif kind == "uuid":
-        names = [str(uuid.UUID(int=code * 2**64 + 0x4000_8000_0000_0000, version=4)) for code in codes]
+        # the code in the top 48 bits, clear of the version and variant bits (which version=4 overwrites: a code in
+        # bits 64–127 lost its bits 12–15 there, and codes 2¹² apart became one uuid)
+        names = [str(uuid.UUID(int=code << 80, version=4)) for code in codes]
     else:
         makers = [lambda c: c, lambda c: f"p{c}", lambda c: ("prompt", c)]
         names = [makers[position % 3](code) for position, code in enumerate(codes)]
@@ -368,9 +370,11 @@ def lm_head_inputs(*, lead_shapes: Sequence[tuple[int, ...]] = ((1,), (7,), (2, 
     One draw (random): ``lm_head_inputs(lead_shapes=[(2,)], max_vocab_size=3).example().token_ids`` →
     ``array([2, 0])``.
     """
-    shapes = [tuple(_check_int("lead_shapes[...]", n, 1)
-                    for n in _check_sequence("lead_shapes[...]", shape, "sizes, e.g. (7,) or (2, 5)"))
-              for shape in _check_sequence("lead_shapes", lead_shapes, "leading shapes, e.g. [(7,), (2, 5)]")]
+    shapes = [tuple(_check_int(f"lead_shapes[{index}][{axis}]", n, 1)
+                    for axis, n in enumerate(_check_sequence(f"lead_shapes[{index}]", shape,
+                                                             "sizes, e.g. (7,) or (2, 5)")))
+              for index, shape in enumerate(_check_sequence("lead_shapes", lead_shapes,
+                                                            "leading shapes, e.g. [(7,), (2, 5)]"))]
     if not shapes:
         raise InvalidArgument("lead_shapes=[]: expected at least one leading shape")
     low_h = _check_int("min_hidden_size", min_hidden_size, 1)
@@ -449,7 +453,7 @@ def rollout_batches(
       shuffle: non-contiguous groups.
       is_weights: rollout importance weights ρ ∈ [0, 3]: True, False, or None (sometimes).
       reward_style: ``"terminal"`` (one reward on the last valid token), ``"dense"`` (every valid token),
-        ``"sparse"`` (a few valid tokens) or ``"any"``. Reward values are either 0/1 outcomes (each 1 at a drawn rate
+        ``"sparse"`` (each valid token at a drawn rate of ½, ¼ or ¾) or ``"any"``. Reward values are either 0/1 outcomes (each 1 at a drawn rate
         of ½, ¼ or ¾, as a task's pass/fail) or uniform on [−max_abs_reward, max_abs_reward], from a seeded generator
         (so a batch without any reward is the exception, as in training, not the rule; they shrink by their seed,
         not value by value).
@@ -470,7 +474,7 @@ def rollout_batches(
 
     One draw of ``rollout_batches(max_groups=2, max_group_size=2, max_length=3).example()`` (random)::
 
-      RolloutBatch(rewards=array([[ 0. ,  1.5, -3. ], [ 0. ,  0. ,  1. ]]),
+      RolloutBatch(rewards=array([[ 0. ,  1. , 41.7], [ 0. ,  0. ,  1. ]]),
                    response_mask=array([[1., 1., 0.], [1., 1., 1.]]),
                    group_ids=array(['prompt-4', 'prompt-4'], dtype='<U8'),
                    log_probs=array([[-0.2, -3.1, -7.5], [...]]), sum_pi_squared=array([[0.7, 0.1, 0.5], [...]]),
@@ -640,7 +644,7 @@ def _draw_rewards(draw: Any, mask: np.ndarray, style: str, max_abs: float, min_a
     def outcomes(shape: tuple[int, ...], label: str) -> np.ndarray:
         if binary:
             return _bernoulli(draw, shape, label).astype(np.float64)
-        return _fold_away_from_zero(_uniform_values(draw, shape, -max_abs, max_abs, label), max_abs, min_abs)
+        return _fold_away_from_zero(_uniform_values(draw, shape, max_abs, label), max_abs, min_abs)
 
     if style == "terminal":     # one outcome per row, on its last valid token
         row_outcomes = outcomes((n_rows,), "row rewards")
@@ -662,11 +666,11 @@ def _bernoulli(draw: Any, shape: tuple[int, ...], label: str) -> np.ndarray:
     return _seeded(draw, label).random(shape) < rate
 
 
-def _uniform_values(draw: Any, shape: tuple[int, ...], low: float, high: float, label: str) -> np.ndarray:
-    """float64 values uniform on [low, high] from a seeded generator, whatever the size: Hypothesis fills the end of
+def _uniform_values(draw: Any, shape: tuple[int, ...], bound: float, label: str) -> np.ndarray:
+    """float64 values uniform on [−bound, bound] from a seeded generator, whatever the size: Hypothesis fills the end of
     many an example with its simplest choices, so element-wise draws there (rewards come late in a batch) are all 0,
-    while the simplest seed, 0, still gives varied values."""
-    return _seeded(draw, label).uniform(low, high, shape)
+    while the simplest seed, 0, still gives varied values. (bound·U, U on [−1, 1): finite for any finite bound.)"""
+    return np.multiply(bound, _seeded(draw, label).uniform(-1.0, 1.0, shape))
 
 
 def _fold_away_from_zero(values: np.ndarray, max_abs: float, min_abs: float) -> np.ndarray:
