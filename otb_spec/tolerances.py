@@ -117,7 +117,8 @@ class Tolerance:
         """Boolean array of ``expected``'s shape, True where ``actual`` is outside the tolerance of ``expected``.
 
         NaN is a violation, and so is ±inf where ``expected`` is finite — also at unchecked (ill-conditioned)
-        elements: their exact value is finite, only its digits are unknown. ``actual`` must have ``expected``'s
+        elements: their exact value is finite, only its digits are unknown; where ``expected`` is ±inf or NaN only
+        the same value passes. ``actual`` must have ``expected``'s
         shape, and ``rtol`` and ``atol`` must broadcast to it (a ValueError otherwise: broadcasting a wrong shape
         would compare the wrong elements)."""
         actual = np.asarray(actual, dtype=np.float64)
@@ -126,9 +127,9 @@ class Tolerance:
             raise ValueError(f"actual: shape {actual.shape} differs from expected's {expected.shape}")
         allowed = self._allowed(expected)
         with np.errstate(invalid="ignore"):
-            close = (np.abs(actual - expected) <= allowed) | np.isinf(allowed) | (actual == expected)
-        wrong_infinity = np.isinf(actual) & (actual != expected)
-        return np.isnan(actual) | wrong_infinity | ~close
+            within = (np.abs(actual - expected) <= allowed) | np.isinf(allowed)   # +inf: ill-conditioned, unchecked
+        close = np.where(np.isfinite(expected), within & np.isfinite(actual), actual == expected)
+        return ~close
 
     def _allowed(self, expected: np.ndarray) -> np.ndarray:
         """atol + rtol·|expected|, of expected's shape (a ValueError naming rtol or atol if either does not fit)."""
@@ -155,7 +156,8 @@ class Tolerance:
         actual = np.asarray(actual, dtype=np.float64)
         expected = np.asarray(expected, dtype=np.float64)
         allowed = self._allowed(expected)
-        excess = np.where(bad, np.abs(actual - expected) - allowed, -np.inf)
+        with np.errstate(invalid="ignore"):         # inf − inf where an infinity meets an unchecked element
+            excess = np.where(bad, np.nan_to_num(np.abs(actual - expected) - allowed, nan=np.inf), -np.inf)
         worst = np.unravel_index(int(np.nanargmax(np.nan_to_num(excess, nan=np.inf))), bad.shape) if bad.ndim else ()
         atol_text = f"{float(np.broadcast_to(self.atol, bad.shape)[worst]):.3g}"
         rtol_text = f"{float(np.broadcast_to(self.rtol, bad.shape)[worst]):.3g}"
@@ -333,12 +335,15 @@ def _otb_bounds(prepared: tuple, *, align: str, leave_one_out: bool, handle_zero
     """:func:`otb_tolerance` on inputs already validated by ``otb_spec._baseline.validated_otb_inputs``."""
     accumulation = machine_epsilon(_floating("dtype", dtype))
     try:
-        given = machine_epsilon(input_dtype)
+        input_unit = machine_epsilon(input_dtype)
     except ValueError:
         raise ValueError(f"input_dtype: expected a floating, integer or boolean dtype, got {input_dtype!r}") from None
-    elementwise = max(given, accumulation)
+    elementwise = max(input_unit, accumulation)
     leave_one_out = _validation.flag("leave_one_out", leave_one_out)
-    handle_zero_tail = _validation.flag("handle_zero_tail", handle_zero_tail)
+    # None: verl's default, as the baselines read it (on for the self-inclusive baseline); True with leave-one-out is
+    # ignored here (the bound of the rule that applies), not an error
+    handle_zero_tail = not leave_one_out if handle_zero_tail is None else \
+        _validation.flag("handle_zero_tail", handle_zero_tail)
     advantage_bound, returns_bound = _otb_error_bounds(
         *prepared, align=_validation.alignment(align), leave_one_out=leave_one_out,
         handle_zero_tail=handle_zero_tail and not leave_one_out, epsilon=_validation.epsilon(epsilon),

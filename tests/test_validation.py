@@ -260,3 +260,15 @@ def test_unchecked_elements_still_reject_infinities_and_nan():
     expected = np.array([1.0, 1.0, 1.0, np.inf])
     assert tolerance.violations([1e300, np.inf, np.nan, np.inf], expected).tolist() == [False, True, True, False]
     assert tolerance.violations([-5.0, -np.inf, 1.0, 3.0], expected).tolist() == [False, True, False, True]
+    with pytest.raises(AssertionError, match="1 of 4 elements outside"):       # a report, not inf − inf warnings
+        tolerance.assert_close([1e300, np.inf, 1.0, np.inf], expected)
+    relative = tolerances.Tolerance(rtol=1e-6, atol=0.0)                       # rtol·inf = inf: still no pass
+    assert relative.violations([5.0, np.inf, -np.inf], [np.inf, np.inf, np.inf]).tolist() == [True, False, True]
+
+
+def test_tolerances_read_an_unset_zero_tail_as_the_baselines_do():
+    """handle_zero_tail=None is verl's default, on for the self-inclusive baseline, off for leave-one-out."""
+    for leave_one_out in (False, True):
+        unset = _call(tolerances.otb_tolerance, handle_zero_tail=None, leave_one_out=leave_one_out)
+        explicit = _call(tolerances.otb_tolerance, handle_zero_tail=not leave_one_out, leave_one_out=leave_one_out)
+        np.testing.assert_array_equal(unset[0].atol, explicit[0].atol)
