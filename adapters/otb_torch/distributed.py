@@ -204,8 +204,8 @@ def _shown_dtypes(field: int) -> str:
             f"{_DTYPE_NAMES.get(field % 8, 'another dtype')}")
 
 
-_DTYPES_DIFFER = ("the inputs' dtype (results come in the rewards' dtype, sums in float64 where an input is float64: "
-                  "ranks of one call must agree)")
+_DTYPES_DIFFER = ("the dtypes (results come in the rewards' dtype, sums in float64 where an input is float64: ranks "
+                  "of one call must agree)")
 
 
 def _shown_float(field: int) -> float:
@@ -386,7 +386,7 @@ def vocab_parallel_token_statistics(logits_shard: Any, token_ids: Any = None, *,
         failure = exc
     rows = int(np.prod(lead)) if z is not None else 0
     width = int(z.shape[-1]) if z is not None else 0
-    dtype_code = _dtypes_field(z.dtype, _compute_dtype(z)) if z is not None else 0
+    dtype_code = _dtypes_field(_out_dtype(z), _compute_dtype(z)) if z is not None else 0
     verdicts = _Verdicts("vocab_parallel_token_statistics",
                          [len(lead), rows, hash(lead) & 0x7FFFFFFF, width, ids is not None, dtype_code,
                           -1 if vocab_start is None else vocab_start, _flag_field(check_values)], failure, group,
@@ -395,7 +395,7 @@ def vocab_parallel_token_statistics(logits_shard: Any, token_ids: Any = None, *,
     verdicts.require_equal(1, "logits_shard (number of positions)")
     verdicts.require_equal(2, "logits_shard (leading shape)")
     verdicts.require_equal(4, "token_ids (given on some ranks only)", shown_as=bool)
-    verdicts.require_equal(5, "logits_shard (dtype: ranks of one call must agree)", shown_as=_shown_dtypes)
+    verdicts.require_equal(5, "logits_shard (dtypes: ranks of one call must agree)", shown_as=_shown_dtypes)
     verdicts.require_equal(7, "check_values", shown_as=_shown_flag)
     widths, starts = verdicts.column(3), verdicts.column(6)
     if len(set(start < 0 for start in starts)) > 1:
@@ -620,8 +620,9 @@ def context_parallel_returns_and_energy(rewards: Any, response_mask: Any, log_pr
     except (TypeError, ValueError) as exc:
         failure = exc
     shape = (0, 0) if local is None else tuple(local.rewards.shape)
-    dtypes = 0 if local is None else _dtypes_field(check.output_dtype(local.rewards), check.accumulation_dtype(
-        local.rewards, local.log_probs, local.sum_pi_squared, local.is_weights))
+    dtype = None if local is None else check.accumulation_dtype(local.rewards, local.log_probs,
+                                                                 local.sum_pi_squared, local.is_weights)
+    dtypes = 0 if local is None else _dtypes_field(check.output_dtype(local.rewards), dtype)
     verdicts = _Verdicts("context_parallel_returns_and_energy",
                          [shape[0], shape[1], local is not None and local.is_weights is not None,
                           _flag_field(check_values), dtypes], failure, context_group, waits,
@@ -630,8 +631,7 @@ def context_parallel_returns_and_energy(rewards: Any, response_mask: Any, log_pr
     verdicts.require_equal(3, "check_values", shown_as=_shown_flag)
     verdicts.require_equal(4, _DTYPES_DIFFER, shown_as=_shown_dtypes)
     columns_before, _, _ = _layout(verdicts, 0, 1, None)
-    assert local is not None
-    dtype = check.accumulation_dtype(local.rewards, local.log_probs, local.sum_pi_squared, local.is_weights)
+    assert local is not None and dtype is not None
     scan = _scan(local, dtype, context_group, columns_before, timeout)
     out = check.output_dtype(local.rewards)
     return scan._replace(returns=scan.returns.to(out), energy=scan.energy.to(out))
