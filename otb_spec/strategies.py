@@ -453,10 +453,10 @@ def rollout_batches(
       shuffle: non-contiguous groups.
       is_weights: rollout importance weights ρ ∈ [0, 3]: True, False, or None (sometimes).
       reward_style: ``"terminal"`` (one reward on the last valid token), ``"dense"`` (every valid token),
-        ``"sparse"`` (each valid token at a drawn rate of ½, ¼ or ¾) or ``"any"``. Reward values are either 0/1 outcomes (each 1 at a drawn rate
-        of ½, ¼ or ¾, as a task's pass/fail) or uniform on [−max_abs_reward, max_abs_reward], from a seeded generator
-        (so a batch without any reward is the exception, as in training, not the rule; they shrink by their seed,
-        not value by value).
+        ``"sparse"`` (each valid token at a drawn rate of ½, ¼ or ¾) or ``"any"``. Reward values are either 0/1
+        outcomes (each 1 at a drawn rate of ½, ¼ or ¾, as a task's pass/fail) or uniform on [−max_abs_reward,
+        max_abs_reward], from a seeded generator (so a batch without any reward is the exception, as in training,
+        not the rule; they shrink by their seed, not value by value).
       max_abs_reward: rewards lie in [−max_abs_reward, max_abs_reward].
       min_abs_reward: rewarded positions get |r| ≥ min_abs_reward (> 0: no zero rewards there, and no 0/1 rewards —
         useful where a zero reward would hide a wrong baseline).
