@@ -42,8 +42,6 @@ __all__ = [
     "realized_energy_of",
 ]
 
-_ALIGNMENTS = ("position", "valid_token")
-
 
 class AdvantageResult(NamedTuple):
     """(advantages, returns, baselines), each [B, T] on the input's device in the rewards' dtype."""
@@ -519,8 +517,7 @@ def leave_one_out_token_baseline(rewards: Any, response_mask: Any, group_ids: An
                                  epsilon: float = 1e-8, check_values: bool = True,
                                  compile: bool = False) -> AdvantageResult:
     """Leave-one-out OTB (unbiased); the port of :func:`otb_spec.leave_one_out_token_baseline`."""
-    if align not in _ALIGNMENTS:
-        raise ValueError(f"align: expected one of {_ALIGNMENTS}, got {align!r}")
+    reference_checks.alignment(align)
     return _run(_NAMES, rewards, response_mask, group_ids, log_probs, sum_pi_squared, is_weights, check_values,
                 align=align, leave_one_out=True, handle_zero_tail=False, epsilon=epsilon, compile=compile)
 
@@ -531,8 +528,7 @@ def leave_one_out_advantages(rewards: Any, response_mask: Any, group_ids: Any, l
     """(advantages, returns) of :func:`leave_one_out_token_baseline` without forming the baselines: the
     leave-one-out drop-ins with verl's signature (:mod:`otb_torch.verl`), which return only these two; errors name
     the arguments by ``names`` (verl's, :data:`_VERL_NAMES`, for the drop-ins)."""
-    if align not in _ALIGNMENTS:
-        raise ValueError(f"align: expected one of {_ALIGNMENTS}, got {align!r}")
+    reference_checks.alignment(align)
     result = _run(names, rewards, response_mask, group_ids, log_probs, sum_pi_squared, is_weights, check_values,
                   align=align, leave_one_out=True, handle_zero_tail=False, epsilon=epsilon, need_baselines=False,
                   compile=compile)
@@ -549,8 +545,7 @@ def _energy_variant(names: tuple[str, str, str, str], returns_or_rewards: Any, e
     segments = _segments(group_ids, first.shape[0], first.device, g_name)
     check.check_values(check_values, rewards=(first_name, first), mask=(m_name, mask_t),
                        energies=[(energy_name, energy_t)])
-    if align not in _ALIGNMENTS:
-        raise ValueError(f"align: expected one of {_ALIGNMENTS}, got {align!r}")
+    reference_checks.alignment(align)
     leave_one_out = check.flag("leave_one_out", leave_one_out)
     handle_zero_tail = check.zero_tail(handle_zero_tail, leave_one_out)
     dtype = check.accumulation_dtype(first, energy_t)

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from otb_spec import _validation as reference_checks
 from otb_spec.tolerances import DOMINANT_SHARE
 from otb_torch import _checks as check
 from otb_torch import _native
@@ -67,7 +68,7 @@ __all__ = [
     "global_group_ids",
 ]
 
-_ALIGNMENTS = ("position", "valid_token")
+_ALIGNMENTS = reference_checks.ALIGNMENTS                # the handshake sends an index into it
 _MAGIC = 0x07B5
 
 
@@ -688,8 +689,7 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
     options = [0, 0, 0, 0]
     try:
         waits = timeout = _timeout(timeout)
-        if align not in _ALIGNMENTS:
-            raise ValueError(f"align: expected one of {_ALIGNMENTS}, got {align!r}")
+        reference_checks.alignment(align)
         leave_one_out = check.flag("leave_one_out", leave_one_out)
         handle_zero_tail = check.zero_tail(handle_zero_tail, leave_one_out)
         epsilon = check.epsilon(epsilon)
