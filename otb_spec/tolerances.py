@@ -118,9 +118,8 @@ class Tolerance:
 
         NaN is a violation, and so is ±inf where ``expected`` is finite — also at unchecked (ill-conditioned)
         elements: their exact value is finite, only its digits are unknown; where ``expected`` is ±inf or NaN only
-        the same value passes. ``actual`` must have ``expected``'s
-        shape, and ``rtol`` and ``atol`` must broadcast to it (a ValueError otherwise: broadcasting a wrong shape
-        would compare the wrong elements)."""
+        the same value passes. ``actual`` must have ``expected``'s shape, and ``rtol`` and ``atol`` must broadcast to
+        it (a ValueError otherwise: broadcasting a wrong shape would compare the wrong elements)."""
         actual = np.asarray(actual, dtype=np.float64)
         expected = np.asarray(expected, dtype=np.float64)
         if actual.shape != expected.shape:
@@ -158,7 +157,7 @@ class Tolerance:
         allowed = self._allowed(expected)
         with np.errstate(invalid="ignore"):         # inf − inf where an infinity meets an unchecked element
             excess = np.where(bad, np.nan_to_num(np.abs(actual - expected) - allowed, nan=np.inf), -np.inf)
-        worst = np.unravel_index(int(np.nanargmax(np.nan_to_num(excess, nan=np.inf))), bad.shape) if bad.ndim else ()
+        worst = np.unravel_index(int(np.argmax(excess)), bad.shape) if bad.ndim else ()
         atol_text = f"{float(np.broadcast_to(self.atol, bad.shape)[worst]):.3g}"
         rtol_text = f"{float(np.broadcast_to(self.rtol, bad.shape)[worst]):.3g}"
         raise AssertionError(
