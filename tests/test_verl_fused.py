@@ -16,12 +16,14 @@ differ by at most the sum of their bounds; the port's Σπ² is judged against t
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
 otb_torch = pytest.importorskip("otb_torch")
 
 import otb_spec as otb  # noqa: E402
@@ -97,11 +99,14 @@ def _hidden_of(network, **inputs) -> dict:
     return {"output": output, "hidden": kept["hidden"]}
 
 
-def _sequences(seed: int):
-    """Left-padded prompts and right-padded responses, as verl's rollout returns them."""
+def _sequences(seed: int, response_lengths=None):
+    """Left-padded prompts and right-padded responses, as verl's rollout returns them (4 rows; the responses' lengths
+    drawn, or ``response_lengths``)."""
     rng = np.random.default_rng(seed)
     rows = 4
-    prompt_lengths, response_lengths = rng.integers(2, PROMPT + 1, rows), rng.integers(1, RESPONSE + 1, rows)
+    prompt_lengths, response_lengths = (rng.integers(2, PROMPT + 1, rows),
+                                        rng.integers(1, RESPONSE + 1, rows) if response_lengths is None
+                                        else np.asarray(response_lengths))
     prompts = np.zeros((rows, PROMPT), np.int64)
     responses = np.zeros((rows, RESPONSE), np.int64)
     prompt_mask, response_mask = np.zeros_like(prompts), np.zeros_like(responses)
@@ -334,3 +339,170 @@ def test_otb_advantages_from_the_fused_pass(verl, engine, model):
     expected = otb.optimal_token_baseline(*inputs)
     bound, _ = otb_comparison_tolerance(*inputs)
     bound.assert_close(data.batch["advantages"].numpy(), expected.advantages, "OTB advantages from the fused pass")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# a training step: verl's actor update on the port's advantages, with fused kernels
+
+
+def _predicting_positions(sequences, *, packed: bool) -> tuple[np.ndarray, ...]:
+    """Index arrays into the final hidden states [rows, S, H] (``packed=False``: each row's valid tokens first, as
+    verl's engine pads without remove-padding) or [1, total, H] (``packed``: the rows' valid tokens one after another)
+    of the positions whose next token is a response token — one per valid response token, in row-major order."""
+    prompt_lengths = sequences["prompt_mask"].sum(1).tolist()
+    response_lengths = sequences["response_mask"].sum(1).tolist()
+    rows, columns, offset = [], [], 0
+    for row, (prompt, response) in enumerate(zip(prompt_lengths, response_lengths)):
+        for k in range(response):
+            rows.append(0 if packed else row)
+            columns.append((offset if packed else 0) + prompt + k - 1)
+        offset += prompt + response
+    return np.array(rows), np.array(columns)
+
+
+@pytest.fixture
+def one_rank_world(tmp_path):
+    """A gloo process group of one rank (verl's forward_backward_batch all-reduces the batch's token count over the
+    data-parallel group); destroyed after the test. Reuses a default group of one that is already there."""
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            pytest.skip("a process group of several ranks is already initialised in this process")
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+ENTROPY_COEFF = 2.0**-6     # a power of two, as is the step's token count: the loss's cotangents are exact in float32
+
+
+@pytest.mark.parametrize("variant", ["verl", "leave_one_out"])
+@pytest.mark.parametrize("remove_padding", [True, False], ids=["remove padding", "padded"])
+def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, model, one_rank_world, variant,
+                                                                remove_padding):
+    """One step as verl's legacy trainer takes it with ``use_fused_kernels=True`` and the port installed: the engine's
+    fused forward gives old log π and Σπ² (``_compute_old_log_prob``), verl's ``compute_advantage`` routes to the port,
+    and the batch goes to the actor update as ``RayPPOTrainer._update_actor`` sends it (``to_tensordict``,
+    ``left_right_2_no_padding``, ray_trainer.py:1333–1368) — verl's own ``FSDPEngine.train_batch`` (zero_grad,
+    ``forward_backward_batch`` over micro-batches, ``forward_step`` with verl's ``ppo_loss`` and the vanilla clipped
+    loss, token-mean, an entropy bonus; ``optimizer_step``). Checked:
+
+    * the advantages the loss received equal the reference's OTB (self-inclusive or leave-one-out) on the engine's
+      token statistics, within ``otb_comparison_tolerance``, and those statistics (old log π, Σπ²) equal the
+      reference's on the final hidden states and lm_head, within ``hidden_statistics_tolerance``;
+    * on policy the update's log π equal the old ones bit for bit (ratio 1, nothing clipped), so the gradient that
+      reaches the fused boundary is the vector-Jacobian product of Σₜ (−Aₜ/N)·log πₜ − (c/N)·Hₜ over the N response
+      tokens: the final hidden states' and lm_head.weight's gradients equal the reference's
+      ``token_statistics_vjp`` within ``hidden_gradient_tolerance`` (N and c are powers of two, so the cotangents
+      are exact), and are exactly 0 at the positions that predict no response token; the same VJP with each row
+      given the next row's advantages is outside those bounds (the check can fail);
+    * the optimizer stepped with that gradient.
+    """
+    from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    response_lengths = [9, 7, 8, 8]                         # N = 32 response tokens
+    sequences = _sequences(seed=6, response_lengths=response_lengths)
+    rows, tokens = len(response_lengths), sum(response_lengths)
+    mask = sequences["response_mask"].float()
+    input_ids = torch.cat([sequences["prompts"], sequences["responses"]], 1)
+    attention_mask = torch.cat([sequences["prompt_mask"], sequences["response_mask"]], 1)
+    uids = np.array(["a", "b", "a", "b"], dtype=object)
+    rewards = torch.zeros_like(mask)
+    rewards[torch.arange(rows), torch.tensor(response_lengths) - 1] = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    estimator = "optimal_token_baseline"
+    with otb_verl.install(variant, sum_pi_squared=True):
+        micro_batch = _micro_batch(verl, sequences, remove_padding=remove_padding, temperature=1.0)
+        with torch.no_grad():                                              # the trainer's _compute_old_log_prob
+            _, result = engine.forward_step(micro_batch, loss_function=None, forward_only=True)
+        old_log_probs = verl.no_padding_2_padding(result["model_output"]["log_probs"], micro_batch).float() * mask
+        sum_pi_squared = verl.no_padding_2_padding(result["model_output"]["sum_pi_squared"], micro_batch).float() * mask
+        data = verl.DataProto.from_single_dict({
+            "prompts": sequences["prompts"], "responses": sequences["responses"], "input_ids": input_ids,
+            "attention_mask": attention_mask, "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
+            "response_mask": mask, "token_level_rewards": rewards, "old_log_probs": old_log_probs,
+            "sum_pi_squared": sum_pi_squared, "uid": uids})
+        data = verl.compute_advantage(data, adv_estimator=estimator, gamma=1.0, lam=1.0, num_repeat=2,
+                                      config=verl.AlgoConfig(adv_estimator=estimator))
+        advantages = data.batch["advantages"]
+
+        batch = verl.left_right_2_no_padding(data.to_tensordict())                 # RayPPOTrainer._update_actor
+        verl.tu.assign_non_tensor(batch, calculate_entropy=True, global_batch_size=rows, compute_loss=True,
+                                  use_remove_padding=remove_padding, use_dynamic_bsz=False,
+                                  micro_batch_size_per_gpu=rows, use_fused_kernels=True, temperature=1.0,
+                                  return_model_output=True)
+        actor = FSDPActorConfig(strategy="fsdp", rollout_n=2, ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=rows,
+                                entropy_coeff=ENTROPY_COEFF, use_kl_loss=False)
+        engine.engine_config, engine.scaler, engine._qat_enabled = FSDPEngineConfig(strategy="fsdp"), None, False
+        engine.optimizer_config = FSDPOptimizerConfig(lr=0.5, clip_grad=1e30)    # no clipping: its factor is 1
+        engine.optimizer, engine.ulysses_device_mesh = torch.optim.SGD(model.parameters(), lr=0.5), None
+        weight_before = model.lm_head.weight.detach().clone()
+        kept = []
+
+        def keep_hidden(module, args, output):
+            output[0].retain_grad()
+            kept.append(output[0])
+
+        handle = model.model.register_forward_hook(keep_hidden)
+        try:
+            output = engine.train_batch(batch, loss_function=functools.partial(ppo_loss, config=actor))
+        finally:
+            handle.remove()
+
+    inputs = (rewards.numpy(), mask.numpy(), uids, old_log_probs.numpy(), sum_pi_squared.numpy())
+    if variant == "verl":
+        expected = otb.optimal_token_baseline(*inputs)
+        bound, _ = otb_comparison_tolerance(*inputs)
+    else:
+        expected = otb.leave_one_out_token_baseline(*inputs)
+        bound, _ = otb_comparison_tolerance(*inputs, leave_one_out=True, handle_zero_tail=False,
+                                            compute_dtype=np.float32)
+    bound.assert_close(advantages.numpy(), expected.advantages, f"{variant} advantages the actor update received")
+
+    # on policy: the update's forward gives the old log π again, bit for bit (ratio exactly 1)
+    new_log_probs = verl.no_padding_2_padding(output["model_output"]["log_probs"], batch).float() * mask
+    torch.testing.assert_close(new_log_probs, old_log_probs, rtol=0, atol=0)
+
+    # the gradient at the fused boundary against the reference's VJP
+    weight = weight_before.double().numpy()
+    (hidden,) = kept
+    at = _predicting_positions(sequences, packed=remove_padding)
+    grad = hidden.grad.double().numpy()
+    outside = np.ones(grad.shape[:-1], bool)
+    outside[at] = False
+    assert np.all(grad[outside] == 0), "a gradient at positions that predict no response token"
+    valid = mask.numpy() > 0                                      # row-major: the order of ``at``
+    hidden_rows, labels = hidden.detach().double().numpy()[at], sequences["responses"].numpy()[valid]
+    # the old log π and Σπ² the advantages came from, against the reference on these hidden states (the same
+    # forward: its log π are bitwise the update's)
+    statistics = otb.token_statistics_from_hidden(hidden_rows, weight, labels)
+    rounding = output_rounding(np.float32)
+    ours, exact = (hidden_statistics_tolerance(hidden_rows, weight, labels, dtype=dtype)
+                   for dtype in (np.float32, np.float64))
+    (ours.sum_pi_squared + exact.sum_pi_squared + rounding).assert_close(
+        sum_pi_squared.numpy()[valid], statistics.sum_pi_squared, "Σπ² of the fused pass")
+    (ours.log_probs + exact.log_probs + rounding).assert_close(
+        old_log_probs.numpy()[valid], statistics.log_probs, "old log π of the fused pass")
+    g_lp = -advantages.double().numpy()[valid] / tokens
+    g_h = np.full(tokens, -ENTROPY_COEFF / tokens)
+    reference = otb.token_statistics_vjp(hidden_rows, weight, labels, g_lp, g_h)
+    bound_h, bound_w = (
+        sum(pair, rounding) for pair in zip(
+            hidden_gradient_tolerance(hidden_rows, weight, labels, g_lp, g_h, dtype=np.float32),
+            hidden_gradient_tolerance(hidden_rows, weight, labels, g_lp, g_h, dtype=np.float64)))
+    computed_h = grad[at]
+    computed_w = model.lm_head.weight.grad.double().numpy()
+    bound_h.assert_close(computed_h, reference.hidden, "∂ final hidden states in verl's training step")
+    bound_w.assert_close(computed_w, reference.weight, "∂ lm_head.weight in verl's training step")
+    # the check can fail: the same VJP with each row given the next row's advantages is rejected
+    misrouted = -np.roll(advantages.double().numpy(), -1, axis=0)[valid] / tokens
+    wrong = otb.token_statistics_vjp(hidden_rows, weight, labels, misrouted, g_h)
+    assert not bound_h.holds(computed_h, wrong.hidden) and not bound_w.holds(computed_w, wrong.weight)
+
+    # the optimizer stepped with that gradient (SGD, no clipping)
+    stepped = weight_before - 0.5 * model.lm_head.weight.grad
+    torch.testing.assert_close(model.lm_head.weight.detach(), stepped, rtol=0, atol=0)
+    assert math.isfinite(output["metrics"]["grad_norm"])
