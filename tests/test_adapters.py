@@ -196,6 +196,19 @@ def test_masked_positions_are_exactly_zero(adapter, batch, variant):
     assert np.isfinite(advantages).all()
 
 
+@pytest.mark.parametrize("align", ["turn", ["position"], np.array(["position"]), None],
+                         ids=["unknown", "list", "array", "none"])
+def test_an_alignment_other_than_the_two_names_is_rejected_naming_it(adapter, align):
+    """Every backend checks ``align`` as the reference does (one shared check): only the strings "position" and
+    "valid_token" — a list or array holding one (whose ``in`` test is ambiguous) gets the same message."""
+    rng = np.random.default_rng(0)
+    inputs = [adapter.asarray(value, "float32") for value in (rng.random((2, 3)), np.ones((2, 3)),
+                                                              np.full((2, 3), np.log(0.5)), np.full((2, 3), 0.5))]
+    with pytest.raises(ValueError, match=r"^align: expected one of \('position', 'valid_token'\)"):
+        adapter.leave_one_out_token_baseline(inputs[0], inputs[1], adapter.segments(np.array([0, 0])), inputs[2],
+                                             inputs[3], align=align)
+
+
 @given(batch=otb_st.rollout_batches(padding="right", holes=False, empty_rows=False))
 def test_multi_turn_equals_single_turn_on_prefix_masks(adapter, batch):
     single, _, seen, mask = _run(adapter, "single_turn", batch, "float32")

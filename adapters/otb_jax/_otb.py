@@ -25,8 +25,6 @@ __all__ = [
     "realized_energy_of",
 ]
 
-_ALIGNMENTS = ("position", "valid_token")
-
 
 class AdvantageResult(NamedTuple):
     """(advantages, returns, baselines), each [B, T] in the rewards' dtype."""
@@ -107,8 +105,7 @@ def leave_one_out_token_baseline(rewards: Any, response_mask: Any, segment_ids: 
                                  check_values: bool = True) -> AdvantageResult:
     """Leave-one-out OTB (unbiased); the port of :func:`otb_spec.leave_one_out_token_baseline` (segment ids, jit
     and gradients as :func:`optimal_token_baseline`)."""
-    if align not in _ALIGNMENTS:
-        raise ValueError(f"align: expected one of {_ALIGNMENTS}, got {align!r}")
+    align = reference_checks.alignment(align)
     return _run(rewards, response_mask, segment_ids, num_segments, log_probs, sum_pi_squared, is_weights,
                 check_values, align=align, leave_one_out=True, handle_zero_tail=False, epsilon=epsilon)
 
@@ -124,8 +121,7 @@ def _energy_variant(names: tuple[str, str], first: Any, energy: Any, response_ma
                                                                                                  check_values))
     check.check_values(check_values, rewards=(first_name, first_a), mask=("response_mask", mask_a),
                        energies=[(energy_name, energy_a)])
-    if align not in _ALIGNMENTS:
-        raise ValueError(f"align: expected one of {_ALIGNMENTS}, got {align!r}")
+    align = reference_checks.alignment(align)
     leave_one_out = check.flag("leave_one_out", leave_one_out)
     handle_zero_tail = check.zero_tail(handle_zero_tail, leave_one_out)
     compute_dtype = check.compute_dtype(first_a, energy_a)

@@ -45,8 +45,6 @@ __all__ = [
     "distributed_token_baseline",
 ]
 
-_ALIGNMENTS = ("position", "valid_token")
-
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Vocab parallel
@@ -268,8 +266,7 @@ def distributed_token_baseline(rewards: Any, response_mask: Any, group_ids: Any,
         [0, num_groups) gives NaN
         advantages and baselines on its row, which joins no group, and a mask is read as valid where nonzero.
     """
-    if align not in _ALIGNMENTS:
-        raise ValueError(f"align: expected one of {_ALIGNMENTS}, got {align!r}")
+    align = reference_checks.alignment(align)
     leave_one_out = check.flag("leave_one_out", leave_one_out)
     zero_tail = check.zero_tail(handle_zero_tail, leave_one_out)
     epsilon = check.epsilon(epsilon)

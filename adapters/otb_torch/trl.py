@@ -72,7 +72,7 @@ VARIANTS = ("otb", "leave_one_out")
 """``"otb"``: verl's self-inclusive OTB (biased: a member's own terms are in its baseline).
 ``"leave_one_out"``: the baseline of member i from the other members only — unbiased (proofs/T3)."""
 
-ALIGNMENTS = ("position", "valid_token")
+ALIGNMENTS = reference_checks.ALIGNMENTS
 """``"position"``: members compared at the same completion position (verl's ``optimal_token_baseline``).
 ``"valid_token"``: the k-th valid token of each member (tool output skipped; verl's ``tir_optimal_token_baseline``)."""
 
@@ -277,8 +277,7 @@ class OTBGRPOTrainer(GRPOTrainer):
         bound = _bind_trainer_arguments(args, kwargs)
         if not isinstance(variant, str) or variant not in VARIANTS:
             raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
-        if not isinstance(align, str) or align not in ALIGNMENTS:
-            raise ValueError(f"align: expected one of {ALIGNMENTS}, got {align!r}")
+        align = reference_checks.alignment(align)
         if handle_zero_tail is not None and not isinstance(handle_zero_tail, bool):
             raise ValueError(f"handle_zero_tail: expected None, True or False, got {handle_zero_tail!r}")
         try:
