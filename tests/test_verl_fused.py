@@ -345,19 +345,73 @@ def test_otb_advantages_from_the_fused_pass(verl, engine, model):
 # a training step: verl's actor update on the port's advantages, with fused kernels
 
 
-def _predicting_positions(sequences, *, packed: bool) -> tuple[np.ndarray, ...]:
-    """Index arrays into the final hidden states [rows, S, H] (``packed=False``: each row's valid tokens first, as
-    verl's engine pads without remove-padding) or [1, total, H] (``packed``: the rows' valid tokens one after another)
-    of the positions whose next token is a response token — one per valid response token, in row-major order."""
-    prompt_lengths = sequences["prompt_mask"].sum(1).tolist()
-    response_lengths = sequences["response_mask"].sum(1).tolist()
-    rows, columns, offset = [], [], 0
-    for row, (prompt, response) in enumerate(zip(prompt_lengths, response_lengths)):
-        for k in range(response):
-            rows.append(0 if packed else row)
-            columns.append((offset if packed else 0) + prompt + k - 1)
-        offset += prompt + response
-    return np.array(rows), np.array(columns)
+class _DecoderCalls:
+    """Every forward of the model's decoder inside the block: the token ids and position ids it read and its final
+    hidden states (their gradient retained). ``response_states(sequences)`` finds each row of the batch among them by
+    its valid tokens — in whatever micro-batch and order verl put it, packed or padded — and returns, per row, the
+    hidden states that predict its response tokens (the state one position before each) with their gradients."""
+
+    def __init__(self, model):
+        self.model, self.calls, self.handles = model, [], []
+
+    def __enter__(self):
+        def read(module, args, kwargs):
+            self.calls.append({"input_ids": kwargs["input_ids"], "position_ids": kwargs.get("position_ids")})
+
+        def keep(module, args, output):
+            if output[0].requires_grad:
+                output[0].retain_grad()
+            self.calls[-1]["hidden"] = output[0]
+
+        self.handles = [self.model.model.register_forward_pre_hook(read, with_kwargs=True),
+                        self.model.model.register_forward_hook(keep)]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+
+    def _segments(self):
+        """(call, batch index, first position, token ids) of every sequence the decoder read: a sequence's position
+        ids start at 0 — packed, several per row; padded, one per row, its valid tokens first."""
+        for number, call in enumerate(self.calls):
+            ids, positions = call["input_ids"], call["position_ids"]
+            for index in range(ids.shape[0]):
+                starts = torch.nonzero(positions[index] == 0).flatten().tolist() + [ids.shape[1]]
+                for begin, stop in zip(starts[:-1], starts[1:]):
+                    yield number, index, begin, ids[index, begin:stop]
+
+    def response_states(self, sequences) -> list[tuple[int, int, slice]]:
+        """Per row of ``sequences``: (call, batch index, positions) of the hidden states that predict its response
+        tokens."""
+        prompt_mask, response_mask = sequences["prompt_mask"].bool(), sequences["response_mask"].bool()
+        found = []
+        for row in range(prompt_mask.shape[0]):
+            tokens = torch.cat([sequences["prompts"][row][prompt_mask[row]],
+                                sequences["responses"][row][response_mask[row]]])
+            places = [(number, index, begin) for number, index, begin, ids in self._segments()
+                      if len(ids) == len(tokens) and torch.equal(ids, tokens)]
+            assert len(places) == 1, f"row {row} read {len(places)} times by the decoder"
+            number, index, begin = places[0]
+            first = begin + int(prompt_mask[row].sum()) - 1
+            found.append((number, index, slice(first, first + int(response_mask[row].sum()))))
+        return found
+
+    def gather(self, places, gradient: bool = False) -> np.ndarray:
+        """The hidden states (or their gradients) at ``places``, concatenated row after row: [N, H] float64."""
+        return np.concatenate([(self.calls[number]["hidden"].grad if gradient else self.calls[number]["hidden"])
+                               [index, at].detach().double().numpy() for number, index, at in places])
+
+    def gradient_elsewhere(self, places) -> float:
+        """The largest |gradient| of the hidden states outside ``places``."""
+        largest = 0.0
+        for number, call in enumerate(self.calls):
+            outside = torch.ones(call["hidden"].shape[:-1], dtype=torch.bool)
+            for place_number, index, at in places:
+                if place_number == number:
+                    outside[index, at] = False
+            largest = max([largest, *call["hidden"].grad[outside].abs().flatten().tolist()])
+        return largest
 
 
 @pytest.fixture
@@ -379,20 +433,24 @@ def one_rank_world(tmp_path):
 ENTROPY_COEFF = 2.0**-6     # a power of two, as is the step's token count: the loss's cotangents are exact in float32
 
 
+@pytest.mark.parametrize("micro_batches", ["one", "dynamic"], ids=["one micro-batch", "dynamic bsz"])
 @pytest.mark.parametrize("variant", ["verl", "leave_one_out"])
 @pytest.mark.parametrize("remove_padding", [True, False], ids=["remove padding", "padded"])
-def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, model, one_rank_world, variant,
-                                                                remove_padding):
-    """One step as verl's legacy trainer takes it with ``use_fused_kernels=True`` and the port installed: the engine's
-    fused forward gives old log π and Σπ² (``_compute_old_log_prob``), verl's ``compute_advantage`` routes to the port,
-    and the batch goes to the actor update as ``RayPPOTrainer._update_actor`` sends it (``to_tensordict``,
-    ``left_right_2_no_padding``, ray_trainer.py:1333–1368) — verl's own ``FSDPEngine.train_batch`` (zero_grad,
-    ``forward_backward_batch`` over micro-batches, ``forward_step`` with verl's ``ppo_loss`` and the vanilla clipped
-    loss, token-mean, an entropy bonus; ``optimizer_step``). Checked:
+def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, model, one_rank_world, monkeypatch,
+                                                                variant, remove_padding, micro_batches):
+    """One step as verl's legacy trainer takes it with ``use_fused_kernels=True`` and the port installed, in verl's
+    own code: old log π and Σπ² as ``RayPPOTrainer._compute_old_log_prob`` gets them (``to_tensordict``,
+    ``left_right_2_no_padding``; the worker's ``compute_log_prob`` is ``FSDPEngine.infer_batch``), verl's
+    ``compute_advantage`` routed to the port, and the actor update as ``_update_actor`` sends the batch
+    (ray_trainer.py:1333–1368) to ``FSDPEngine.train_batch`` — zero_grad, ``forward_backward_batch`` over the
+    micro-batches (one, or verl's dynamic batching by token count, which reorders the rows and restores their order),
+    ``forward_step`` with verl's ``ppo_loss`` (vanilla clipped loss, token-mean, an entropy bonus), ``optimizer_step``.
+    Checked:
 
-    * the advantages the loss received equal the reference's OTB (self-inclusive or leave-one-out) on the engine's
-      token statistics, within ``otb_comparison_tolerance``, and those statistics (old log π, Σπ²) equal the
-      reference's on the final hidden states and lm_head, within ``hidden_statistics_tolerance``;
+    * Σπ² and old log π of every response token, back in the batch's row order, equal the reference's on the final
+      hidden states and lm_head that computed them, within ``hidden_statistics_tolerance``;
+    * the advantages the loss received equal the reference's OTB (self-inclusive or leave-one-out) on those
+      statistics, within ``otb_comparison_tolerance``;
     * on policy the update's log π equal the old ones bit for bit (ratio 1, nothing clipped), so the gradient that
       reaches the fused boundary is the vector-Jacobian product of Σₜ (−Aₜ/N)·log πₜ − (c/N)·Hₜ over the N response
       tokens: the final hidden states' and lm_head.weight's gradients equal the reference's
@@ -401,9 +459,11 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
       given the next row's advantages is outside those bounds (the check can fail);
     * the optimizer stepped with that gradient.
     """
+    from verl.utils import seqlen_balancing
     from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig
     from verl.workers.utils.losses import ppo_loss
 
+    monkeypatch.setattr(seqlen_balancing, "get_device_name", lambda: "cpu")    # as the engine's, in the fixture
     response_lengths = [9, 7, 8, 8]                         # N = 32 response tokens
     sequences = _sequences(seed=6, response_lengths=response_lengths)
     rows, tokens = len(response_lengths), sum(response_lengths)
@@ -414,43 +474,56 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
     rewards = torch.zeros_like(mask)
     rewards[torch.arange(rows), torch.tensor(response_lengths) - 1] = torch.tensor([1.0, 0.0, 0.0, 1.0])
     estimator = "optimal_token_baseline"
+    # what the worker's train_batch / infer_batch add from the engine config (engine_workers.py:351–362, 404–414);
+    # dynamic batching: at most 20 tokens per micro-batch, so one row each here (11–13 tokens), not in the batch's order
+    batching = dict(use_remove_padding=remove_padding, use_dynamic_bsz=micro_batches == "dynamic",
+                    max_token_len_per_gpu=20, micro_batch_size_per_gpu=rows, use_fused_kernels=True,
+                    temperature=1.0)
+    engine.engine_config, engine.scaler, engine._qat_enabled = FSDPEngineConfig(strategy="fsdp"), None, False
+    engine.optimizer_config = FSDPOptimizerConfig(lr=0.5, clip_grad=1e30)        # no clipping: its factor is 1
+    engine.optimizer, engine.ulysses_device_mesh = torch.optim.SGD(model.parameters(), lr=0.5), None
+    data = verl.DataProto.from_single_dict({
+        "prompts": sequences["prompts"], "responses": sequences["responses"], "input_ids": input_ids,
+        "attention_mask": attention_mask, "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
+        "response_mask": mask, "token_level_rewards": rewards, "uid": uids})
     with otb_verl.install(variant, sum_pi_squared=True):
-        micro_batch = _micro_batch(verl, sequences, remove_padding=remove_padding, temperature=1.0)
-        with torch.no_grad():                                              # the trainer's _compute_old_log_prob
-            _, result = engine.forward_step(micro_batch, loss_function=None, forward_only=True)
-        old_log_probs = verl.no_padding_2_padding(result["model_output"]["log_probs"], micro_batch).float() * mask
-        sum_pi_squared = verl.no_padding_2_padding(result["model_output"]["sum_pi_squared"], micro_batch).float() * mask
-        data = verl.DataProto.from_single_dict({
-            "prompts": sequences["prompts"], "responses": sequences["responses"], "input_ids": input_ids,
-            "attention_mask": attention_mask, "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
-            "response_mask": mask, "token_level_rewards": rewards, "old_log_probs": old_log_probs,
-            "sum_pi_squared": sum_pi_squared, "uid": uids})
+        rollout = verl.left_right_2_no_padding(data.to_tensordict())            # RayPPOTrainer._compute_old_log_prob
+        verl.tu.assign_non_tensor(rollout, calculate_entropy=True, calculate_sum_pi_squared=True, compute_loss=False,
+                                  **batching)
+        with _DecoderCalls(model) as first_pass:
+            result = engine.infer_batch(rollout)
+        old_log_probs = verl.no_padding_2_padding(result["model_output"]["log_probs"], rollout).float()
+        sum_pi_squared = verl.no_padding_2_padding(result["model_output"]["sum_pi_squared"], rollout).float()
+        data.batch["old_log_probs"], data.batch["sum_pi_squared"] = old_log_probs, sum_pi_squared
         data = verl.compute_advantage(data, adv_estimator=estimator, gamma=1.0, lam=1.0, num_repeat=2,
                                       config=verl.AlgoConfig(adv_estimator=estimator))
         advantages = data.batch["advantages"]
 
         batch = verl.left_right_2_no_padding(data.to_tensordict())                 # RayPPOTrainer._update_actor
         verl.tu.assign_non_tensor(batch, calculate_entropy=True, global_batch_size=rows, compute_loss=True,
-                                  use_remove_padding=remove_padding, use_dynamic_bsz=False,
-                                  micro_batch_size_per_gpu=rows, use_fused_kernels=True, temperature=1.0,
-                                  return_model_output=True)
+                                  return_model_output=True, **batching)
         actor = FSDPActorConfig(strategy="fsdp", rollout_n=2, ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=rows,
                                 entropy_coeff=ENTROPY_COEFF, use_kl_loss=False)
-        engine.engine_config, engine.scaler, engine._qat_enabled = FSDPEngineConfig(strategy="fsdp"), None, False
-        engine.optimizer_config = FSDPOptimizerConfig(lr=0.5, clip_grad=1e30)    # no clipping: its factor is 1
-        engine.optimizer, engine.ulysses_device_mesh = torch.optim.SGD(model.parameters(), lr=0.5), None
         weight_before = model.lm_head.weight.detach().clone()
-        kept = []
-
-        def keep_hidden(module, args, output):
-            output[0].retain_grad()
-            kept.append(output[0])
-
-        handle = model.model.register_forward_hook(keep_hidden)
-        try:
+        with _DecoderCalls(model) as update:
             output = engine.train_batch(batch, loss_function=functools.partial(ppo_loss, config=actor))
-        finally:
-            handle.remove()
+    rollout_places = first_pass.response_states(sequences)
+    if micro_batches == "dynamic":                 # the rows ran in other micro-batches than their order says
+        calls = [number for number, _, _ in rollout_places]
+        assert len(first_pass.calls) >= 2 and calls != sorted(calls)
+
+    # the statistics the advantages came from, row by row, against the reference on the hidden states behind them
+    weight, valid = weight_before.double().numpy(), mask.numpy() > 0             # row-major: the order of ``places``
+    labels = sequences["responses"].numpy()[valid]
+    hidden_rows = first_pass.gather(rollout_places)
+    statistics = otb.token_statistics_from_hidden(hidden_rows, weight, labels)
+    rounding = output_rounding(np.float32)
+    ours, exact = (hidden_statistics_tolerance(hidden_rows, weight, labels, dtype=dtype)
+                   for dtype in (np.float32, np.float64))
+    (ours.sum_pi_squared + exact.sum_pi_squared + rounding).assert_close(
+        sum_pi_squared.numpy()[valid], statistics.sum_pi_squared, "Σπ² of the fused pass")
+    (ours.log_probs + exact.log_probs + rounding).assert_close(
+        old_log_probs.numpy()[valid], statistics.log_probs, "old log π of the fused pass")
 
     inputs = (rewards.numpy(), mask.numpy(), uids, old_log_probs.numpy(), sum_pi_squared.numpy())
     if variant == "verl":
@@ -463,29 +536,13 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
     bound.assert_close(advantages.numpy(), expected.advantages, f"{variant} advantages the actor update received")
 
     # on policy: the update's forward gives the old log π again, bit for bit (ratio exactly 1)
-    new_log_probs = verl.no_padding_2_padding(output["model_output"]["log_probs"], batch).float() * mask
-    torch.testing.assert_close(new_log_probs, old_log_probs, rtol=0, atol=0)
+    new_log_probs = verl.no_padding_2_padding(output["model_output"]["log_probs"], batch).float()
+    torch.testing.assert_close(new_log_probs[mask > 0], old_log_probs[mask > 0], rtol=0, atol=0)
 
     # the gradient at the fused boundary against the reference's VJP
-    weight = weight_before.double().numpy()
-    (hidden,) = kept
-    at = _predicting_positions(sequences, packed=remove_padding)
-    grad = hidden.grad.double().numpy()
-    outside = np.ones(grad.shape[:-1], bool)
-    outside[at] = False
-    assert np.all(grad[outside] == 0), "a gradient at positions that predict no response token"
-    valid = mask.numpy() > 0                                      # row-major: the order of ``at``
-    hidden_rows, labels = hidden.detach().double().numpy()[at], sequences["responses"].numpy()[valid]
-    # the old log π and Σπ² the advantages came from, against the reference on these hidden states (the same
-    # forward: its log π are bitwise the update's)
-    statistics = otb.token_statistics_from_hidden(hidden_rows, weight, labels)
-    rounding = output_rounding(np.float32)
-    ours, exact = (hidden_statistics_tolerance(hidden_rows, weight, labels, dtype=dtype)
-                   for dtype in (np.float32, np.float64))
-    (ours.sum_pi_squared + exact.sum_pi_squared + rounding).assert_close(
-        sum_pi_squared.numpy()[valid], statistics.sum_pi_squared, "Σπ² of the fused pass")
-    (ours.log_probs + exact.log_probs + rounding).assert_close(
-        old_log_probs.numpy()[valid], statistics.log_probs, "old log π of the fused pass")
+    places = update.response_states(sequences)
+    hidden_rows = update.gather(places)
+    assert update.gradient_elsewhere(places) == 0, "a gradient at positions that predict no response token"
     g_lp = -advantages.double().numpy()[valid] / tokens
     g_h = np.full(tokens, -ENTROPY_COEFF / tokens)
     reference = otb.token_statistics_vjp(hidden_rows, weight, labels, g_lp, g_h)
@@ -493,7 +550,7 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
         sum(pair, rounding) for pair in zip(
             hidden_gradient_tolerance(hidden_rows, weight, labels, g_lp, g_h, dtype=np.float32),
             hidden_gradient_tolerance(hidden_rows, weight, labels, g_lp, g_h, dtype=np.float64)))
-    computed_h = grad[at]
+    computed_h = update.gather(places, gradient=True)
     computed_w = model.lm_head.weight.grad.double().numpy()
     bound_h.assert_close(computed_h, reference.hidden, "∂ final hidden states in verl's training step")
     bound_w.assert_close(computed_w, reference.weight, "∂ lm_head.weight in verl's training step")
