@@ -431,13 +431,18 @@ def one_rank_world(tmp_path):
 
 
 ENTROPY_COEFF = 2.0**-6     # a power of two, as is the step's token count: the loss's cotangents are exact in float32
+LOGIT_SCALE = 32.0          # lm_head × 32 (exact): the random model's near-uniform π would make every token alike
 
 
-@pytest.mark.parametrize("micro_batches", ["one", "dynamic"], ids=["one micro-batch", "dynamic bsz"])
+# bf16: the model's parameters in bfloat16, as FSDP's mixed precision computes with them, in one micro-batch — several
+# would accumulate lm_head.weight's gradient in bfloat16 here, where FSDP accumulates float32 gradients
+@pytest.mark.parametrize("micro_batches, precision", [("one", "float32"), ("dynamic", "float32"),
+                                                       ("one", "bfloat16")],
+                         ids=["one micro-batch", "dynamic bsz", "one micro-batch in bf16"])
 @pytest.mark.parametrize("variant", ["verl", "leave_one_out"])
 @pytest.mark.parametrize("remove_padding", [True, False], ids=["remove padding", "padded"])
 def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, model, one_rank_world, monkeypatch,
-                                                                variant, remove_padding, micro_batches):
+                                                                variant, remove_padding, micro_batches, precision):
     """One step as verl's legacy trainer takes it with ``use_fused_kernels=True`` and the port installed, in verl's
     own code: old log π and Σπ² as ``RayPPOTrainer._compute_old_log_prob`` gets them (``to_tensordict``,
     ``left_right_2_no_padding``; the worker's ``compute_log_prob`` is ``FSDPEngine.infer_batch``), verl's
@@ -445,7 +450,7 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
     (ray_trainer.py:1333–1368) to ``FSDPEngine.train_batch`` — zero_grad, ``forward_backward_batch`` over the
     micro-batches (one, or verl's dynamic batching by token count, which reorders the rows and restores their order),
     ``forward_step`` with verl's ``ppo_loss`` (vanilla clipped loss, token-mean, an entropy bonus), ``optimizer_step``.
-    Checked:
+    The policy is peaked (lm_head × 32: Σπ² from 0.06 to 0.9), in float32 or with bfloat16 parameters. Checked:
 
     * Σπ² and old log π of every response token, back in the batch's row order, equal the reference's on the final
       hidden states and lm_head that computed them, within ``hidden_statistics_tolerance``;
@@ -456,7 +461,8 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
       tokens: the final hidden states' and lm_head.weight's gradients equal the reference's
       ``token_statistics_vjp`` within ``hidden_gradient_tolerance`` (N and c are powers of two, so the cotangents
       are exact), and are exactly 0 at the positions that predict no response token; the same VJP with each row
-      given the next row's advantages is outside those bounds (the check can fail);
+      given the next row's advantages is outside those bounds (the check can fail). From bfloat16 parameters the port
+      computes in float32, so the float32 bounds apply, plus rounding the gradients to bfloat16;
     * the optimizer stepped with that gradient.
     """
     from verl.utils import seqlen_balancing
@@ -480,6 +486,11 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
                     max_token_len_per_gpu=20, micro_batch_size_per_gpu=rows, use_fused_kernels=True,
                     temperature=1.0)
     engine.engine_config, engine.scaler, engine._qat_enabled = FSDPEngineConfig(strategy="fsdp"), None, False
+    with torch.no_grad():                # a peaked policy, as a trained one: logits spread over about ±10, not ±0.3
+        model.lm_head.weight.mul_(LOGIT_SCALE)
+    if precision == "bfloat16":
+        model.to(torch.bfloat16)
+        engine._autocast_dtype = torch.bfloat16
     engine.optimizer_config = FSDPOptimizerConfig(lr=0.5, clip_grad=1e30)        # no clipping: its factor is 1
     engine.optimizer, engine.ulysses_device_mesh = torch.optim.SGD(model.parameters(), lr=0.5), None
     data = verl.DataProto.from_single_dict({
@@ -508,6 +519,7 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
         with _DecoderCalls(model) as update:
             output = engine.train_batch(batch, loss_function=functools.partial(ppo_loss, config=actor))
     rollout_places = first_pass.response_states(sequences)
+    assert all(call["hidden"].dtype == getattr(torch, precision) for call in first_pass.calls + update.calls)
     if micro_batches == "dynamic":                 # the rows ran in other micro-batches than their order says
         calls = [number for number, _, _ in rollout_places]
         assert len(first_pass.calls) >= 2 and calls != sorted(calls)
@@ -517,6 +529,8 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
     labels = sequences["responses"].numpy()[valid]
     hidden_rows = first_pass.gather(rollout_places)
     statistics = otb.token_statistics_from_hidden(hidden_rows, weight, labels)
+    # the port computes from bf16 hidden states and weights in float32 (each product exact there), so it is held to
+    # the float32 bounds, plus rounding its gradients to the parameters' dtype on output
     rounding = output_rounding(np.float32)
     ours, exact = (hidden_statistics_tolerance(hidden_rows, weight, labels, dtype=dtype)
                    for dtype in (np.float32, np.float64))
@@ -547,7 +561,7 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
     g_h = np.full(tokens, -ENTROPY_COEFF / tokens)
     reference = otb.token_statistics_vjp(hidden_rows, weight, labels, g_lp, g_h)
     bound_h, bound_w = (
-        sum(pair, rounding) for pair in zip(
+        sum(pair, output_rounding(precision)) for pair in zip(
             hidden_gradient_tolerance(hidden_rows, weight, labels, g_lp, g_h, dtype=np.float32),
             hidden_gradient_tolerance(hidden_rows, weight, labels, g_lp, g_h, dtype=np.float64)))
     computed_h = update.gather(places, gradient=True)
