@@ -69,8 +69,9 @@ def _nothing_installed_after_a_test():
 
 
 @pytest.fixture
-def model(verl):
-    """A tiny random Qwen2 with verl's fused forward (torch backend); the class's own forward is restored after."""
+def model(verl, request):
+    """A tiny random Qwen2 with verl's fused forward (torch backend) — or, parametrized indirectly with "unfused",
+    transformers' own forward returning the logits; the class's own forward is restored after."""
     config = verl.transformers.Qwen2Config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
@@ -78,7 +79,8 @@ def model(verl):
     network = verl.transformers.Qwen2ForCausalLM(config).float()
     model_class = type(network)
     own_forward = model_class.__dict__["forward"]
-    verl.patch_forward_with_backends(network, use_fused_kernels=True, fused_kernels_backend="torch")
+    if getattr(request, "param", "fused") == "fused":
+        verl.patch_forward_with_backends(network, use_fused_kernels=True, fused_kernels_backend="torch")
     yield network
     model_class.forward = own_forward
 
@@ -434,15 +436,24 @@ ENTROPY_COEFF = 2.0**-6     # a power of two, as is the step's token count: the 
 LOGIT_SCALE = 32.0          # lm_head × 32 (exact): the random model's near-uniform π would make every token alike
 
 
-# bf16: the model's parameters in bfloat16, as FSDP's mixed precision computes with them, in one micro-batch — several
-# would accumulate lm_head.weight's gradient in bfloat16 here, where FSDP accumulates float32 gradients
-@pytest.mark.parametrize("micro_batches, precision", [("one", "float32"), ("dynamic", "float32"),
-                                                       ("one", "bfloat16")],
-                         ids=["one micro-batch", "dynamic bsz", "one micro-batch in bf16"])
+# model: verl's fused forward, or transformers' own (the logits materialised; Σπ² by the port's function swapped in
+# with install(sum_pi_squared=True), or by verl's own formula). bf16: the model's parameters in bfloat16, as FSDP's
+# mixed precision computes with them, in one micro-batch — several would accumulate lm_head.weight's gradient in
+# bfloat16 here, where FSDP accumulates float32 gradients.
+_STEPS = {"fused, one micro-batch": ("fused", True, "one", "float32"),
+          "fused, dynamic bsz": ("fused", True, "dynamic", "float32"),
+          "fused, one micro-batch in bf16": ("fused", True, "one", "bfloat16"),
+          "unfused, the port's sum_pi_squared": ("unfused", True, "one", "float32"),
+          "unfused, verl's sum_pi_squared": ("unfused", False, "one", "float32")}
+
+
+@pytest.mark.parametrize("model, port_sum_pi_squared, micro_batches, precision", list(_STEPS.values()),
+                         ids=list(_STEPS), indirect=["model"])
 @pytest.mark.parametrize("variant", ["verl", "leave_one_out"])
 @pytest.mark.parametrize("remove_padding", [True, False], ids=["remove padding", "padded"])
 def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, model, one_rank_world, monkeypatch,
-                                                                variant, remove_padding, micro_batches, precision):
+                                                                request, variant, remove_padding,
+                                                                port_sum_pi_squared, micro_batches, precision):
     """One step as verl's legacy trainer takes it with ``use_fused_kernels=True`` and the port installed, in verl's
     own code: old log π and Σπ² as ``RayPPOTrainer._compute_old_log_prob`` gets them (``to_tensordict``,
     ``left_right_2_no_padding``; the worker's ``compute_log_prob`` is ``FSDPEngine.infer_batch``), verl's
@@ -450,7 +461,9 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
     (ray_trainer.py:1333–1368) to ``FSDPEngine.train_batch`` — zero_grad, ``forward_backward_batch`` over the
     micro-batches (one, or verl's dynamic batching by token count, which reorders the rows and restores their order),
     ``forward_step`` with verl's ``ppo_loss`` (vanilla clipped loss, token-mean, an entropy bonus), ``optimizer_step``.
-    The policy is peaked (lm_head × 32: Σπ² from 0.06 to 0.9), in float32 or with bfloat16 parameters. Checked:
+    The policy is peaked (lm_head × 32: Σπ² from 0.06 to 0.9), in float32 or with bfloat16 parameters; the forward
+    is verl's fused one (the port's kernel) or transformers' own, whose logits verl's engine turns into log π, entropy
+    and Σπ² (the port's function with ``install(sum_pi_squared=True)``, else verl's formula). Checked:
 
     * Σπ² and old log π of every response token, back in the batch's row order, equal the reference's on the final
       hidden states and lm_head that computed them, within ``hidden_statistics_tolerance``;
@@ -466,6 +479,7 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
     * the optimizer stepped with that gradient.
     """
     from verl.utils import seqlen_balancing
+    from verl.utils import torch_functional as verl_functional
     from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig
     from verl.workers.utils.losses import ppo_loss
 
@@ -482,9 +496,11 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
     estimator = "optimal_token_baseline"
     # what the worker's train_batch / infer_batch add from the engine config (engine_workers.py:351–362, 404–414);
     # dynamic batching: at most 20 tokens per micro-batch, so one row each here (11–13 tokens), not in the batch's order
+    fused = request.node.callspec.params["model"] == "fused"
     batching = dict(use_remove_padding=remove_padding, use_dynamic_bsz=micro_batches == "dynamic",
-                    max_token_len_per_gpu=20, micro_batch_size_per_gpu=rows, use_fused_kernels=True,
+                    max_token_len_per_gpu=20, micro_batch_size_per_gpu=rows, use_fused_kernels=fused,
                     temperature=1.0)
+    engine.compute_entropy_from_logits = verl_functional.entropy_from_logits         # FSDPEngine.__init__'s default
     engine.engine_config, engine.scaler, engine._qat_enabled = FSDPEngineConfig(strategy="fsdp"), None, False
     with torch.no_grad():                # a peaked policy, as a trained one: logits spread over about ±10, not ±0.3
         model.lm_head.weight.mul_(LOGIT_SCALE)
@@ -497,7 +513,7 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
         "prompts": sequences["prompts"], "responses": sequences["responses"], "input_ids": input_ids,
         "attention_mask": attention_mask, "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
         "response_mask": mask, "token_level_rewards": rewards, "uid": uids})
-    with otb_verl.install(variant, sum_pi_squared=True):
+    with otb_verl.install(variant, sum_pi_squared=port_sum_pi_squared):
         rollout = verl.left_right_2_no_padding(data.to_tensordict())            # RayPPOTrainer._compute_old_log_prob
         verl.tu.assign_non_tensor(rollout, calculate_entropy=True, calculate_sum_pi_squared=True, compute_loss=False,
                                   **batching)
