@@ -222,6 +222,12 @@ def test_bad_input_is_named():
         with pytest.raises(ValueError, match=f"{argument}: the mesh has no axis"):
             jax_distributed.distributed_token_baseline(ones, ones, np.zeros(4, np.int32), ones * 0, ones,
                                                        num_groups=1, mesh=mesh, **axis_options)
+    # the per-device function inside your own shard_map checks its options too: an unknown alignment is not read as
+    # "valid_token"
+    for function, options in ((jax_distributed.distributed_token_baseline, dict(mesh=mesh, data_axis=data_axis)),
+                              (jax_distributed.distributed_token_baseline_local, dict(data_axis=data_axis))):
+        with pytest.raises(ValueError, match=r"^align: expected one of \('position', 'valid_token'\), got 'turn'"):
+            function(ones, ones, np.zeros(4, np.int32), ones * 0, ones, num_groups=1, align="turn", **options)
 
 
 def test_junk_weights_at_masked_positions_are_ignored():

@@ -161,6 +161,7 @@ def distributed_token_baseline_local(rewards: jax.Array, response_mask: jax.Arra
     checked here: an id outside [0, num_groups) gives NaN advantages and baselines on its row (which joins no group),
     and a mask is read as valid where nonzero.
     """
+    align = reference_checks.alignment(align)
     handle_zero_tail = check.zero_tail(handle_zero_tail, leave_one_out)
     compute = check.compute_dtype(rewards, log_probs, sum_pi_squared, is_weights)
     m = (response_mask != 0).astype(compute)                     # as the one-device port reads a mask
