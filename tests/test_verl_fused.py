@@ -101,9 +101,11 @@ def _hidden_of(network, **inputs) -> dict:
     return {"output": output, "hidden": kept["hidden"]}
 
 
-def _sequences(seed: int, response_lengths=None):
+def _sequences(seed: int, response_lengths=None, tool_spans=None):
     """Left-padded prompts and right-padded responses, as verl's rollout returns them (4 rows; the responses' lengths
-    drawn, or ``response_lengths``)."""
+    drawn, or ``response_lengths``). ``tool_spans``: per row None or (start, stop), response positions that hold tool
+    output — tokens the model reads (``response_attention`` 1) but is not trained on (``response_mask`` 0), as verl's
+    multi-turn rollouts mark them."""
     rng = np.random.default_rng(seed)
     rows = 4
     prompt_lengths, response_lengths = (rng.integers(2, PROMPT + 1, rows),
@@ -111,14 +113,19 @@ def _sequences(seed: int, response_lengths=None):
                                         else np.asarray(response_lengths))
     prompts = np.zeros((rows, PROMPT), np.int64)
     responses = np.zeros((rows, RESPONSE), np.int64)
-    prompt_mask, response_mask = np.zeros_like(prompts), np.zeros_like(responses)
+    prompt_mask, response_attention = np.zeros_like(prompts), np.zeros_like(responses)
     for row in range(rows):
         prompts[row, PROMPT - prompt_lengths[row]:] = rng.integers(1, VOCAB, prompt_lengths[row])
         prompt_mask[row, PROMPT - prompt_lengths[row]:] = 1
         responses[row, :response_lengths[row]] = rng.integers(1, VOCAB, response_lengths[row])
-        response_mask[row, :response_lengths[row]] = 1
+        response_attention[row, :response_lengths[row]] = 1
+    response_mask = response_attention.copy()
+    for row, span in enumerate(tool_spans or []):
+        if span is not None:
+            response_mask[row, span[0]:span[1]] = 0
     return {name: torch.from_numpy(value) for name, value in
-            dict(prompts=prompts, responses=responses, prompt_mask=prompt_mask, response_mask=response_mask).items()}
+            dict(prompts=prompts, responses=responses, prompt_mask=prompt_mask, response_mask=response_mask,
+                 response_attention=response_attention).items()}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -383,20 +390,19 @@ class _DecoderCalls:
                 for begin, stop in zip(starts[:-1], starts[1:]):
                     yield number, index, begin, ids[index, begin:stop]
 
-    def response_states(self, sequences) -> list[tuple[int, int, slice]]:
+    def response_states(self, sequences) -> list[tuple[int, int, torch.Tensor]]:
         """Per row of ``sequences``: (call, batch index, positions) of the hidden states that predict its response
-        tokens."""
-        prompt_mask, response_mask = sequences["prompt_mask"].bool(), sequences["response_mask"].bool()
+        tokens — those of ``response_mask``, not a tool span's."""
+        prompt_mask, attention = sequences["prompt_mask"].bool(), sequences["response_attention"].bool()
         found = []
         for row in range(prompt_mask.shape[0]):
-            tokens = torch.cat([sequences["prompts"][row][prompt_mask[row]],
-                                sequences["responses"][row][response_mask[row]]])
+            tokens = torch.cat([sequences["prompts"][row][prompt_mask[row]], sequences["responses"][row][attention[row]]])
             places = [(number, index, begin) for number, index, begin, ids in self._segments()
                       if len(ids) == len(tokens) and torch.equal(ids, tokens)]
             assert len(places) == 1, f"row {row} read {len(places)} times by the decoder"
             number, index, begin = places[0]
-            first = begin + int(prompt_mask[row].sum()) - 1
-            found.append((number, index, slice(first, first + int(response_mask[row].sum()))))
+            trained = torch.nonzero(sequences["response_mask"][row][attention[row]]).flatten()
+            found.append((number, index, begin + int(prompt_mask[row].sum()) - 1 + trained))
         return found
 
     def gather(self, places, gradient: bool = False) -> np.ndarray:
@@ -440,28 +446,32 @@ LOGIT_SCALE = 32.0          # lm_head × 32 (exact): the random model's near-uni
 # with install(sum_pi_squared=True), or by verl's own formula). bf16: the model's parameters in bfloat16, as FSDP's
 # mixed precision computes with them, in one micro-batch — several would accumulate lm_head.weight's gradient in
 # bfloat16 here, where FSDP accumulates float32 gradients.
-_STEPS = {"fused, one micro-batch": ("fused", True, "one", "float32"),
-          "fused, dynamic bsz": ("fused", True, "dynamic", "float32"),
-          "fused, one micro-batch in bf16": ("fused", True, "one", "bfloat16"),
-          "unfused, the port's sum_pi_squared": ("unfused", True, "one", "float32"),
-          "unfused, verl's sum_pi_squared": ("unfused", False, "one", "float32")}
+# multi-turn: verl's tir_optimal_token_baseline on responses with tool spans (read, not trained on).
+_STEPS = {"fused, one micro-batch": ("fused", True, "one", "float32", False),
+          "fused, dynamic bsz": ("fused", True, "dynamic", "float32", False),
+          "fused, one micro-batch in bf16": ("fused", True, "one", "bfloat16", False),
+          "fused, multi-turn with tool spans, dynamic bsz": ("fused", True, "dynamic", "float32", True),
+          "unfused, the port's sum_pi_squared": ("unfused", True, "one", "float32", False),
+          "unfused, verl's sum_pi_squared": ("unfused", False, "one", "float32", False)}
 
 
-@pytest.mark.parametrize("model, port_sum_pi_squared, micro_batches, precision", list(_STEPS.values()),
+@pytest.mark.parametrize("model, port_sum_pi_squared, micro_batches, precision, multi_turn", list(_STEPS.values()),
                          ids=list(_STEPS), indirect=["model"])
 @pytest.mark.parametrize("variant", ["verl", "leave_one_out"])
 @pytest.mark.parametrize("remove_padding", [True, False], ids=["remove padding", "padded"])
 def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, model, one_rank_world, monkeypatch,
                                                                 request, variant, remove_padding,
-                                                                port_sum_pi_squared, micro_batches, precision):
-    """One step as verl's legacy trainer takes it with ``use_fused_kernels=True`` and the port installed, in verl's
-    own code: old log π and Σπ² as ``RayPPOTrainer._compute_old_log_prob`` gets them (``to_tensordict``,
+                                                                port_sum_pi_squared, micro_batches, precision,
+                                                                multi_turn):
+    """One step as verl's legacy trainer takes it with the port installed, in verl's own code: old log π and Σπ² as ``RayPPOTrainer._compute_old_log_prob`` gets them (``to_tensordict``,
     ``left_right_2_no_padding``; the worker's ``compute_log_prob`` is ``FSDPEngine.infer_batch``), verl's
     ``compute_advantage`` routed to the port, and the actor update as ``_update_actor`` sends the batch
     (ray_trainer.py:1333–1368) to ``FSDPEngine.train_batch`` — zero_grad, ``forward_backward_batch`` over the
     micro-batches (one, or verl's dynamic batching by token count, which reorders the rows and restores their order),
     ``forward_step`` with verl's ``ppo_loss`` (vanilla clipped loss, token-mean, an entropy bonus), ``optimizer_step``.
-    The policy is peaked (lm_head × 32: Σπ² from 0.06 to 0.9), in float32 or with bfloat16 parameters; the forward
+    Single-turn (``optimal_token_baseline``) or multi-turn (``tir_optimal_token_baseline``, tool spans inside the
+    responses: read by the model, masked out of the loss and compacted away by the valid-token alignment). The policy
+    is peaked (lm_head × 32: Σπ² from 0.06 to 0.9), in float32 or with bfloat16 parameters; the forward
     is verl's fused one (the port's kernel) or transformers' own, whose logits verl's engine turns into log π, entropy
     and Σπ² (the port's function with ``install(sum_pi_squared=True)``, else verl's formula). Checked:
 
@@ -484,16 +494,20 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
     from verl.workers.utils.losses import ppo_loss
 
     monkeypatch.setattr(seqlen_balancing, "get_device_name", lambda: "cpu")    # as the engine's, in the fixture
-    response_lengths = [9, 7, 8, 8]                         # N = 32 response tokens
-    sequences = _sequences(seed=6, response_lengths=response_lengths)
-    rows, tokens = len(response_lengths), sum(response_lengths)
+    if multi_turn:          # N = 32 trained response tokens: 36 read, 4 of them tool output
+        sequences = _sequences(seed=6, response_lengths=[9, 9, 9, 9], tool_spans=[(3, 5), (4, 5), None, (2, 3)])
+    else:                   # N = 32 response tokens
+        sequences = _sequences(seed=6, response_lengths=[9, 7, 8, 8])
     mask = sequences["response_mask"].float()
+    rows, tokens = mask.shape[0], int(mask.sum())
+    assert tokens == 32
     input_ids = torch.cat([sequences["prompts"], sequences["responses"]], 1)
-    attention_mask = torch.cat([sequences["prompt_mask"], sequences["response_mask"]], 1)
+    attention_mask = torch.cat([sequences["prompt_mask"], sequences["response_attention"]], 1)
     uids = np.array(["a", "b", "a", "b"], dtype=object)
     rewards = torch.zeros_like(mask)
-    rewards[torch.arange(rows), torch.tensor(response_lengths) - 1] = torch.tensor([1.0, 0.0, 0.0, 1.0])
-    estimator = "optimal_token_baseline"
+    rewards[torch.arange(rows), sequences["response_attention"].sum(1) - 1] = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    estimator, align = (("tir_optimal_token_baseline", "valid_token") if multi_turn
+                        else ("optimal_token_baseline", "position"))
     # what the worker's train_batch / infer_batch add from the engine config (engine_workers.py:351–362, 404–414);
     # dynamic batching: at most 20 tokens per micro-batch, so one row each here (11–13 tokens), not in the batch's order
     fused = request.node.callspec.params["model"] == "fused"
@@ -557,11 +571,11 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
 
     inputs = (rewards.numpy(), mask.numpy(), uids, old_log_probs.numpy(), sum_pi_squared.numpy())
     if variant == "verl":
-        expected = otb.optimal_token_baseline(*inputs)
-        bound, _ = otb_comparison_tolerance(*inputs)
+        expected = (otb.multi_turn_optimal_token_baseline if multi_turn else otb.optimal_token_baseline)(*inputs)
+        bound, _ = otb_comparison_tolerance(*inputs, align=align)
     else:
-        expected = otb.leave_one_out_token_baseline(*inputs)
-        bound, _ = otb_comparison_tolerance(*inputs, leave_one_out=True, handle_zero_tail=False,
+        expected = otb.leave_one_out_token_baseline(*inputs, align=align)
+        bound, _ = otb_comparison_tolerance(*inputs, align=align, leave_one_out=True, handle_zero_tail=False,
                                             compute_dtype=np.float32)
     bound.assert_close(advantages.numpy(), expected.advantages, f"{variant} advantages the actor update received")
 
