@@ -6,9 +6,12 @@ verl's ``patch_forward_with_backends`` (models/transformers/monkey_patch.py:234)
 (dense_common.py ``forward_with_torch_backend``), whose ``FusedLinearForPPO`` the port replaces; verl's
 ``FSDPEngineWithLMHead.forward_step`` (workers/engine/fsdp/transformer_impl.py:1549) runs ``prepare_model_inputs``, the
 model and ``prepare_model_outputs`` on a micro-batch made by verl's ``left_right_2_no_padding`` as
-``RayPPOTrainer._compute_old_log_prob`` makes it (ray_trainer.py:1290–1322). Only the engine's two device helpers are
-pointed at the CPU (verl asks CUDA for the device id); the engine object is built without FSDP wrapping, which
-``forward_step`` does not need.
+``RayPPOTrainer._compute_old_log_prob`` makes it (ray_trainer.py:1290–1322). A whole training step then runs verl's
+``FSDPEngine.infer_batch`` and ``train_batch`` (``forward_backward_batch``, ``ppo_loss``, ``optimizer_step``), with
+fused kernels and without. Only verl's device helpers (the engine's two and dynamic batching's) are pointed at the CPU
+(verl asks CUDA for the device id); the engine object is built without FSDP wrapping, which these methods do not need,
+with a plain SGD optimizer, and a one-rank gloo group stands for the data-parallel group. Not run: the worker layer
+around the engine (``TrainingWorker.train_mini_batch``'s mini-batch iterator and learning-rate scheduler).
 
 Comparisons use the derived bounds (otb_spec.tolerances): verl's path and the port are two implementations, so they
 differ by at most the sum of their bounds; the port's Σπ² is judged against the reference on the gathered logits.
@@ -102,12 +105,12 @@ def _hidden_of(network, **inputs) -> dict:
 
 
 def _sequences(seed: int, response_lengths=None, tool_spans=None):
-    """Left-padded prompts and right-padded responses, as verl's rollout returns them (4 rows; the responses' lengths
-    drawn, or ``response_lengths``). ``tool_spans``: per row None or (start, stop), response positions that hold tool
-    output — tokens the model reads (``response_attention`` 1) but is not trained on (``response_mask`` 0), as verl's
-    multi-turn rollouts mark them."""
+    """Left-padded prompts and right-padded responses, as verl's rollout returns them (4 rows, the responses' lengths
+    drawn; or a row per entry of ``response_lengths``). ``tool_spans``: per row None or (start, stop), response
+    positions that hold tool output — tokens the model reads (``response_attention`` 1) but is not trained on
+    (``response_mask`` 0), as verl's multi-turn rollouts mark them."""
     rng = np.random.default_rng(seed)
-    rows = 4
+    rows = 4 if response_lengths is None else len(response_lengths)
     prompt_lengths, response_lengths = (rng.integers(2, PROMPT + 1, rows),
                                         rng.integers(1, RESPONSE + 1, rows) if response_lengths is None
                                         else np.asarray(response_lengths))
@@ -396,7 +399,8 @@ class _DecoderCalls:
         prompt_mask, attention = sequences["prompt_mask"].bool(), sequences["response_attention"].bool()
         found = []
         for row in range(prompt_mask.shape[0]):
-            tokens = torch.cat([sequences["prompts"][row][prompt_mask[row]], sequences["responses"][row][attention[row]]])
+            tokens = torch.cat([sequences["prompts"][row][prompt_mask[row]],
+                                sequences["responses"][row][attention[row]]])
             places = [(number, index, begin) for number, index, begin, ids in self._segments()
                       if len(ids) == len(tokens) and torch.equal(ids, tokens)]
             assert len(places) == 1, f"row {row} read {len(places)} times by the decoder"
@@ -447,33 +451,35 @@ LOGIT_SCALE = 32.0          # lm_head × 32 (exact): the random model's near-uni
 # mixed precision computes with them, in one micro-batch — several would accumulate lm_head.weight's gradient in
 # bfloat16 here, where FSDP accumulates float32 gradients.
 # multi-turn: verl's tir_optimal_token_baseline on responses with tool spans (read, not trained on).
-_STEPS = {"fused, one micro-batch": ("fused", True, "one", "float32", False),
-          "fused, dynamic bsz": ("fused", True, "dynamic", "float32", False),
-          "fused, one micro-batch in bf16": ("fused", True, "one", "bfloat16", False),
-          "fused, multi-turn with tool spans, dynamic bsz": ("fused", True, "dynamic", "float32", True),
-          "unfused, the port's sum_pi_squared": ("unfused", True, "one", "float32", False),
-          "unfused, verl's sum_pi_squared": ("unfused", False, "one", "float32", False)}
+# temperature: verl divides the logits by it (the fused kernel takes it as an argument).
+_STEPS = {"fused, one micro-batch": ("fused", True, "one", "float32", False, 1.0),
+          "fused, dynamic bsz, T=0.7": ("fused", True, "dynamic", "float32", False, 0.7),
+          "fused, one micro-batch in bf16": ("fused", True, "one", "bfloat16", False, 1.0),
+          "fused, multi-turn with tool spans, dynamic bsz": ("fused", True, "dynamic", "float32", True, 1.0),
+          "unfused, the port's sum_pi_squared, T=0.7": ("unfused", True, "one", "float32", False, 0.7),
+          "unfused, verl's sum_pi_squared": ("unfused", False, "one", "float32", False, 1.0)}
 
 
-@pytest.mark.parametrize("model, port_sum_pi_squared, micro_batches, precision, multi_turn", list(_STEPS.values()),
-                         ids=list(_STEPS), indirect=["model"])
+@pytest.mark.parametrize("model, port_sum_pi_squared, micro_batches, precision, multi_turn, temperature",
+                         list(_STEPS.values()), ids=list(_STEPS), indirect=["model"])
 @pytest.mark.parametrize("variant", ["verl", "leave_one_out"])
 @pytest.mark.parametrize("remove_padding", [True, False], ids=["remove padding", "padded"])
 def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, model, one_rank_world, monkeypatch,
                                                                 request, variant, remove_padding,
                                                                 port_sum_pi_squared, micro_batches, precision,
-                                                                multi_turn):
-    """One step as verl's legacy trainer takes it with the port installed, in verl's own code: old log π and Σπ² as ``RayPPOTrainer._compute_old_log_prob`` gets them (``to_tensordict``,
-    ``left_right_2_no_padding``; the worker's ``compute_log_prob`` is ``FSDPEngine.infer_batch``), verl's
-    ``compute_advantage`` routed to the port, and the actor update as ``_update_actor`` sends the batch
-    (ray_trainer.py:1333–1368) to ``FSDPEngine.train_batch`` — zero_grad, ``forward_backward_batch`` over the
-    micro-batches (one, or verl's dynamic batching by token count, which reorders the rows and restores their order),
-    ``forward_step`` with verl's ``ppo_loss`` (vanilla clipped loss, token-mean, an entropy bonus), ``optimizer_step``.
-    Single-turn (``optimal_token_baseline``) or multi-turn (``tir_optimal_token_baseline``, tool spans inside the
-    responses: read by the model, masked out of the loss and compacted away by the valid-token alignment). The policy
-    is peaked (lm_head × 32: Σπ² from 0.06 to 0.9), in float32 or with bfloat16 parameters; the forward
-    is verl's fused one (the port's kernel) or transformers' own, whose logits verl's engine turns into log π, entropy
-    and Σπ² (the port's function with ``install(sum_pi_squared=True)``, else verl's formula). Checked:
+                                                                multi_turn, temperature):
+    """One step as verl's legacy trainer takes it with the port installed, in verl's own code: old log π and Σπ² as
+    ``RayPPOTrainer._compute_old_log_prob`` gets them (``to_tensordict``, ``left_right_2_no_padding``; the worker's
+    ``compute_log_prob`` is ``FSDPEngine.infer_batch``), verl's ``compute_advantage`` routed to the port, and the actor
+    update as ``_update_actor`` sends the batch (ray_trainer.py:1333–1368) to ``FSDPEngine.train_batch`` — zero_grad,
+    ``forward_backward_batch`` over the micro-batches (one, or verl's dynamic batching by token count, which reorders
+    the rows and restores their order), ``forward_step`` with verl's ``ppo_loss`` (vanilla clipped loss, token-mean, an
+    entropy bonus), ``optimizer_step``. Single-turn (``optimal_token_baseline``) or multi-turn
+    (``tir_optimal_token_baseline``, tool spans inside the responses: read by the model, masked out of the loss and
+    compacted away by the valid-token alignment). The policy is peaked (lm_head × 32: Σπ² from 0.06 to 0.9), in float32
+    or with bfloat16 parameters; the forward is verl's fused one (the port's kernel) or transformers' own, whose logits
+    verl's engine turns into log π, entropy and Σπ² (the port's function with ``install(sum_pi_squared=True)``, else
+    verl's formula). Checked:
 
     * Σπ² and old log π of every response token, back in the batch's row order, equal the reference's on the final
       hidden states and lm_head that computed them, within ``hidden_statistics_tolerance``;
@@ -494,26 +500,28 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
     from verl.workers.utils.losses import ppo_loss
 
     monkeypatch.setattr(seqlen_balancing, "get_device_name", lambda: "cpu")    # as the engine's, in the fixture
+    # 6 rows in two groups of 3 (with two, leave-one-out's baseline would be the other's return: no statistics in it)
     if multi_turn:          # N = 32 trained response tokens: 36 read, 4 of them tool output
-        sequences = _sequences(seed=6, response_lengths=[9, 9, 9, 9], tool_spans=[(3, 5), (4, 5), None, (2, 3)])
+        sequences = _sequences(seed=6, response_lengths=[7, 6, 6, 6, 6, 5],
+                               tool_spans=[(2, 4), None, (3, 4), None, (1, 2), None])
     else:                   # N = 32 response tokens
-        sequences = _sequences(seed=6, response_lengths=[9, 7, 8, 8])
+        sequences = _sequences(seed=6, response_lengths=[6, 5, 6, 5, 5, 5])
     mask = sequences["response_mask"].float()
     rows, tokens = mask.shape[0], int(mask.sum())
     assert tokens == 32
     input_ids = torch.cat([sequences["prompts"], sequences["responses"]], 1)
     attention_mask = torch.cat([sequences["prompt_mask"], sequences["response_attention"]], 1)
-    uids = np.array(["a", "b", "a", "b"], dtype=object)
+    uids = np.array(["a", "b"] * 3, dtype=object)
     rewards = torch.zeros_like(mask)
-    rewards[torch.arange(rows), sequences["response_attention"].sum(1) - 1] = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    rewards[torch.arange(rows), sequences["response_attention"].sum(1) - 1] = torch.tensor([1.0, 0, 0, 1, 1, 0])
     estimator, align = (("tir_optimal_token_baseline", "valid_token") if multi_turn
                         else ("optimal_token_baseline", "position"))
     # what the worker's train_batch / infer_batch add from the engine config (engine_workers.py:351–362, 404–414);
-    # dynamic batching: at most 20 tokens per micro-batch, so one row each here (11–13 tokens), not in the batch's order
+    # dynamic batching: at most 20 tokens per micro-batch (a row has 7–13), several micro-batches, the rows reordered
     fused = request.node.callspec.params["model"] == "fused"
     batching = dict(use_remove_padding=remove_padding, use_dynamic_bsz=micro_batches == "dynamic",
                     max_token_len_per_gpu=20, micro_batch_size_per_gpu=rows, use_fused_kernels=fused,
-                    temperature=1.0)
+                    temperature=temperature)
     engine.compute_entropy_from_logits = verl_functional.entropy_from_logits         # FSDPEngine.__init__'s default
     engine.engine_config, engine.scaler, engine._qat_enabled = FSDPEngineConfig(strategy="fsdp"), None, False
     with torch.no_grad():                # a peaked policy, as a trained one: logits spread over about ±10, not ±0.3
@@ -536,14 +544,14 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
         old_log_probs = verl.no_padding_2_padding(result["model_output"]["log_probs"], rollout).float()
         sum_pi_squared = verl.no_padding_2_padding(result["model_output"]["sum_pi_squared"], rollout).float()
         data.batch["old_log_probs"], data.batch["sum_pi_squared"] = old_log_probs, sum_pi_squared
-        data = verl.compute_advantage(data, adv_estimator=estimator, gamma=1.0, lam=1.0, num_repeat=2,
+        data = verl.compute_advantage(data, adv_estimator=estimator, gamma=1.0, lam=1.0, num_repeat=3,
                                       config=verl.AlgoConfig(adv_estimator=estimator))
         advantages = data.batch["advantages"]
 
         batch = verl.left_right_2_no_padding(data.to_tensordict())                 # RayPPOTrainer._update_actor
         verl.tu.assign_non_tensor(batch, calculate_entropy=True, global_batch_size=rows, compute_loss=True,
                                   return_model_output=True, **batching)
-        actor = FSDPActorConfig(strategy="fsdp", rollout_n=2, ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=rows,
+        actor = FSDPActorConfig(strategy="fsdp", rollout_n=3, ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=rows,
                                 entropy_coeff=ENTROPY_COEFF, use_kl_loss=False)
         weight_before = model.lm_head.weight.detach().clone()
         with _DecoderCalls(model) as update:
@@ -558,11 +566,11 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
     weight, valid = weight_before.double().numpy(), mask.numpy() > 0             # row-major: the order of ``places``
     labels = sequences["responses"].numpy()[valid]
     hidden_rows = first_pass.gather(rollout_places)
-    statistics = otb.token_statistics_from_hidden(hidden_rows, weight, labels)
+    statistics = otb.token_statistics_from_hidden(hidden_rows, weight, labels, temperature=temperature)
     # the port computes from bf16 hidden states and weights in float32 (each product exact there), so it is held to
     # the float32 bounds, plus rounding its gradients to the parameters' dtype on output
     rounding = output_rounding(np.float32)
-    ours, exact = (hidden_statistics_tolerance(hidden_rows, weight, labels, dtype=dtype)
+    ours, exact = (hidden_statistics_tolerance(hidden_rows, weight, labels, temperature=temperature, dtype=dtype)
                    for dtype in (np.float32, np.float64))
     (ours.sum_pi_squared + exact.sum_pi_squared + rounding).assert_close(
         sum_pi_squared.numpy()[valid], statistics.sum_pi_squared, "Σπ² of the fused pass")
@@ -589,18 +597,20 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
     assert update.gradient_elsewhere(places) == 0, "a gradient at positions that predict no response token"
     g_lp = -advantages.double().numpy()[valid] / tokens
     g_h = np.full(tokens, -ENTROPY_COEFF / tokens)
-    reference = otb.token_statistics_vjp(hidden_rows, weight, labels, g_lp, g_h)
+    reference = otb.token_statistics_vjp(hidden_rows, weight, labels, g_lp, g_h, temperature=temperature)
     bound_h, bound_w = (
         sum(pair, output_rounding(precision)) for pair in zip(
-            hidden_gradient_tolerance(hidden_rows, weight, labels, g_lp, g_h, dtype=np.float32),
-            hidden_gradient_tolerance(hidden_rows, weight, labels, g_lp, g_h, dtype=np.float64)))
+            hidden_gradient_tolerance(hidden_rows, weight, labels, g_lp, g_h, temperature=temperature,
+                                      dtype=np.float32),
+            hidden_gradient_tolerance(hidden_rows, weight, labels, g_lp, g_h, temperature=temperature,
+                                      dtype=np.float64)))
     computed_h = update.gather(places, gradient=True)
     computed_w = model.lm_head.weight.grad.double().numpy()
     bound_h.assert_close(computed_h, reference.hidden, "∂ final hidden states in verl's training step")
     bound_w.assert_close(computed_w, reference.weight, "∂ lm_head.weight in verl's training step")
     # the check can fail: the same VJP with each row given the next row's advantages is rejected
     misrouted = -np.roll(advantages.double().numpy(), -1, axis=0)[valid] / tokens
-    wrong = otb.token_statistics_vjp(hidden_rows, weight, labels, misrouted, g_h)
+    wrong = otb.token_statistics_vjp(hidden_rows, weight, labels, misrouted, g_h, temperature=temperature)
     assert not bound_h.holds(computed_h, wrong.hidden) and not bound_w.holds(computed_w, wrong.weight)
 
     # the optimizer stepped with that gradient (SGD, no clipping)
