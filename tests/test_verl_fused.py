@@ -451,23 +451,27 @@ LOGIT_SCALE = 32.0          # lm_head × 32 (exact): the random model's near-uni
 # mixed precision computes with them, in one micro-batch — several would accumulate lm_head.weight's gradient in
 # bfloat16 here, where FSDP accumulates float32 gradients.
 # multi-turn: verl's tir_optimal_token_baseline on responses with tool spans (read, not trained on).
-# temperature: verl divides the logits by it (the fused kernel takes it as an argument).
-_STEPS = {"fused, one micro-batch": ("fused", True, "one", "float32", False, 1.0),
-          "fused, dynamic bsz, T=0.7": ("fused", True, "dynamic", "float32", False, 0.7),
-          "fused, one micro-batch in bf16": ("fused", True, "one", "bfloat16", False, 1.0),
-          "fused, multi-turn with tool spans, dynamic bsz": ("fused", True, "dynamic", "float32", True, 1.0),
-          "unfused, the port's sum_pi_squared, T=0.7": ("unfused", True, "one", "float32", False, 0.7),
-          "unfused, verl's sum_pi_squared": ("unfused", False, "one", "float32", False, 1.0)}
+# temperature: verl divides the logits by it (the fused kernel takes it as an argument). is_weights: rollout importance
+# weights ρ (the estimator weighs the energy by ρ², the loss each token by ρ) — powers of two, so the cotangents stay
+# exact.
+_STEP_DEFAULTS = dict(port_sum_pi_squared=True, micro_batches="one", precision="float32", multi_turn=False,
+                      temperature=1.0, is_weights=False)
+_STEPS = {"fused, one micro-batch": dict(model="fused"),
+          "fused, dynamic bsz, T=0.7": dict(model="fused", micro_batches="dynamic", temperature=0.7),
+          "fused, one micro-batch in bf16": dict(model="fused", precision="bfloat16"),
+          "fused, multi-turn with tool spans, dynamic bsz": dict(model="fused", multi_turn=True,
+                                                                 micro_batches="dynamic"),
+          "fused, rollout IS weights": dict(model="fused", is_weights=True),
+          "unfused, the port's sum_pi_squared, T=0.7": dict(model="unfused", temperature=0.7),
+          "unfused, verl's sum_pi_squared": dict(model="unfused", port_sum_pi_squared=False)}
 
 
-@pytest.mark.parametrize("model, port_sum_pi_squared, micro_batches, precision, multi_turn, temperature",
-                         list(_STEPS.values()), ids=list(_STEPS), indirect=["model"])
+@pytest.mark.parametrize("model, step", [(case["model"], {**_STEP_DEFAULTS, **case}) for case in _STEPS.values()],
+                         ids=list(_STEPS), indirect=["model"])
 @pytest.mark.parametrize("variant", ["verl", "leave_one_out"])
 @pytest.mark.parametrize("remove_padding", [True, False], ids=["remove padding", "padded"])
 def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, model, one_rank_world, monkeypatch,
-                                                                request, variant, remove_padding,
-                                                                port_sum_pi_squared, micro_batches, precision,
-                                                                multi_turn, temperature):
+                                                                variant, remove_padding, step):
     """One step as verl's legacy trainer takes it with the port installed, in verl's own code: old log π and Σπ² as
     ``RayPPOTrainer._compute_old_log_prob`` gets them (``to_tensordict``, ``left_right_2_no_padding``; the worker's
     ``compute_log_prob`` is ``FSDPEngine.infer_batch``), verl's ``compute_advantage`` routed to the port, and the actor
@@ -476,19 +480,20 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
     the rows and restores their order), ``forward_step`` with verl's ``ppo_loss`` (vanilla clipped loss, token-mean, an
     entropy bonus), ``optimizer_step``. Single-turn (``optimal_token_baseline``) or multi-turn
     (``tir_optimal_token_baseline``, tool spans inside the responses: read by the model, masked out of the loss and
-    compacted away by the valid-token alignment). The policy is peaked (lm_head × 32: Σπ² from 0.06 to 0.9), in float32
-    or with bfloat16 parameters; the forward is verl's fused one (the port's kernel) or transformers' own, whose logits
-    verl's engine turns into log π, entropy and Σπ² (the port's function with ``install(sum_pi_squared=True)``, else
-    verl's formula). Checked:
+    compacted away by the valid-token alignment). With or without rollout importance weights ρ (verl's rollout
+    correction: ρ² in the energy, ρ on each token's loss). The policy is peaked (lm_head × 32: Σπ² from 0.06 to 0.9), in
+    float32 or with bfloat16 parameters; the forward is verl's fused one (the port's kernel) or transformers' own, whose
+    logits verl's engine turns into log π, entropy and Σπ² (the port's function with ``install(sum_pi_squared=True)``,
+    else verl's formula). Checked:
 
     * Σπ² and old log π of every response token, back in the batch's row order, equal the reference's on the final
       hidden states and lm_head that computed them, within ``hidden_statistics_tolerance``;
     * the advantages the loss received equal the reference's OTB (self-inclusive or leave-one-out) on those
       statistics, within ``otb_comparison_tolerance``;
     * on policy the update's log π equal the old ones bit for bit (ratio 1, nothing clipped), so the gradient that
-      reaches the fused boundary is the vector-Jacobian product of Σₜ (−Aₜ/N)·log πₜ − (c/N)·Hₜ over the N response
+      reaches the fused boundary is the vector-Jacobian product of Σₜ (−ρₜAₜ/N)·log πₜ − (c/N)·Hₜ over the N response
       tokens: the final hidden states' and lm_head.weight's gradients equal the reference's
-      ``token_statistics_vjp`` within ``hidden_gradient_tolerance`` (N and c are powers of two, so the cotangents
+      ``token_statistics_vjp`` within ``hidden_gradient_tolerance`` (N, c and ρ are powers of two, so the cotangents
       are exact), and are exactly 0 at the positions that predict no response token; the same VJP with each row
       given the next row's advantages is outside those bounds (the check can fail). From bfloat16 parameters the port
       computes in float32, so the float32 bounds apply, plus rounding the gradients to bfloat16;
@@ -500,6 +505,8 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
     from verl.workers.utils.losses import ppo_loss
 
     monkeypatch.setattr(seqlen_balancing, "get_device_name", lambda: "cpu")    # as the engine's, in the fixture
+    multi_turn, micro_batches, precision, temperature = (step[key] for key in ("multi_turn", "micro_batches",
+                                                                               "precision", "temperature"))
     # 6 rows in two groups of 3 (with two, leave-one-out's baseline would be the other's return: no statistics in it)
     if multi_turn:          # N = 32 trained response tokens: 36 read, 4 of them tool output
         sequences = _sequences(seed=6, response_lengths=[7, 6, 6, 6, 6, 5],
@@ -518,7 +525,7 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
                         else ("optimal_token_baseline", "position"))
     # what the worker's train_batch / infer_batch add from the engine config (engine_workers.py:351–362, 404–414);
     # dynamic batching: at most 20 tokens per micro-batch (a row has 7–13), several micro-batches, the rows reordered
-    fused = request.node.callspec.params["model"] == "fused"
+    fused = step["model"] == "fused"
     batching = dict(use_remove_padding=remove_padding, use_dynamic_bsz=micro_batches == "dynamic",
                     max_token_len_per_gpu=20, micro_batch_size_per_gpu=rows, use_fused_kernels=fused,
                     temperature=temperature)
@@ -535,7 +542,10 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
         "prompts": sequences["prompts"], "responses": sequences["responses"], "input_ids": input_ids,
         "attention_mask": attention_mask, "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
         "response_mask": mask, "token_level_rewards": rewards, "uid": uids})
-    with otb_verl.install(variant, sum_pi_squared=port_sum_pi_squared):
+    if step["is_weights"]:        # ρ ∈ {½, 1, 2} on the trained tokens (the rollout correction's, already truncated)
+        weights = 2.0 ** torch.from_numpy(np.random.default_rng(7).integers(-1, 2, mask.shape)).float()
+        data.batch["rollout_is_weights"] = weights * mask
+    with otb_verl.install(variant, sum_pi_squared=step["port_sum_pi_squared"]):
         rollout = verl.left_right_2_no_padding(data.to_tensordict())            # RayPPOTrainer._compute_old_log_prob
         verl.tu.assign_non_tensor(rollout, calculate_entropy=True, calculate_sum_pi_squared=True, compute_loss=False,
                                   **batching)
@@ -578,13 +588,15 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
         old_log_probs.numpy()[valid], statistics.log_probs, "old log π of the fused pass")
 
     inputs = (rewards.numpy(), mask.numpy(), uids, old_log_probs.numpy(), sum_pi_squared.numpy())
+    rho = data.batch["rollout_is_weights"].double().numpy() if step["is_weights"] else None
     if variant == "verl":
-        expected = (otb.multi_turn_optimal_token_baseline if multi_turn else otb.optimal_token_baseline)(*inputs)
-        bound, _ = otb_comparison_tolerance(*inputs, align=align)
+        expected = (otb.multi_turn_optimal_token_baseline if multi_turn else otb.optimal_token_baseline)(
+            *inputs, is_weights=rho)
+        bound, _ = otb_comparison_tolerance(*inputs, is_weights=rho, align=align)
     else:
-        expected = otb.leave_one_out_token_baseline(*inputs, align=align)
-        bound, _ = otb_comparison_tolerance(*inputs, align=align, leave_one_out=True, handle_zero_tail=False,
-                                            compute_dtype=np.float32)
+        expected = otb.leave_one_out_token_baseline(*inputs, is_weights=rho, align=align)
+        bound, _ = otb_comparison_tolerance(*inputs, is_weights=rho, align=align, leave_one_out=True,
+                                            handle_zero_tail=False, compute_dtype=np.float32)
     bound.assert_close(advantages.numpy(), expected.advantages, f"{variant} advantages the actor update received")
 
     # on policy: the update's forward gives the old log π again, bit for bit (ratio exactly 1)
@@ -595,7 +607,8 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
     places = update.response_states(sequences)
     hidden_rows = update.gather(places)
     assert update.gradient_elsewhere(places) == 0, "a gradient at positions that predict no response token"
-    g_lp = -advantages.double().numpy()[valid] / tokens
+    per_token = np.ones(mask.shape) if rho is None else rho           # the loss weighs each token's term by ρ
+    g_lp = -(advantages.double().numpy() * per_token)[valid] / tokens
     g_h = np.full(tokens, -ENTROPY_COEFF / tokens)
     reference = otb.token_statistics_vjp(hidden_rows, weight, labels, g_lp, g_h, temperature=temperature)
     bound_h, bound_w = (
@@ -609,7 +622,7 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
     bound_h.assert_close(computed_h, reference.hidden, "∂ final hidden states in verl's training step")
     bound_w.assert_close(computed_w, reference.weight, "∂ lm_head.weight in verl's training step")
     # the check can fail: the same VJP with each row given the next row's advantages is rejected
-    misrouted = -np.roll(advantages.double().numpy(), -1, axis=0)[valid] / tokens
+    misrouted = -(np.roll(advantages.double().numpy(), -1, axis=0) * per_token)[valid] / tokens
     wrong = otb.token_statistics_vjp(hidden_rows, weight, labels, misrouted, g_h, temperature=temperature)
     assert not bound_h.holds(computed_h, wrong.hidden) and not bound_w.holds(computed_w, wrong.weight)
 
