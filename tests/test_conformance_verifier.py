@@ -907,6 +907,30 @@ def test_assert_matches_reference_names_unknown_outputs_and_rejects_less_precise
         assert_matches_reference(case, advantages=advantages.astype(np.float16), returns=returns)
 
 
+
+def test_assert_matches_reference_takes_float32_outputs_of_a_float64_case_at_working_dtype_float32():
+    """As verify's structure check: an OTB port computing in float32 whatever its inputs (JAX without x64) may return
+    a float64 case in float32 with working_dtype="float32", and is judged by float32's bound; without it, or below
+    float32, the outputs fail. For the fused kind working_dtype is a floor: outputs stay held to the inputs' dtype."""
+    from otb_spec.conformance import assert_matches_reference
+
+    case = next(c for c in golden_cases("otb", ("float64",)) if c.response_mask.shape[1] > 1)
+    expected = case.expected()
+    advantages, returns = (expected[name].astype(np.float32) for name in ("advantages", "returns"))
+    with pytest.raises(AssertionError, match="returned in float32, less precise than the case's float64 inputs"):
+        assert_matches_reference(case, advantages=advantages, returns=returns)
+    assert_matches_reference(case, advantages=advantages, returns=returns, working_dtype="float32")
+    with pytest.raises(AssertionError, match=r"returned in float16, less precise than working_dtype='float32' "
+                                             r"\(the case's inputs are float64\)"):
+        assert_matches_reference(case, advantages=advantages.astype(np.float16), returns=returns,
+                                 working_dtype="float32")
+    fused = next(c for c in golden_cases("fused-token-statistics", ("float64",)))
+    statistics = {name: value.astype(np.float32) for name, value in fused.expected().items()
+                  if name in ("log_probs", "entropy")}
+    with pytest.raises(AssertionError, match="returned in float32, less precise than the case's float64 inputs"):
+        assert_matches_reference(fused, working_dtype="float32", **statistics)
+
+
 def test_a_file_target_imports_the_current_folders_packages(tmp_path, monkeypatch):
     """``otb-spec verify trainer/api.py:f`` run from a project's root: api.py's ``from trainer.core import …`` imports,
     as under ``python -m`` (the file's own folder alone was put on the path: "No module named 'trainer'")."""

@@ -376,7 +376,9 @@ def assert_matches_reference(case: Case, *, output_dtypes: dict[str, str] | None
     array-likes that do not carry the one the implementation returned); one less precise than the case's inputs (a
     float32 case returned as bfloat16) fails, as ``verify``'s structure check fails it. ``compute_dtype`` and
     ``working_dtype`` are :func:`otb_spec.conformance.compare`'s (``working_dtype="float32"``: judged as a program that
-    widens half-precision inputs, as ``verify(..., working_dtype="float32")``). An output name the case has not raises
+    computes in float32 whatever its inputs, as ``verify(..., working_dtype="float32")`` — for the OTB kinds a float64
+    case may then come back in float32, as from JAX without x64; for the fused and Σπ² kinds it is the precision the
+    kernel works in at least, and outputs stay held to the inputs' dtype). An output name the case has not raises
     :class:`TypeError`."""
     unknown = sorted(set(outputs) - set(case.output_names))
     if unknown:
@@ -386,8 +388,13 @@ def assert_matches_reference(case: Case, *, output_dtypes: dict[str, str] | None
     dtypes = dict(output_dtypes or {})
     for name, value in outputs.items():
         dtypes.setdefault(name, str(getattr(value, "dtype", "")).replace("torch.", "") or case.dtype)
-    problems = [f"{name}: returned in {dtype}, less precise than the case's {case.dtype} inputs"
-                for name, dtype in dtypes.items() if name in outputs and _less_precise(dtype, case.dtype)]
+    # as verify's structure check: an OTB kind computing in ``working_dtype`` whatever its inputs may return in it
+    promised = (working_dtype if working_dtype is not None and case.kind not in _WORKING_KINDS
+                and _less_precise(working_dtype, case.dtype) else case.dtype)
+    problems = [f"{name}: returned in {dtype}, less precise than "
+                + (f"the case's {case.dtype} inputs" if promised == case.dtype else
+                   f"working_dtype={working_dtype!r} (the case's inputs are {case.dtype})")
+                for name, dtype in dtypes.items() if name in outputs and _less_precise(dtype, promised)]
     problems += [c.describe() for c in compare(case, hosted, output_dtypes=dtypes, compute_dtype=compute_dtype,
                                                working_dtype=working_dtype) if not c.ok]
     if problems:
