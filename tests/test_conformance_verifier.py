@@ -911,7 +911,8 @@ def test_assert_matches_reference_names_unknown_outputs_and_rejects_less_precise
 def test_assert_matches_reference_takes_float32_outputs_of_a_float64_case_at_working_dtype_float32():
     """As verify's structure check: an OTB port computing in float32 whatever its inputs (JAX without x64) may return
     a float64 case in float32 with working_dtype="float32", and is judged by float32's bound; without it, or below
-    float32, the outputs fail. For the fused kind working_dtype is a floor: outputs stay held to the inputs' dtype."""
+    float32, the outputs fail. For the fused kind working_dtype is a floor: outputs stay held to the inputs' dtype, and
+    to its bound."""
     from otb_spec.conformance import assert_matches_reference
 
     case = next(c for c in golden_cases("otb", ("float64",)) if c.response_mask.shape[1] > 1)
@@ -929,6 +930,12 @@ def test_assert_matches_reference_takes_float32_outputs_of_a_float64_case_at_wor
                   if name in ("log_probs", "entropy")}
     with pytest.raises(AssertionError, match="returned in float32, less precise than the case's float64 inputs"):
         assert_matches_reference(fused, working_dtype="float32", **statistics)
+    # and its bound is float64's there, as verify's: float32-sized errors in float64 outputs fail
+    rounded = {name: value.astype(np.float64) for name, value in statistics.items()}
+    assert_matches_reference(fused, working_dtype="float32",
+                             **{name: value for name, value in fused.expected().items() if name in rounded})
+    with pytest.raises(AssertionError, match="log_probs"):
+        assert_matches_reference(fused, working_dtype="float32", **rounded)
 
 
 def test_a_file_target_imports_the_current_folders_packages(tmp_path, monkeypatch):

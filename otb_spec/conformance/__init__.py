@@ -377,9 +377,9 @@ def assert_matches_reference(case: Case, *, output_dtypes: dict[str, str] | None
     float32 case returned as bfloat16) fails, as ``verify``'s structure check fails it. ``compute_dtype`` and
     ``working_dtype`` are :func:`otb_spec.conformance.compare`'s (``working_dtype="float32"``: judged as a program that
     computes in float32 whatever its inputs, as ``verify(..., working_dtype="float32")`` — for the OTB kinds a float64
-    case may then come back in float32, as from JAX without x64; for the fused and Σπ² kinds it is the precision the
-    kernel works in at least, and outputs stay held to the inputs' dtype). An output name the case has not raises
-    :class:`TypeError`."""
+    case may then come back in float32, as from JAX without x64; for the fused and Σπ² kinds, as in ``verify``, the
+    precision the kernel works in at least — the case's own where that is higher — and outputs stay held to the
+    inputs' dtype). An output name the case has not raises :class:`TypeError`."""
     unknown = sorted(set(outputs) - set(case.output_names))
     if unknown:
         raise TypeError(f"assert_matches_reference: unexpected output(s) {', '.join(map(repr, unknown))}; "
@@ -388,9 +388,12 @@ def assert_matches_reference(case: Case, *, output_dtypes: dict[str, str] | None
     dtypes = dict(output_dtypes or {})
     for name, value in outputs.items():
         dtypes.setdefault(name, str(getattr(value, "dtype", "")).replace("torch.", "") or case.dtype)
-    # as verify's structure check: an OTB kind computing in ``working_dtype`` whatever its inputs may return in it
-    promised = (working_dtype if working_dtype is not None and case.kind not in _WORKING_KINDS
-                and _less_precise(working_dtype, case.dtype) else case.dtype)
+    # as verify: an OTB kind computing in ``working_dtype`` whatever its inputs may return in it; for the fused and Σπ²
+    # kinds ``working_dtype`` is a floor (a kernel that widens its inputs), never below the case's own precision
+    narrows = working_dtype is not None and _less_precise(working_dtype, case.dtype)
+    if narrows and case.kind in _WORKING_KINDS:
+        working_dtype = case.dtype
+    promised = working_dtype if narrows and case.kind not in _WORKING_KINDS else case.dtype
     problems = [f"{name}: returned in {dtype}, less precise than "
                 + (f"the case's {case.dtype} inputs" if promised == case.dtype else
                    f"working_dtype={working_dtype!r} (the case's inputs are {case.dtype})")
