@@ -925,6 +925,18 @@ def test_assert_matches_reference_takes_float32_outputs_of_a_float64_case_at_wor
                                              r"\(the case's inputs are float64\)"):
         assert_matches_reference(case, advantages=advantages.astype(np.float16), returns=returns,
                                  working_dtype="float32")
+    # held to verify's bound for that target — float32 sums too — not to one summing in float64: an error of 0.8 of
+    # it at the element where the two differ most passes
+    tolerance = case.tolerances(output_dtype="float32", compute_dtype="float32", working_dtype="float32")["advantages"]
+    narrower = case.tolerances(output_dtype="float32", working_dtype="float32")["advantages"]
+    allowed, expected_advantages = tolerance._allowed(expected["advantages"]), expected["advantages"]
+    worst = np.unravel_index(np.argmax(allowed - narrower._allowed(expected_advantages)), allowed.shape)
+    assert allowed[worst] > narrower._allowed(expected_advantages)[worst] / 0.8
+    moved = expected_advantages.copy()
+    moved[worst] += 0.8 * allowed[worst]
+    assert_matches_reference(case, advantages=moved.astype(np.float32), returns=returns, working_dtype="float32")
+    with pytest.raises(ValueError, match="^working_dtype: float32 or float64 for the OTB kinds"):
+        assert_matches_reference(case, advantages=advantages, returns=returns, working_dtype="float16")
     fused = next(c for c in golden_cases("fused-token-statistics", ("float64",)))
     statistics = {name: value.astype(np.float32) for name, value in fused.expected().items()
                   if name in ("log_probs", "entropy")}

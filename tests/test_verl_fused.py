@@ -481,10 +481,10 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
     entropy bonus), ``optimizer_step``. Single-turn (``optimal_token_baseline``) or multi-turn
     (``tir_optimal_token_baseline``, tool spans inside the responses: read by the model, masked out of the loss and
     compacted away by the valid-token alignment). With or without rollout importance weights ρ (verl's rollout
-    correction: ρ² in the energy, ρ on each token's loss). The policy is peaked (lm_head × 32: Σπ² from 0.06 to 0.9), in
-    float32 or with bfloat16 parameters; the forward is verl's fused one (the port's kernel) or transformers' own, whose
-    logits verl's engine turns into log π, entropy and Σπ² (the port's function with ``install(sum_pi_squared=True)``,
-    else verl's formula). Checked:
+    correction: ρ² in the energy, ρ on each token's loss). The policy is peaked (lm_head × 32: Σπ² from 0.06 to 0.997),
+    in float32 or with bfloat16 parameters; the forward is verl's fused one (the port's kernel) or transformers' own,
+    whose logits verl's engine turns into log π, entropy and Σπ² (the port's function with
+    ``install(sum_pi_squared=True)``, else verl's formula). Checked:
 
     * Σπ² and old log π of every response token, back in the batch's row order, equal the reference's on the final
       hidden states and lm_head that computed them, within ``hidden_statistics_tolerance``;
@@ -529,7 +529,7 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
     batching = dict(use_remove_padding=remove_padding, use_dynamic_bsz=micro_batches == "dynamic",
                     max_token_len_per_gpu=20, micro_batch_size_per_gpu=rows, use_fused_kernels=fused,
                     temperature=temperature)
-    engine.compute_entropy_from_logits = verl_functional.entropy_from_logits         # FSDPEngine.__init__'s default
+    engine.compute_entropy_from_logits = verl_functional.entropy_from_logits    # __init__'s, uncompiled
     engine.engine_config, engine.scaler, engine._qat_enabled = FSDPEngineConfig(strategy="fsdp"), None, False
     with torch.no_grad():                # a peaked policy, as a trained one: logits spread over about ±10, not ±0.3
         model.lm_head.weight.mul_(LOGIT_SCALE)

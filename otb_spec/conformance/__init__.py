@@ -171,11 +171,10 @@ def _subject(target: Callable | str, kind: str, convention: str, device: str,
     chosen = CONVENTIONS[convention]
     if kind not in chosen.kinds:
         raise TargetError(f"kind: the {convention} convention has no {kind!r} (it has {', '.join(chosen.kinds)})")
-    if working_dtype is not None and working_dtype not in ("float64", "float32", "float16", "bfloat16"):
-        raise TargetError(f"working_dtype: expected float64, float32, float16 or bfloat16, got {working_dtype!r}")
-    if working_dtype is not None and kind not in _WORKING_KINDS and working_dtype not in ("float64", "float32"):
-        raise TargetError(f"working_dtype: float32 or float64 for the OTB kinds (a port computing its sums in "
-                          f"{working_dtype} is not held to a bound: docs/tolerances.md), got {working_dtype!r}")
+    try:
+        _check_working_dtype(working_dtype, kind)
+    except ValueError as exc:
+        raise TargetError(str(exc)) from exc
     if isinstance(target, str):
         spec, function = target, load_target(target)
     elif callable(target):
@@ -203,6 +202,15 @@ def _subject(target: Callable | str, kind: str, convention: str, device: str,
 
 
 _WORKING_KINDS = (FUSED, "sum-pi-squared")      # kinds whose bound can assume a working precision above the inputs'
+
+
+def _check_working_dtype(working_dtype: str | None, kind: str) -> None:
+    """ValueError unless ``working_dtype`` is None or a precision ``kind`` is held to a bound in."""
+    if working_dtype is not None and working_dtype not in ("float64", "float32", "float16", "bfloat16"):
+        raise ValueError(f"working_dtype: expected float64, float32, float16 or bfloat16, got {working_dtype!r}")
+    if working_dtype is not None and kind not in _WORKING_KINDS and working_dtype not in ("float64", "float32"):
+        raise ValueError(f"working_dtype: float32 or float64 for the OTB kinds (a port computing its sums in "
+                         f"{working_dtype} is not held to a bound: docs/tolerances.md), got {working_dtype!r}")
 
 
 def _with_working_bound(subject: Subject, kind: str, working_dtype: str | None) -> Subject:
@@ -376,10 +384,11 @@ def assert_matches_reference(case: Case, *, output_dtypes: dict[str, str] | None
     array-likes that do not carry the one the implementation returned); one less precise than the case's inputs (a
     float32 case returned as bfloat16) fails, as ``verify``'s structure check fails it. ``compute_dtype`` and
     ``working_dtype`` are :func:`otb_spec.conformance.compare`'s (``working_dtype="float32"``: judged as a program that
-    computes in float32 whatever its inputs, as ``verify(..., working_dtype="float32")`` — for the OTB kinds a float64
-    case may then come back in float32, as from JAX without x64; for the fused and Σπ² kinds, as in ``verify``, the
-    precision the kernel works in at least — the case's own where that is higher — and outputs stay held to the
-    inputs' dtype). An output name the case has not raises :class:`TypeError`."""
+    computes in float32 whatever its inputs, as ``verify(..., working_dtype="float32")`` — for the OTB kinds its sums
+    too (``compute_dtype`` defaults to it), and a float64 case may come back in float32, as from JAX without x64; for
+    the fused and Σπ² kinds, as in ``verify``, the precision the kernel works in at least — the case's own where that
+    is higher — and outputs stay held to the inputs' dtype; ``ValueError`` for a precision ``verify`` refuses). An
+    output name the case has not raises :class:`TypeError`."""
     unknown = sorted(set(outputs) - set(case.output_names))
     if unknown:
         raise TypeError(f"assert_matches_reference: unexpected output(s) {', '.join(map(repr, unknown))}; "
@@ -388,11 +397,16 @@ def assert_matches_reference(case: Case, *, output_dtypes: dict[str, str] | None
     dtypes = dict(output_dtypes or {})
     for name, value in outputs.items():
         dtypes.setdefault(name, str(getattr(value, "dtype", "")).replace("torch.", "") or case.dtype)
-    # as verify: an OTB kind computing in ``working_dtype`` whatever its inputs may return in it; for the fused and Σπ²
-    # kinds ``working_dtype`` is a floor (a kernel that widens its inputs), never below the case's own precision
+    # as verify (_subject): an OTB kind computing in ``working_dtype`` whatever its inputs sums in it too and may return
+    # in it; for the fused and Σπ² kinds ``working_dtype`` is a floor (a kernel that widens its inputs), never below
+    # the case's own precision
+    _check_working_dtype(working_dtype, case.kind)
     narrows = working_dtype is not None and _less_precise(working_dtype, case.dtype)
-    if narrows and case.kind in _WORKING_KINDS:
-        working_dtype = case.dtype
+    if case.kind in _WORKING_KINDS:
+        if narrows:
+            working_dtype = case.dtype
+    elif working_dtype is not None and compute_dtype is None:
+        compute_dtype = working_dtype
     promised = working_dtype if narrows and case.kind not in _WORKING_KINDS else case.dtype
     problems = [f"{name}: returned in {dtype}, less precise than "
                 + (f"the case's {case.dtype} inputs" if promised == case.dtype else
