@@ -159,7 +159,10 @@ def test_vmap_over_an_extra_batch_axis():
 
 def _largest_intermediate(closed_jaxpr) -> tuple[int, tuple[int, ...]]:
     """The largest array (size, shape) any equation of the program or of its sub-programs produces."""
-    from jax.extend.core import subjaxprs
+    try:
+        from jax.extend.core import subjaxprs
+    except ImportError:                     # older JAX (0.8.0, the oldest otb_jax is tested on) has it here
+        from jax.core import subjaxprs
 
     largest = (0, ())
 
