@@ -404,10 +404,10 @@ def assert_matches_reference(case: Case, *, output_dtypes: dict[str, str] | None
     narrows = working_dtype is not None and _less_precise(working_dtype, case.dtype)
     if case.kind in _WORKING_KINDS:
         if narrows:
-            working_dtype = case.dtype
+            working_dtype, narrows = case.dtype, False
     elif working_dtype is not None and compute_dtype is None:
         compute_dtype = working_dtype
-    promised = working_dtype if narrows and case.kind not in _WORKING_KINDS else case.dtype
+    promised = working_dtype if narrows else case.dtype
     problems = [f"{name}: returned in {dtype}, less precise than "
                 + (f"the case's {case.dtype} inputs" if promised == case.dtype else
                    f"working_dtype={working_dtype!r} (the case's inputs are {case.dtype})")
