@@ -444,6 +444,7 @@ def one_rank_world(tmp_path):
 
 ENTROPY_COEFF = 2.0**-6     # a power of two, as is the step's token count: the loss's cotangents are exact in float32
 LOGIT_SCALE = 32.0          # lm_head × 32 (exact): the random model's near-uniform π would make every token alike
+LEARNING_RATE = 0.5         # plain SGD: the step is weight − 0.5·gradient, exactly
 
 
 # model: verl's fused forward, or transformers' own (the logits materialised; Σπ² by the port's function swapped in
@@ -536,8 +537,9 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
     if precision == "bfloat16":
         model.to(torch.bfloat16)
         engine._autocast_dtype = torch.bfloat16
-    engine.optimizer_config = FSDPOptimizerConfig(lr=0.5, clip_grad=1e30)        # no clipping: its factor is 1
-    engine.optimizer, engine.ulysses_device_mesh = torch.optim.SGD(model.parameters(), lr=0.5), None
+    engine.optimizer_config = FSDPOptimizerConfig(lr=LEARNING_RATE, clip_grad=1e30)   # no clipping: its factor is 1
+    engine.optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    engine.ulysses_device_mesh = None
     data = verl.DataProto.from_single_dict({
         "prompts": sequences["prompts"], "responses": sequences["responses"], "input_ids": input_ids,
         "attention_mask": attention_mask, "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
@@ -627,6 +629,6 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
     assert not bound_h.holds(computed_h, wrong.hidden) and not bound_w.holds(computed_w, wrong.weight)
 
     # the optimizer stepped with that gradient (SGD, no clipping)
-    stepped = weight_before - 0.5 * model.lm_head.weight.grad
+    stepped = weight_before - LEARNING_RATE * model.lm_head.weight.grad
     torch.testing.assert_close(model.lm_head.weight.detach(), stepped, rtol=0, atol=0)
     assert math.isfinite(output["metrics"]["grad_norm"])
