@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -632,3 +633,227 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
     stepped = weight_before - LEARNING_RATE * model.lm_head.weight.grad
     torch.testing.assert_close(model.lm_head.weight.detach(), stepped, rtol=0, atol=0)
     assert math.isfinite(output["metrics"]["grad_norm"])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# verl's v1 trainer (trainer.use_v1=True, verl 0.9.1's default) with install(v1_trainer=True)
+
+
+@pytest.fixture(scope="module")
+def transfer_queue(verl):
+    """A local Ray with verl's TransferQueue (controller and one SimpleStorage unit), as verl's v1 trainer keeps its
+    batch; shut down after the module."""
+    ray = pytest.importorskip("ray")
+    try:
+        import transfer_queue as tq
+        from omegaconf import OmegaConf
+
+        import verl.trainer.ppo.v1.trainer_sync  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"verl's v1 trainer is not importable here ({exc}); install the 'verl' test extra")
+    if ray.is_initialized():
+        pytest.skip("Ray is already initialised in this process")
+    # logical CPUs for TransferQueue's two actors (each asks for one); they idle between calls
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
+        yield tq
+    finally:
+        tq.close()
+        ray.shutdown()
+
+
+def _v1_rows(sequences, rewards, uids):
+    """The rows as verl's v1 agent loop puts them in TransferQueue (agent_loop_tq.py:183–225): per row, unpadded,
+    prompt and response ids, the sequence with its attention mask and position ids, the response mask (0 on tool
+    output; ``loss_mask`` the same) and the reward at the response's last token (``rm_scores``); keys
+    ``{uid}_{session}_{index}``."""
+    keys, rows = [], []
+    for row in range(len(uids)):
+        prompt = sequences["prompts"][row][sequences["prompt_mask"][row].bool()]
+        length = int(sequences["response_attention"][row].sum())
+        response = sequences["responses"][row, :length]
+        scores = torch.zeros(length)
+        scores[-1] = rewards[row]
+        keys.append(f"{uids[row]}_{row}_0")
+        rows.append(dict(prompts=prompt, responses=response, input_ids=torch.cat([prompt, response]),
+                         attention_mask=torch.ones(len(prompt) + length, dtype=torch.int64),
+                         position_ids=torch.arange(len(prompt) + length),
+                         response_mask=sequences["response_mask"][row, :length],
+                         loss_mask=sequences["response_mask"][row, :length], rm_scores=scores, uid=uids[row]))
+    return keys, rows
+
+
+def _v1_trainer(verl, engine, estimator: str, fused: bool, calculate_sum_pi_squared: bool = True):
+    """verl's v1 ``PPOTrainerSync`` (built without its Ray workers) whose actor worker group's ``compute_log_prob`` is
+    verl's TransferQueue bridge (``tqbridge``: the batch's fields read from TransferQueue, the extra_info as
+    non-tensor data, the outputs written back) around what ``TrainingWorker.infer_batch`` does with the engine
+    (engine_workers.py:398–441): its defaults, ``FSDPEngine.infer_batch``, the model outputs as a TensorDict."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+    from verl.utils.transferqueue_utils import tqbridge
+
+    from verl.utils import torch_functional as verl_functional
+    from verl.workers.config import FSDPEngineConfig
+
+    # what the engine's __init__ would set and forward_backward_batch reads (as in the training step above)
+    engine.compute_entropy_from_logits = verl_functional.entropy_from_logits
+    engine.engine_config, engine.scaler, engine._qat_enabled = FSDPEngineConfig(strategy="fsdp"), None, False
+    engine.ulysses_device_mesh = None
+
+    @tqbridge()
+    def compute_log_prob(data):
+        defaults = dict(use_remove_padding=True, use_dynamic_bsz=False, max_token_len_per_gpu=64,
+                        micro_batch_size_per_gpu=data.batch_size[0], use_fused_kernels=fused)
+        for key, value in defaults.items():
+            if key not in data.keys():
+                verl.tu.assign_non_tensor(data, **{key: value})
+        output = engine.infer_batch(data)
+        return verl.tu.get_tensordict(tensor_dict=output["model_output"], non_tensor_dict={"metrics": {}})
+
+    trainer = object.__new__(PPOTrainerSync)
+    trainer.config = OmegaConf.create({
+        "algorithm": {"adv_estimator": estimator, "use_kl_in_reward": False, "gamma": 1.0, "lam": 1.0,
+                      "norm_adv_by_std_in_grpo": True, "rollout_correction": None},
+        "actor_rollout_ref": {"actor": {"calculate_sum_pi_squared": calculate_sum_pi_squared,
+                                        "loss_agg_mode": "token-mean", "loss_scale_factor": None},
+                              "rollout": {"temperature": 1.0, "calculate_log_probs": False, "n": 3}}})
+    trainer.actor_rollout_wg = SimpleNamespace(compute_log_prob=compute_log_prob)
+    return trainer
+
+
+def _padded(nested, width: int) -> torch.Tensor:
+    padded = nested.to_padded_tensor(0.0)
+    return torch.nn.functional.pad(padded, (0, width - padded.shape[1]))
+
+
+@pytest.mark.parametrize("model", ["fused", "unfused"], indirect=True)
+@pytest.mark.parametrize("variant", ["verl", "leave_one_out"])
+@pytest.mark.parametrize("multi_turn", [False, True], ids=["single-turn", "multi-turn"])
+def test_verls_v1_trainer_computes_otb_with_v1_trainer_installed(verl, engine, model, one_rank_world, transfer_queue,
+                                                                variant, multi_turn, request):
+    """verl's v1 trainer, as ``_step_once`` runs it (trainer_base.py:585–600): ``_compute_old_log_prob`` (the actor's
+    forward through verl's TransferQueue bridge, on verl's FSDP engine: the port's fused kernel, or transformers'
+    logits with verl's own Σπ²) then ``_compute_advantage`` (verl's ``compute_advantage`` with the port's
+    estimator), the batch in TransferQueue between them. With ``install(v1_trainer=True)`` the actor is asked for
+    Σπ² and the advantage step reads it: the Σπ² and old log π stored for every response token equal the reference's
+    on the hidden states that computed them (``hidden_statistics_tolerance``), the advantages stored equal the
+    reference's OTB on them (``otb_comparison_tolerance``; and not with each row given the next row's), and the flag
+    does not stay in the batch's extra_info for the later stages. Two groups of three, scattered as balance_batch
+    leaves them; multi-turn with tool spans (``tir_optimal_token_baseline``)."""
+    tq = transfer_queue
+    fused = request.node.callspec.params["model"] == "fused"
+    if multi_turn:
+        sequences = _sequences(seed=6, response_lengths=[7, 6, 6, 6, 6, 5],
+                               tool_spans=[(2, 4), None, (3, 4), None, (1, 2), None])
+    else:
+        sequences = _sequences(seed=6, response_lengths=[6, 5, 6, 5, 5, 5])
+    with torch.no_grad():
+        model.lm_head.weight.mul_(LOGIT_SCALE)
+    rewards, uids = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0], ["a", "b", "a", "b", "a", "b"]
+    keys, rows = _v1_rows(sequences, rewards, uids)
+    partition = f"train-{request.node.callspec.id}"
+    tq.kv_batch_put(keys=keys, partition_id=partition, fields=verl.tu.list_of_dict_to_tensordict(rows),
+                    tags=[{} for _ in keys])
+    estimator, align = (("tir_optimal_token_baseline", "valid_token") if multi_turn
+                        else ("optimal_token_baseline", "position"))
+    trainer = _v1_trainer(verl, engine, estimator, fused)
+    from transfer_queue import KVBatchMeta
+
+    batch = KVBatchMeta(keys=keys, tags=[{} for _ in keys], partition_id=partition)
+    with otb_verl.install(variant, sum_pi_squared=fused, v1_trainer=True):
+        with _DecoderCalls(model) as first_pass:
+            batch = trainer._compute_old_log_prob(batch, metrics={})
+        assert "calculate_sum_pi_squared" not in batch.extra_info
+        batch = trainer._compute_advantage(batch, metrics={})
+    stored = tq.kv_batch_get(keys=keys, partition_id=partition,
+                             select_fields=["old_log_probs", "sum_pi_squared", "advantages"])
+    old_log_probs, sum_pi_squared, advantages = (_padded(stored[name], RESPONSE).double().numpy()
+                                                 for name in ("old_log_probs", "sum_pi_squared", "advantages"))
+    mask = sequences["response_mask"].double().numpy()
+    valid = mask > 0
+
+    weight = model.lm_head.weight.detach().double().numpy()
+    hidden_rows = first_pass.gather(first_pass.response_states(sequences))
+    labels = sequences["responses"].numpy()[valid]
+    statistics = otb.token_statistics_from_hidden(hidden_rows, weight, labels)
+    ours, exact = (hidden_statistics_tolerance(hidden_rows, weight, labels, dtype=dtype)
+                   for dtype in (np.float32, np.float64))
+    (ours.sum_pi_squared + exact.sum_pi_squared).assert_close(sum_pi_squared[valid], statistics.sum_pi_squared,
+                                                              "Σπ² stored by the v1 trainer")
+    (ours.log_probs + exact.log_probs).assert_close(old_log_probs[valid], statistics.log_probs,
+                                                    "old log π stored by the v1 trainer")
+
+    reward_matrix = np.zeros_like(mask)
+    reward_matrix[np.arange(len(rows)), sequences["response_attention"].numpy().sum(1) - 1] = rewards
+    inputs = (reward_matrix, mask, np.array(uids, dtype=object), old_log_probs, sum_pi_squared)
+    if variant == "verl":
+        expected = (otb.multi_turn_optimal_token_baseline if multi_turn else otb.optimal_token_baseline)(*inputs)
+        bound, _ = otb_comparison_tolerance(*inputs, align=align)
+    else:
+        expected = otb.leave_one_out_token_baseline(*inputs, align=align)
+        bound, _ = otb_comparison_tolerance(*inputs, align=align, leave_one_out=True, handle_zero_tail=False,
+                                            compute_dtype=np.float32)
+    bound.assert_close(advantages, expected.advantages, f"{variant} advantages stored by the v1 trainer")
+    assert not bound.holds(advantages, np.roll(expected.advantages, -1, axis=0))      # the check can fail
+
+
+@pytest.mark.parametrize("model", ["unfused"], indirect=True)
+def test_verls_v1_trainer_stops_at_its_own_assertion_without_v1_trainer(verl, engine, model, one_rank_world,
+                                                                      transfer_queue):
+    """What ``install(v1_trainer=True)`` changes: with the estimators routed but not the v1 trainer, verl's v1
+    ``_compute_advantage`` stops at verl's assertion (ray_trainer.py:267) — the actor was never asked for Σπ² — and
+    with the option but ``calculate_sum_pi_squared=False`` in the actor config it stops there too (the legacy
+    trainer's rule), having asked the actor for nothing more."""
+    tq = transfer_queue
+    from transfer_queue import KVBatchMeta
+
+    sequences = _sequences(seed=6, response_lengths=[6, 5, 6, 5, 5, 5])
+    keys, rows = _v1_rows(sequences, [1.0, 0.0, 0.0, 1.0, 1.0, 0.0], ["a", "b", "a", "b", "a", "b"])
+    for number, options in enumerate([dict(), dict(v1_trainer=True)]):
+        partition = f"refused-{number}"
+        tq.kv_batch_put(keys=keys, partition_id=partition, fields=verl.tu.list_of_dict_to_tensordict(rows),
+                        tags=[{} for _ in keys])
+        trainer = _v1_trainer(verl, engine, "optimal_token_baseline", fused=False,
+                              calculate_sum_pi_squared=not options)
+        batch = KVBatchMeta(keys=keys, tags=[{} for _ in keys], partition_id=partition)
+        with otb_verl.install(**options):
+            batch = trainer._compute_old_log_prob(batch, metrics={})
+            assert "sum_pi_squared" not in batch.fields
+            with pytest.raises(AssertionError, match="requires sum_pi_squared from actor"):
+                trainer._compute_advantage(batch, metrics={})
+
+
+def test_the_v1_route_is_installed_from_the_environment_and_uninstalled(verl, monkeypatch):
+    """``OTB_VERL_V1_TRAINER=yes`` (the Ray worker setup hook's way) patches verl's v1 ``PPOTrainer`` methods and the
+    advantage function its module imported by name; :func:`uninstall` puts verl's own objects back (``is``)."""
+    try:
+        from verl.trainer.ppo.v1 import trainer_base
+        from verl.trainer.ppo.v1 import utils as v1_utils
+    except ImportError as exc:
+        pytest.skip(f"verl's v1 trainer is not importable here ({exc}); install the 'verl' test extra")
+    trainer = trainer_base.PPOTrainer
+    originals = {name: trainer.__dict__[name] for name in ("_compute_old_log_prob", "_compute_advantage")}
+    function = trainer_base.compute_advantage_for_multi_trajectories
+    monkeypatch.setenv("OTB_VERL_V1_TRAINER", "yes")
+    installation = otb_verl.install_from_environment()
+    assert installation.options()["v1_trainer"] is True and not installation.unavailable
+    for name, original in originals.items():
+        assert trainer.__dict__[name] is not original and trainer.__dict__[name].__wrapped__ is original
+        assert f"verl.trainer.ppo.v1.trainer_base.PPOTrainer.{name}" in installation.places
+    for module in (trainer_base, v1_utils):
+        assert module.compute_advantage_for_multi_trajectories.__wrapped__ is function
+        assert f"{module.__name__}.compute_advantage_for_multi_trajectories" in installation.places
+    otb_verl.uninstall()
+    assert all(trainer.__dict__[name] is original for name, original in originals.items())
+    assert trainer_base.compute_advantage_for_multi_trajectories is function
+    assert v1_utils.compute_advantage_for_multi_trajectories is function
+    # a Ray worker where verl's v1 trainer does not import: nothing patched there, the reason listed
+    monkeypatch.setitem(sys.modules, "verl.trainer.ppo.v1.trainer_base", None)
+    with otb_verl.install(v1_trainer=True) as elsewhere:
+        assert elsewhere.unavailable == [f"verl.trainer.ppo.v1.trainer_base.PPOTrainer: cannot be imported here "
+                                         f"(import of verl.trainer.ppo.v1.trainer_base halted; None in sys.modules)"]
+        assert all(trainer.__dict__[name] is original for name, original in originals.items())

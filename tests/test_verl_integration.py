@@ -556,7 +556,7 @@ def test_install_from_environment(verl, monkeypatch):
     monkeypatch.setenv("OTB_VERL_SUM_PI_SQUARED", "yes")
     installation = otb_verl.install_from_environment()
     assert installation.options() == {"variant": "leave_one_out", "compile": False, "check_values": True,
-                                      "sum_pi_squared": True}
+                                      "sum_pi_squared": True, "v1_trainer": False}
     otb_verl.uninstall()
     monkeypatch.setenv("OTB_VERL_CHECK_VALUES", "maybe")
     with pytest.raises(ValueError, match="OTB_VERL_CHECK_VALUES: expected one of"):
@@ -674,7 +674,7 @@ def test_a_ray_worker_setup_hook_installs_in_every_worker(verl):
         for probe in (Probe.remote(), Probe.options(runtime_env={"env_vars": {"VERL_LIKE": "1"}}).remote()):
             options, routed = ray.get(probe.routed.remote())
             assert options == {"variant": "leave_one_out", "compile": False, "check_values": True,
-                               "sum_pi_squared": True}
+                               "sum_pi_squared": True, "v1_trainer": False}
             assert routed == "compute_multi_turn_leave_one_out_token_baseline_advantage"
     finally:
         ray.shutdown()
@@ -694,7 +694,7 @@ def test_the_documented_command_line_gives_ray_a_valid_runtime_env(verl, monkeyp
     overrides = [word for word in command.replace("\\\n", " ").split() if "=" in word]
     with hydra.initialize_config_module(config_module="verl.trainer.config", version_base=None):
         config = hydra.compose(config_name="ppo_trainer", overrides=overrides)
-    assert config.algorithm.adv_estimator == "optimal_token_baseline" and config.trainer.use_v1 is False
+    assert config.algorithm.adv_estimator == "optimal_token_baseline" and config.trainer.use_v1 is True   # default
     assert config.actor_rollout_ref.actor.calculate_sum_pi_squared is True
     runtime_env = OmegaConf.to_container(OmegaConf.merge(get_ppo_ray_runtime_env(config),
                                                          config.ray_kwargs.ray_init.runtime_env))
@@ -704,4 +704,5 @@ def test_the_documented_command_line_gives_ray_a_valid_runtime_env(verl, monkeyp
         if name.startswith("OTB_VERL_"):
             monkeypatch.setenv(name, value)
     assert otb_verl.install_from_environment().options() == {
-        "variant": "leave_one_out", "compile": False, "check_values": True, "sum_pi_squared": True}
+        "variant": "leave_one_out", "compile": False, "check_values": True, "sum_pi_squared": True,
+        "v1_trainer": True}

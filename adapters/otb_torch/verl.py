@@ -4,6 +4,7 @@
     otb_torch.verl.install()                              # verl's semantics, vectorized
     otb_torch.verl.install(variant="leave_one_out")       # the unbiased leave-one-out OTB, same config names
     otb_torch.verl.install(sum_pi_squared=True)           # in the actor workers: the memory-bounded Σπ² too
+    otb_torch.verl.install(v1_trainer=True)               # in verl's v1 trainer (its default): ask for Σπ², use it
     otb_torch.verl.uninstall()                            # every patched place holds verl's own object again
 
 How verl 0.9.1 reaches these functions (line numbers of the installed 0.9.1 files):
@@ -469,6 +470,121 @@ def _fused_route(check_values: bool) -> tuple[list[_Replacement], list[_ClassPat
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# verl's v1 trainer (trainer.use_v1=True, verl 0.9.1's default): ask the actor for Σπ² and hand it to the advantage step
+
+
+_V1_TRAINER = "verl.trainer.ppo.v1.trainer_base"
+_V1_CLASS = "PPOTrainer"
+_V1_OLD_LOG_PROB = "_compute_old_log_prob"
+_V1_ADVANTAGE = "_compute_advantage"
+_V1_ADVANTAGE_FUNCTION = "compute_advantage_for_multi_trajectories"
+_V1_SUM_PI_SQUARED = "sum_pi_squared"
+_V1_FLAG = "calculate_sum_pi_squared"
+_V1_HANDOVER = threading.local()          # the advantage step's Σπ², padded, between its two patched places
+
+
+def _v1_wants_sum_pi_squared(config: Any) -> bool:
+    """The legacy trainer's rule (ray_trainer.py:1297): Σπ² is computed where the actor config asks for it — and
+    not in rollout correction's bypass mode, where no old log π is recomputed (trainer_base.py:1641–1649)."""
+    actor = config.actor_rollout_ref.actor
+    if not bool(actor.get(_V1_FLAG, False)):
+        return False
+    correction = config.algorithm.get("rollout_correction", None)
+    return not (correction and correction.get("bypass_mode", False))
+
+
+def _v1_old_log_prob_with_sum_pi_squared(verl_method: Callable) -> Callable:
+    """verl's ``PPOTrainer._compute_old_log_prob`` that also asks the actor for Σπ², as the legacy trainer's does, and
+    stores it in TransferQueue under ``sum_pi_squared``: float32, one value per response position (the worker's
+    output over the whole sequence, shifted as verl shifts log π: ``response_from_nested``)."""
+
+    @functools.wraps(verl_method)
+    def _compute_old_log_prob(self: Any, batch: Any, metrics: dict) -> Any:
+        if not _v1_wants_sum_pi_squared(self.config):
+            return verl_method(self, batch, metrics)
+        import transfer_queue as tq
+        from verl.workers.utils.padding import response_from_nested
+
+        asked = batch
+        asked.extra_info[_V1_FLAG] = True
+        try:
+            batch = verl_method(self, asked, metrics)
+        finally:                                   # the later stages (reference, actor update) must not compute it
+            asked.extra_info.pop(_V1_FLAG, None)
+        batch.extra_info.pop(_V1_FLAG, None)
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                               select_fields=[_V1_SUM_PI_SQUARED, "response_mask"])
+        data[_V1_SUM_PI_SQUARED] = response_from_nested(data.pop(_V1_SUM_PI_SQUARED), data["response_mask"]).float()
+        return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
+                               fields=data.select(_V1_SUM_PI_SQUARED))
+
+    _compute_old_log_prob.__qualname__ = f"{verl_method.__qualname__}[otb_torch.verl: + sum_pi_squared]"
+    return _compute_old_log_prob
+
+
+def _v1_advantage_with_sum_pi_squared(verl_method: Callable) -> Callable:
+    """verl's ``PPOTrainer._compute_advantage`` that, for the OTB estimators, reads Σπ² from TransferQueue with the
+    other fields and hands it, padded as verl pads them, to ``compute_advantage_for_multi_trajectories``."""
+
+    @functools.wraps(verl_method)
+    def _compute_advantage(self: Any, batch: Any, metrics: dict) -> Any:
+        estimator = self.config.algorithm.adv_estimator
+        if (getattr(estimator, "value", estimator) not in ESTIMATOR_NAMES      # a name, or verl's AdvantageEstimator
+                or not _v1_wants_sum_pi_squared(self.config)):
+            return verl_method(self, batch, metrics)      # verl's own assertion names the missing setting
+        import transfer_queue as tq
+
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
+                               select_fields=[_V1_SUM_PI_SQUARED, "response_mask"])
+        _V1_HANDOVER.value = data.to_padded_tensor()[_V1_SUM_PI_SQUARED]
+        try:
+            return verl_method(self, batch, metrics)
+        finally:
+            _V1_HANDOVER.value = None
+
+    _compute_advantage.__qualname__ = f"{verl_method.__qualname__}[otb_torch.verl: + sum_pi_squared]"
+    return _compute_advantage
+
+
+def _v1_advantage_function(verl_function: Callable) -> Callable:
+    """verl's ``compute_advantage_for_multi_trajectories`` with the Σπ² of the patched ``_compute_advantage`` put in
+    the batch first (unchanged elsewhere)."""
+
+    @functools.wraps(verl_function)
+    def compute_advantage_for_multi_trajectories(data: Any, *args: Any, **kwargs: Any) -> Any:
+        sum_pi_squared = getattr(_V1_HANDOVER, "value", None)
+        if sum_pi_squared is not None and _V1_SUM_PI_SQUARED not in data.batch.keys():
+            _V1_HANDOVER.value = None
+            mask = data.batch["response_mask"]
+            if sum_pi_squared.shape != mask.shape:
+                raise RuntimeError(f"otb_torch.verl: the sum_pi_squared read from TransferQueue has shape "
+                                   f"{tuple(sum_pi_squared.shape)}, the batch's response_mask {tuple(mask.shape)}: "
+                                   "verl's v1 trainer changed how it pads the batch; this verl is not supported")
+            data.batch[_V1_SUM_PI_SQUARED] = sum_pi_squared.to(mask.device)
+        return verl_function(data, *args, **kwargs)
+
+    compute_advantage_for_multi_trajectories.__qualname__ = (f"{verl_function.__qualname__}"
+                                                             "[otb_torch.verl: + sum_pi_squared]")
+    return compute_advantage_for_multi_trajectories
+
+
+def _v1_route() -> tuple[list[_Replacement], list[_ClassPatch], list[str]]:
+    """The places of the v1 trainer route: two methods of verl's ``PPOTrainer`` and the advantage function it calls;
+    or, where verl's v1 trainer module does not import (a process that never runs the trainer: the hook installs in
+    every Ray worker), none, with the reason."""
+    try:
+        trainer_base = importlib.import_module(_V1_TRAINER)
+    except ImportError as exc:
+        return [], [], [f"{_V1_TRAINER}.{_V1_CLASS}: cannot be imported here ({exc})"]
+    trainer = getattr(trainer_base, _V1_CLASS)
+    patches = [_ClassPatch(trainer, name, trainer.__dict__[name], wrap(trainer.__dict__[name]))
+               for name, wrap in ((_V1_OLD_LOG_PROB, _v1_old_log_prob_with_sum_pi_squared),
+                                  (_V1_ADVANTAGE, _v1_advantage_with_sum_pi_squared))]
+    function = getattr(trainer_base, _V1_ADVANTAGE_FUNCTION)
+    return [_Replacement(function, _v1_advantage_function(function), _V1_ADVANTAGE_FUNCTION)], patches, []
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # installation
 
 
@@ -486,18 +602,20 @@ class Installation:
     """The active routing of verl's OTB estimators to otb_torch; a context manager that uninstalls on exit.
 
     Attributes:
-      variant, compile, check_values, sum_pi_squared: the options of :func:`install`.
+      variant, compile, check_values, sum_pi_squared, v1_trainer: the options of :func:`install`.
       estimators: registry name → the function verl now gets from ``get_adv_estimator_fn``.
       places: every patched place, as text (``module.attribute``, ``module.ADV_ESTIMATOR_REGISTRY['name']`` or
         ``module.Class.attribute``).
-      unavailable: places of the fused-kernel route (``sum_pi_squared=True``) that could not be patched in this
-        process, with the reason (a verl module that does not import here).
+      unavailable: places of the fused-kernel route (``sum_pi_squared=True``) or of the v1 trainer route
+        (``v1_trainer=True``) that could not be patched in this process, with the reason (a verl module that does
+        not import here).
     """
 
     variant: str
     compile: bool
     check_values: bool
     sum_pi_squared: bool
+    v1_trainer: bool
     estimators: dict[str, Callable]
     places: list[str] = field(default_factory=list)
     unavailable: list[str] = field(default_factory=list)
@@ -514,7 +632,7 @@ class Installation:
     def options(self) -> dict[str, Any]:
         """The :func:`install` options of this installation, as keyword arguments."""
         return {"variant": self.variant, "compile": self.compile, "check_values": self.check_values,
-                "sum_pi_squared": self.sum_pi_squared}
+                "sum_pi_squared": self.sum_pi_squared, "v1_trainer": self.v1_trainer}
 
     def uninstall(self) -> None:
         """Restore verl's own objects everywhere this installation put otb_torch's (no-op once undone)."""
@@ -567,7 +685,7 @@ def _swap_module_attributes(swaps: dict[int, tuple[Any, Any, str]], record: list
 
 
 def install(variant: str = "verl", *, compile: bool = False, check_values: bool = True,
-            sum_pi_squared: bool = False) -> Installation:
+            sum_pi_squared: bool = False, v1_trainer: bool = False) -> Installation:
     """Route verl's ``optimal_token_baseline`` and ``tir_optimal_token_baseline`` estimators to otb_torch.
 
     Args:
@@ -591,6 +709,16 @@ def install(variant: str = "verl", *, compile: bool = False, check_values: bool 
         to do, where the forward gave none: the Liger or Triton backends). Call it before the model is built, or
         after: model classes verl already patched are found. The port's Σπ² is not differentiable (verl only uses
         Σπ² under no_grad, for advantages and metrics).
+      v1_trainer: also let verl's v1 trainer (``trainer.use_v1=True``, verl 0.9.1's default) run OTB — call it this
+        way in the process that runs the trainer. verl's v1 ``PPOTrainer`` never asks the actor for Σπ² nor reads it
+        for the advantage step, so its OTB stops at verl's assertion "requires sum_pi_squared from actor". With this
+        option ``PPOTrainer._compute_old_log_prob`` asks the actor for Σπ² where
+        ``actor_rollout_ref.actor.calculate_sum_pi_squared`` is set (the legacy trainer's rule; not in rollout
+        correction's bypass mode, which recomputes nothing) and stores it per response token in TransferQueue, and
+        ``PPOTrainer._compute_advantage`` gives it to verl's ``compute_advantage`` for the two OTB estimators, as the
+        legacy trainer does. Imports verl's v1 trainer module (and its ``transfer_queue`` dependency); where that
+        fails, the places are listed in ``Installation.unavailable`` instead (a Ray worker that never runs the
+        trainer).
 
     Returns:
       The :class:`Installation` (a context manager: ``with otb_torch.verl.install(): ...`` uninstalls on exit).
@@ -608,7 +736,8 @@ def install(variant: str = "verl", *, compile: bool = False, check_values: bool 
         raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
     options = {"variant": variant, "compile": reference_checks.flag("compile", compile),
                "check_values": reference_checks.flag("check_values", check_values),
-               "sum_pi_squared": reference_checks.flag("sum_pi_squared", sum_pi_squared)}
+               "sum_pi_squared": reference_checks.flag("sum_pi_squared", sum_pi_squared),
+               "v1_trainer": reference_checks.flag("v1_trainer", v1_trainer)}
     global _ACTIVE
     with _LOCK:
         if _ACTIVE is not None:
@@ -641,6 +770,11 @@ def install(variant: str = "verl", *, compile: bool = False, check_values: bool 
         if options["sum_pi_squared"]:
             fused_replacements, class_patches, unavailable = _fused_route(options["check_values"])
             replacements.extend(fused_replacements)
+        if options["v1_trainer"]:
+            v1_replacements, v1_patches, v1_unavailable = _v1_route()
+            replacements.extend(v1_replacements)
+            class_patches.extend(v1_patches)
+            unavailable.extend(v1_unavailable)
         installation = Installation(estimators=estimators, unavailable=unavailable, _replacements=replacements,
                                     _class_patches=class_patches, **options)
         for name, estimator in estimators.items():
@@ -714,7 +848,7 @@ def _warn_if_untested_version() -> None:
 
 
 _ENVIRONMENT = {"variant": "OTB_VERL_VARIANT", "compile": "OTB_VERL_COMPILE", "check_values": "OTB_VERL_CHECK_VALUES",
-                "sum_pi_squared": "OTB_VERL_SUM_PI_SQUARED"}
+                "sum_pi_squared": "OTB_VERL_SUM_PI_SQUARED", "v1_trainer": "OTB_VERL_V1_TRAINER"}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -728,6 +862,7 @@ def install_from_environment() -> Installation:
     ===========================  ==============================  =========
     ``OTB_VERL_VARIANT``         ``verl`` or ``leave_one_out``   ``verl``
     ``OTB_VERL_SUM_PI_SQUARED``  replace the actor's Σπ²         ``no``
+    ``OTB_VERL_V1_TRAINER``      OTB in verl's v1 trainer        ``no``
     ``OTB_VERL_COMPILE``         ``torch.compile``               ``no``
     ``OTB_VERL_CHECK_VALUES``    validate inputs                 ``yes``
     ===========================  ==============================  =========
@@ -736,7 +871,7 @@ def install_from_environment() -> Installation:
     integer, and Ray accepts only strings in ``env_vars``).
     """
     options: dict[str, Any] = {"variant": os.environ.get(_ENVIRONMENT["variant"], "verl").strip()}
-    defaults = {"compile": False, "check_values": True, "sum_pi_squared": False}
+    defaults = {"compile": False, "check_values": True, "sum_pi_squared": False, "v1_trainer": False}
     for name, default in defaults.items():
         variable = _ENVIRONMENT[name]
         text = os.environ.get(variable)
