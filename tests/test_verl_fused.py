@@ -763,11 +763,11 @@ def test_verls_v1_trainer_computes_otb_with_v1_trainer_installed(verl, engine, m
     trainer = _v1_trainer(verl, engine, estimator, fused)
     from transfer_queue import KVBatchMeta
 
-    batch = KVBatchMeta(keys=keys, tags=[{} for _ in keys], partition_id=partition)
+    sampled = KVBatchMeta(keys=keys, tags=[{} for _ in keys], partition_id=partition)
     with otb_verl.install(variant, sum_pi_squared=fused, v1_trainer=True):
         with _DecoderCalls(model) as first_pass:
-            batch = trainer._compute_old_log_prob(batch, metrics={})
-        assert "calculate_sum_pi_squared" not in batch.extra_info
+            batch = trainer._compute_old_log_prob(sampled, metrics={})
+        assert "calculate_sum_pi_squared" not in sampled.extra_info     # the batch the later stages are sent with
         batch = trainer._compute_advantage(batch, metrics={})
     stored = tq.kv_batch_get(keys=keys, partition_id=partition,
                              select_fields=["old_log_probs", "sum_pi_squared", "advantages"])
@@ -807,7 +807,8 @@ def test_verls_v1_trainer_stops_at_its_own_assertion_without_v1_trainer(verl, en
     """What ``install(v1_trainer=True)`` changes: with the estimators routed but not the v1 trainer, verl's v1
     ``_compute_advantage`` stops at verl's assertion (ray_trainer.py:267) — the actor was never asked for Σπ² — and
     with the option but ``calculate_sum_pi_squared=False`` in the actor config it stops there too (the legacy
-    trainer's rule), having asked the actor for nothing more."""
+    trainer's rule), having asked the actor for nothing more; for another estimator the actor is not asked either,
+    and with rollout correction's bypass mode (no actor forward) the advantage step says so."""
     tq = transfer_queue
     from transfer_queue import KVBatchMeta
 
@@ -825,6 +826,17 @@ def test_verls_v1_trainer_stops_at_its_own_assertion_without_v1_trainer(verl, en
             assert "sum_pi_squared" not in batch.fields
             with pytest.raises(AssertionError, match="requires sum_pi_squared from actor"):
                 trainer._compute_advantage(batch, metrics={})
+    grpo = _v1_trainer(verl, engine, "grpo", fused=False)
+    tq.kv_batch_put(keys=keys, partition_id="grpo", fields=verl.tu.list_of_dict_to_tensordict(rows),
+                    tags=[{} for _ in keys])
+    with otb_verl.install(v1_trainer=True):
+        batch = grpo._compute_old_log_prob(KVBatchMeta(keys=keys, tags=[{} for _ in keys], partition_id="grpo"),
+                                           metrics={})
+        assert "sum_pi_squared" not in batch.fields
+        bypass = _v1_trainer(verl, engine, "optimal_token_baseline", fused=False)
+        bypass.config.algorithm.rollout_correction = {"bypass_mode": True}
+        with pytest.raises(ValueError, match="bypass_mode=True: OTB needs Σπ² from the actor's forward"):
+            bypass._compute_advantage(batch, metrics={})
 
 
 def test_the_v1_route_is_installed_from_the_environment_and_uninstalled(verl, monkeypatch):
@@ -854,6 +866,7 @@ def test_the_v1_route_is_installed_from_the_environment_and_uninstalled(verl, mo
     # a Ray worker where verl's v1 trainer does not import: nothing patched there, the reason listed
     monkeypatch.setitem(sys.modules, "verl.trainer.ppo.v1.trainer_base", None)
     with otb_verl.install(v1_trainer=True) as elsewhere:
-        assert elsewhere.unavailable == [f"verl.trainer.ppo.v1.trainer_base.PPOTrainer: cannot be imported here "
-                                         f"(import of verl.trainer.ppo.v1.trainer_base halted; None in sys.modules)"]
+        assert elsewhere.unavailable == ["verl.trainer.ppo.v1.trainer_base.PPOTrainer: cannot be imported here "
+                                         "(ModuleNotFoundError('import of verl.trainer.ppo.v1.trainer_base halted; "
+                                         "None in sys.modules'))"]
         assert all(trainer.__dict__[name] is original for name, original in originals.items())

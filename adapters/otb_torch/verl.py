@@ -483,14 +483,22 @@ _V1_FLAG = "calculate_sum_pi_squared"
 _V1_HANDOVER = threading.local()          # the advantage step's Σπ², padded, between its two patched places
 
 
-def _v1_wants_sum_pi_squared(config: Any) -> bool:
-    """The legacy trainer's rule (ray_trainer.py:1297): Σπ² is computed where the actor config asks for it — and
-    not in rollout correction's bypass mode, where no old log π is recomputed (trainer_base.py:1641–1649)."""
-    actor = config.actor_rollout_ref.actor
-    if not bool(actor.get(_V1_FLAG, False)):
-        return False
+def _v1_otb_estimator(config: Any) -> bool:
+    estimator = config.algorithm.adv_estimator
+    return getattr(estimator, "value", estimator) in ESTIMATOR_NAMES     # a name, or verl's AdvantageEstimator
+
+
+def _v1_bypass_mode(config: Any) -> bool:
+    """Rollout correction's bypass mode: old log π are the rollout's, no actor forward (trainer_base.py:1641–1648)."""
     correction = config.algorithm.get("rollout_correction", None)
-    return not (correction and correction.get("bypass_mode", False))
+    return bool(correction and correction.get("bypass_mode", False))
+
+
+def _v1_wants_sum_pi_squared(config: Any) -> bool:
+    """The legacy trainer's rule (ray_trainer.py:1297) — Σπ² where the actor config asks for it — for the OTB
+    estimators (nothing else in the v1 trainer reads it) and where the actor's forward runs (not in bypass mode)."""
+    return (bool(config.actor_rollout_ref.actor.get(_V1_FLAG, False)) and _v1_otb_estimator(config)
+            and not _v1_bypass_mode(config))
 
 
 def _v1_old_log_prob_with_sum_pi_squared(verl_method: Callable) -> Callable:
@@ -528,9 +536,12 @@ def _v1_advantage_with_sum_pi_squared(verl_method: Callable) -> Callable:
 
     @functools.wraps(verl_method)
     def _compute_advantage(self: Any, batch: Any, metrics: dict) -> Any:
-        estimator = self.config.algorithm.adv_estimator
-        if (getattr(estimator, "value", estimator) not in ESTIMATOR_NAMES      # a name, or verl's AdvantageEstimator
-                or not _v1_wants_sum_pi_squared(self.config)):
+        if (_v1_otb_estimator(self.config) and _v1_bypass_mode(self.config)
+                and self.config.actor_rollout_ref.actor.get(_V1_FLAG, False)):
+            raise ValueError("algorithm.rollout_correction.bypass_mode=True: OTB needs Σπ² from the actor's forward "
+                             "of the old log π, which bypass mode skips (it takes the rollout's log π); set "
+                             "bypass_mode=False to use OTB (otb_torch.verl, v1 trainer)")
+        if not _v1_wants_sum_pi_squared(self.config):
             return verl_method(self, batch, metrics)      # verl's own assertion names the missing setting
         import transfer_queue as tq
 
@@ -574,13 +585,21 @@ def _v1_route() -> tuple[list[_Replacement], list[_ClassPatch], list[str]]:
     every Ray worker), none, with the reason."""
     try:
         trainer_base = importlib.import_module(_V1_TRAINER)
-    except ImportError as exc:
-        return [], [], [f"{_V1_TRAINER}.{_V1_CLASS}: cannot be imported here ({exc})"]
-    trainer = getattr(trainer_base, _V1_CLASS)
-    patches = [_ClassPatch(trainer, name, trainer.__dict__[name], wrap(trainer.__dict__[name]))
-               for name, wrap in ((_V1_OLD_LOG_PROB, _v1_old_log_prob_with_sum_pi_squared),
-                                  (_V1_ADVANTAGE, _v1_advantage_with_sum_pi_squared))]
-    function = getattr(trainer_base, _V1_ADVANTAGE_FUNCTION)
+    except Exception as exc:          # whatever stops the import in a worker must not stop the worker's setup hook
+        return [], [], [f"{_V1_TRAINER}.{_V1_CLASS}: cannot be imported here ({exc!r})"]
+    trainer = getattr(trainer_base, _V1_CLASS, None)
+    methods = {name: getattr(trainer, "__dict__", {}).get(name) for name in (_V1_OLD_LOG_PROB, _V1_ADVANTAGE)}
+    function = getattr(trainer_base, _V1_ADVANTAGE_FUNCTION, None)
+    missing = [name for name, method in methods.items() if method is None] + ([] if callable(function)
+                                                                              else [_V1_ADVANTAGE_FUNCTION])
+    if trainer is None or missing:
+        return [], [], [f"{_V1_TRAINER}: no {_V1_CLASS if trainer is None else ', '.join(missing)} in this verl "
+                        f"({getattr(sys.modules.get('verl'), '__version__', None)}; written against "
+                        f"{TESTED_VERL_VERSION}): nothing patched"]
+    patches = [_ClassPatch(trainer, _V1_OLD_LOG_PROB, methods[_V1_OLD_LOG_PROB],
+                           _v1_old_log_prob_with_sum_pi_squared(methods[_V1_OLD_LOG_PROB])),
+               _ClassPatch(trainer, _V1_ADVANTAGE, methods[_V1_ADVANTAGE],
+                           _v1_advantage_with_sum_pi_squared(methods[_V1_ADVANTAGE]))]
     return [_Replacement(function, _v1_advantage_function(function), _V1_ADVANTAGE_FUNCTION)], patches, []
 
 
@@ -713,10 +732,10 @@ def install(variant: str = "verl", *, compile: bool = False, check_values: bool 
         way in the process that runs the trainer. verl's v1 ``PPOTrainer`` never asks the actor for Σπ² nor reads it
         for the advantage step, so its OTB stops at verl's assertion "requires sum_pi_squared from actor". With this
         option ``PPOTrainer._compute_old_log_prob`` asks the actor for Σπ² where
-        ``actor_rollout_ref.actor.calculate_sum_pi_squared`` is set (the legacy trainer's rule; not in rollout
-        correction's bypass mode, which recomputes nothing) and stores it per response token in TransferQueue, and
-        ``PPOTrainer._compute_advantage`` gives it to verl's ``compute_advantage`` for the two OTB estimators, as the
-        legacy trainer does. Imports verl's v1 trainer module (and its ``transfer_queue`` dependency); where that
+        ``actor_rollout_ref.actor.calculate_sum_pi_squared`` is set and the estimator is one of the two OTB names,
+        and stores it per response token in TransferQueue, and ``PPOTrainer._compute_advantage`` gives it to verl's
+        ``compute_advantage``, as the legacy trainer does (rollout correction's bypass mode, which runs no actor
+        forward, is refused with a ValueError saying so). Imports verl's v1 trainer module (and its ``transfer_queue`` dependency); where that
         fails, the places are listed in ``Installation.unavailable`` instead (a Ray worker that never runs the
         trainer).
 
