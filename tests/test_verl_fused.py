@@ -666,8 +666,10 @@ def transfer_queue(verl):
 def _v1_rows(sequences, rewards, uids):
     """The rows as verl's v1 agent loop puts them in TransferQueue (agent_loop_tq.py:183–225): per row, unpadded,
     prompt and response ids, the sequence with its attention mask and position ids, the response mask (0 on tool
-    output; ``loss_mask`` the same) and the reward at the response's last token (``rm_scores``); keys
-    ``{uid}_{session}_{index}``."""
+    output; ``loss_mask`` the same), the reward at the response's last token (``rm_scores``) and the rollout's own
+    log π of each response token (``rollout_log_probs``, which verl's default config asks the rollout for: here
+    log π of a sampler at another temperature, drawn); keys ``{uid}_{session}_{index}``."""
+    rng = np.random.default_rng(11)
     keys, rows = [], []
     for row in range(len(uids)):
         prompt = sequences["prompts"][row][sequences["prompt_mask"][row].bool()]
@@ -680,18 +682,21 @@ def _v1_rows(sequences, rewards, uids):
                          attention_mask=torch.ones(len(prompt) + length, dtype=torch.int64),
                          position_ids=torch.arange(len(prompt) + length),
                          response_mask=sequences["response_mask"][row, :length],
-                         loss_mask=sequences["response_mask"][row, :length], rm_scores=scores, uid=uids[row]))
+                         loss_mask=sequences["response_mask"][row, :length], rm_scores=scores, uid=uids[row],
+                         rollout_log_probs=torch.from_numpy(-rng.uniform(0.0, 3.0, length)).float()))
     return keys, rows
 
 
-def _v1_trainer(verl, engine, estimator: str, fused: bool, calculate_sum_pi_squared: bool = True):
-    """verl's v1 ``PPOTrainerSync`` (built without its Ray workers) whose actor worker group's ``compute_log_prob`` is
-    verl's TransferQueue bridge (``tqbridge``: the batch's fields read from TransferQueue, the extra_info as
-    non-tensor data, the outputs written back) around what ``TrainingWorker.infer_batch`` does with the engine
-    (engine_workers.py:398–441): its defaults, ``FSDPEngine.infer_batch``, the model outputs as a TensorDict."""
+def _v1_trainer(verl, engine, estimator: str, fused: bool, calculate_sum_pi_squared: bool = True,
+                rollout_is: str | None = None, bypass_mode: bool = False):
+    """verl's v1 ``PPOTrainerSync`` (built without its Ray workers) on verl's own ``ppo_trainer`` config (Hydra, with
+    the recipe's overrides), whose actor worker group's ``compute_log_prob`` is verl's TransferQueue bridge
+    (``tqbridge``: the batch's fields read from TransferQueue, the extra_info as non-tensor data, the outputs written
+    back) around what ``TrainingWorker.infer_batch`` does with the engine (engine_workers.py:398–441): its defaults,
+    ``FSDPEngine.infer_batch``, the model outputs as a TensorDict."""
     from types import SimpleNamespace
 
-    from omegaconf import OmegaConf
+    hydra = pytest.importorskip("hydra", reason="hydra-core (verl's config system) is not installed")
 
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
     from verl.utils.transferqueue_utils import tqbridge
@@ -714,13 +719,15 @@ def _v1_trainer(verl, engine, estimator: str, fused: bool, calculate_sum_pi_squa
         output = engine.infer_batch(data)
         return verl.tu.get_tensordict(tensor_dict=output["model_output"], non_tensor_dict={"metrics": {}})
 
+    overrides = [f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.rollout.n=3",
+                 f"actor_rollout_ref.actor.calculate_sum_pi_squared={calculate_sum_pi_squared}",
+                 f"algorithm.rollout_correction.rollout_is={rollout_is or 'null'}",
+                 f"algorithm.rollout_correction.bypass_mode={bypass_mode}"]
+    with hydra.initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        config = hydra.compose(config_name="ppo_trainer", overrides=overrides)
+    assert config.trainer.use_v1 and config.actor_rollout_ref.rollout.calculate_log_probs      # verl's defaults
     trainer = object.__new__(PPOTrainerSync)
-    trainer.config = OmegaConf.create({
-        "algorithm": {"adv_estimator": estimator, "use_kl_in_reward": False, "gamma": 1.0, "lam": 1.0,
-                      "norm_adv_by_std_in_grpo": True, "rollout_correction": None},
-        "actor_rollout_ref": {"actor": {"calculate_sum_pi_squared": calculate_sum_pi_squared,
-                                        "loss_agg_mode": "token-mean", "loss_scale_factor": None},
-                              "rollout": {"temperature": 1.0, "calculate_log_probs": False, "n": 3}}})
+    trainer.config = config
     trainer.actor_rollout_wg = SimpleNamespace(compute_log_prob=compute_log_prob)
     return trainer
 
@@ -733,8 +740,9 @@ def _padded(nested, width: int) -> torch.Tensor:
 @pytest.mark.parametrize("model", ["fused", "unfused"], indirect=True)
 @pytest.mark.parametrize("variant", ["verl", "leave_one_out"])
 @pytest.mark.parametrize("multi_turn", [False, True], ids=["single-turn", "multi-turn"])
+@pytest.mark.parametrize("rollout_is", [None, "token"], ids=["no IS", "rollout IS"])
 def test_verls_v1_trainer_computes_otb_with_v1_trainer_installed(verl, engine, model, one_rank_world, transfer_queue,
-                                                                variant, multi_turn, request):
+                                                                variant, multi_turn, rollout_is, request):
     """verl's v1 trainer, as ``_step_once`` runs it (trainer_base.py:585–600): ``_compute_old_log_prob`` (the actor's
     forward through verl's TransferQueue bridge, on verl's FSDP engine: the port's fused kernel, or transformers'
     logits with verl's own Σπ²) then ``_compute_advantage`` (verl's ``compute_advantage`` with the port's
@@ -743,7 +751,9 @@ def test_verls_v1_trainer_computes_otb_with_v1_trainer_installed(verl, engine, m
     on the hidden states that computed them (``hidden_statistics_tolerance``), the advantages stored equal the
     reference's OTB on them (``otb_comparison_tolerance``; and not with each row given the next row's), and the flag
     does not stay in the batch's extra_info for the later stages. Two groups of three, scattered as balance_batch
-    leaves them; multi-turn with tool spans (``tir_optimal_token_baseline``)."""
+    leaves them; multi-turn with tool spans (``tir_optimal_token_baseline``); verl's default config (its rollout
+    correction computing metrics only), or with token-level rollout importance weights (``rollout_is=token``: ρ from
+    old log π − the rollout's, truncated at 2, stored by verl, ρ² in the energy)."""
     tq = transfer_queue
     fused = request.node.callspec.params["model"] == "fused"
     if multi_turn:
@@ -760,7 +770,7 @@ def test_verls_v1_trainer_computes_otb_with_v1_trainer_installed(verl, engine, m
                     tags=[{} for _ in keys])
     estimator, align = (("tir_optimal_token_baseline", "valid_token") if multi_turn
                         else ("optimal_token_baseline", "position"))
-    trainer = _v1_trainer(verl, engine, estimator, fused)
+    trainer = _v1_trainer(verl, engine, estimator, fused, rollout_is=rollout_is)
     from transfer_queue import KVBatchMeta
 
     sampled = KVBatchMeta(keys=keys, tags=[{} for _ in keys], partition_id=partition)
@@ -769,10 +779,11 @@ def test_verls_v1_trainer_computes_otb_with_v1_trainer_installed(verl, engine, m
             batch = trainer._compute_old_log_prob(sampled, metrics={})
         assert "calculate_sum_pi_squared" not in sampled.extra_info     # the batch the later stages are sent with
         batch = trainer._compute_advantage(batch, metrics={})
-    stored = tq.kv_batch_get(keys=keys, partition_id=partition,
-                             select_fields=["old_log_probs", "sum_pi_squared", "advantages"])
-    old_log_probs, sum_pi_squared, advantages = (_padded(stored[name], RESPONSE).double().numpy()
-                                                 for name in ("old_log_probs", "sum_pi_squared", "advantages"))
+    names = ["old_log_probs", "sum_pi_squared", "advantages"] + (["rollout_is_weights"] if rollout_is else [])
+    stored = tq.kv_batch_get(keys=keys, partition_id=partition, select_fields=names)
+    old_log_probs, sum_pi_squared, advantages, *weights = (_padded(stored[name], RESPONSE).double().numpy()
+                                                           for name in names)
+    rho = weights[0] if weights else None
     mask = sequences["response_mask"].double().numpy()
     valid = mask > 0
 
@@ -790,13 +801,16 @@ def test_verls_v1_trainer_computes_otb_with_v1_trainer_installed(verl, engine, m
     reward_matrix = np.zeros_like(mask)
     reward_matrix[np.arange(len(rows)), sequences["response_attention"].numpy().sum(1) - 1] = rewards
     inputs = (reward_matrix, mask, np.array(uids, dtype=object), old_log_probs, sum_pi_squared)
+    if rho is not None:           # ρ = exp(old − rollout log π) truncated at 2, as verl computed and stored it
+        assert np.all(rho[valid] > 0) and np.all(rho[valid] <= 2) and np.any(np.abs(rho[valid] - 1) > 0.1)
     if variant == "verl":
-        expected = (otb.multi_turn_optimal_token_baseline if multi_turn else otb.optimal_token_baseline)(*inputs)
-        bound, _ = otb_comparison_tolerance(*inputs, align=align)
+        expected = (otb.multi_turn_optimal_token_baseline if multi_turn else otb.optimal_token_baseline)(
+            *inputs, is_weights=rho)
+        bound, _ = otb_comparison_tolerance(*inputs, is_weights=rho, align=align)
     else:
-        expected = otb.leave_one_out_token_baseline(*inputs, align=align)
-        bound, _ = otb_comparison_tolerance(*inputs, align=align, leave_one_out=True, handle_zero_tail=False,
-                                            compute_dtype=np.float32)
+        expected = otb.leave_one_out_token_baseline(*inputs, is_weights=rho, align=align)
+        bound, _ = otb_comparison_tolerance(*inputs, is_weights=rho, align=align, leave_one_out=True,
+                                            handle_zero_tail=False, compute_dtype=np.float32)
     bound.assert_close(advantages, expected.advantages, f"{variant} advantages stored by the v1 trainer")
     assert not bound.holds(advantages, np.roll(expected.advantages, -1, axis=0))      # the check can fail
 
@@ -833,8 +847,7 @@ def test_verls_v1_trainer_stops_at_its_own_assertion_without_v1_trainer(verl, en
         batch = grpo._compute_old_log_prob(KVBatchMeta(keys=keys, tags=[{} for _ in keys], partition_id="grpo"),
                                            metrics={})
         assert "sum_pi_squared" not in batch.fields
-        bypass = _v1_trainer(verl, engine, "optimal_token_baseline", fused=False)
-        bypass.config.algorithm.rollout_correction = {"bypass_mode": True}
+        bypass = _v1_trainer(verl, engine, "optimal_token_baseline", fused=False, bypass_mode=True)
         with pytest.raises(ValueError, match="bypass_mode=True: OTB needs Σπ² from the actor's forward"):
             bypass._compute_advantage(batch, metrics={})
 
