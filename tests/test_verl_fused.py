@@ -683,8 +683,12 @@ def _v1_rows(sequences, rewards, uids):
                          position_ids=torch.arange(len(prompt) + length),
                          response_mask=sequences["response_mask"][row, :length],
                          loss_mask=sequences["response_mask"][row, :length], rm_scores=scores, uid=uids[row],
-                         rollout_log_probs=torch.from_numpy(-rng.uniform(0.0, 3.0, length)).float()))
+                         rollout_log_probs=torch.from_numpy(-rng.uniform(0.0, 3.0, length)).float(),
+                         num_turns=torch.tensor(2)))
     return keys, rows
+
+
+_V1_TAGS = {"status": "success", "global_steps": 1, "min_global_steps": 1, "max_global_steps": 1}
 
 
 def _v1_trainer(verl, engine, estimator: str, fused: bool, calculate_sum_pi_squared: bool = True,
@@ -727,7 +731,10 @@ def _v1_trainer(verl, engine, estimator: str, fused: bool, calculate_sum_pi_squa
         config = hydra.compose(config_name="ppo_trainer", overrides=overrides)
     assert config.trainer.use_v1 and config.actor_rollout_ref.rollout.calculate_log_probs      # verl's defaults
     trainer = object.__new__(PPOTrainerSync)
-    trainer.config = config
+    trainer.config, trainer.use_critic = config, False
+    # what __init__ builds and _compute_metrics reads: one GPU for the throughput figures, the MoE metrics off
+    trainer.resource_pool_manager = SimpleNamespace(get_n_gpus=lambda: 1)
+    trainer._rollout_moe_lb_metrics_accumulator = None
     trainer.actor_rollout_wg = SimpleNamespace(compute_log_prob=compute_log_prob)
     return trainer
 
@@ -744,16 +751,17 @@ def _padded(nested, width: int) -> torch.Tensor:
 def test_verls_v1_trainer_computes_otb_with_v1_trainer_installed(verl, engine, model, one_rank_world, transfer_queue,
                                                                 variant, multi_turn, rollout_is, request):
     """verl's v1 trainer, as ``_step_once`` runs it (trainer_base.py:585–600): ``_compute_old_log_prob`` (the actor's
-    forward through verl's TransferQueue bridge, on verl's FSDP engine: the port's fused kernel, or transformers'
-    logits with verl's own Σπ²) then ``_compute_advantage`` (verl's ``compute_advantage`` with the port's
-    estimator), the batch in TransferQueue between them. With ``install(v1_trainer=True)`` the actor is asked for
-    Σπ² and the advantage step reads it: the Σπ² and old log π stored for every response token equal the reference's
-    on the hidden states that computed them (``hidden_statistics_tolerance``), the advantages stored equal the
-    reference's OTB on them (``otb_comparison_tolerance``; and not with each row given the next row's), and the flag
-    does not stay in the batch's extra_info for the later stages. Two groups of three, scattered as balance_batch
-    leaves them; multi-turn with tool spans (``tir_optimal_token_baseline``); verl's default config (its rollout
-    correction computing metrics only), or with token-level rollout importance weights (``rollout_is=token``: ρ from
-    old log π − the rollout's, truncated at 2, stored by verl, ρ² in the energy)."""
+    forward through verl's TransferQueue bridge, on verl's FSDP engine: the port's fused kernel, or transformers' logits
+    with verl's own Σπ²) then ``_compute_advantage`` (verl's ``compute_advantage`` with the port's estimator), the batch
+    in TransferQueue between them. With ``install(v1_trainer=True)`` the actor is asked for Σπ² and the advantage step
+    reads it: the Σπ² and old log π stored for every response token equal the reference's on the hidden states that
+    computed them (``hidden_statistics_tolerance``), the advantages stored equal the reference's OTB on them
+    (``otb_comparison_tolerance``; and not with each row given the next row's), the flag does not stay in the batch's
+    extra_info for the later stages, and ``_compute_metrics`` logs verl's ``variance_proxy/*`` metrics as verl's
+    function gives them on those tensors (the legacy trainer's). Two groups of three, scattered as balance_batch leaves
+    them; multi-turn with tool spans (``tir_optimal_token_baseline``); verl's default config (its rollout correction
+    computing metrics only), or with token-level rollout importance weights (``rollout_is=token``: ρ from old log π −
+    the rollout's, truncated at 2, stored by verl, ρ² in the energy)."""
     tq = transfer_queue
     fused = request.node.callspec.params["model"] == "fused"
     if multi_turn:
@@ -767,18 +775,20 @@ def test_verls_v1_trainer_computes_otb_with_v1_trainer_installed(verl, engine, m
     keys, rows = _v1_rows(sequences, rewards, uids)
     partition = f"train-{request.node.callspec.id}"
     tq.kv_batch_put(keys=keys, partition_id=partition, fields=verl.tu.list_of_dict_to_tensordict(rows),
-                    tags=[{} for _ in keys])
+                    tags=[dict(_V1_TAGS) for _ in keys])
     estimator, align = (("tir_optimal_token_baseline", "valid_token") if multi_turn
                         else ("optimal_token_baseline", "position"))
     trainer = _v1_trainer(verl, engine, estimator, fused, rollout_is=rollout_is)
     from transfer_queue import KVBatchMeta
 
-    sampled = KVBatchMeta(keys=keys, tags=[{} for _ in keys], partition_id=partition)
+    sampled = KVBatchMeta(keys=keys, tags=[dict(_V1_TAGS) for _ in keys], partition_id=partition)
     with otb_verl.install(variant, sum_pi_squared=fused, v1_trainer=True):
         with _DecoderCalls(model) as first_pass:
             batch = trainer._compute_old_log_prob(sampled, metrics={})
         assert "calculate_sum_pi_squared" not in sampled.extra_info     # the batch the later stages are sent with
         batch = trainer._compute_advantage(batch, metrics={})
+        metrics = {"actor/grad_norm": 0.5}
+        trainer._compute_metrics(batch, metrics, {"step": 1.0}, global_steps=1, epoch=0)
     names = ["old_log_probs", "sum_pi_squared", "advantages"] + (["rollout_is_weights"] if rollout_is else [])
     stored = tq.kv_batch_get(keys=keys, partition_id=partition, select_fields=names)
     old_log_probs, sum_pi_squared, advantages, *weights = (_padded(stored[name], RESPONSE).double().numpy()
@@ -814,6 +824,17 @@ def test_verls_v1_trainer_computes_otb_with_v1_trainer_installed(verl, engine, m
     bound.assert_close(advantages, expected.advantages, f"{variant} advantages stored by the v1 trainer")
     assert not bound.holds(advantages, np.roll(expected.advantages, -1, axis=0))      # the check can fail
 
+    # verl's variance_proxy metrics, as the legacy trainer logs them from its batch: verl's function on the stored
+    # tensors (float32, padded as the v1 batch is) gives the logged values bit for bit
+    from verl.trainer.ppo.metric_utils import compute_variance_proxy_metrics
+
+    legacy = {name: stored[name].to_padded_tensor(0.0) for name in names}
+    legacy["response_mask"] = tq.kv_batch_get(keys=keys, partition_id=partition,
+                                              select_fields=["response_mask"])["response_mask"].to_padded_tensor(0)
+    expected_metrics = compute_variance_proxy_metrics(verl.DataProto.from_dict(legacy), gradient_norm=0.5)
+    assert expected_metrics and all(name.startswith("variance_proxy/") for name in expected_metrics)
+    assert {name: metrics.get(name) for name in expected_metrics} == expected_metrics
+
 
 @pytest.mark.parametrize("model", ["unfused"], indirect=True)
 def test_verls_v1_trainer_stops_at_its_own_assertion_without_v1_trainer(verl, engine, model, one_rank_world,
@@ -831,10 +852,10 @@ def test_verls_v1_trainer_stops_at_its_own_assertion_without_v1_trainer(verl, en
     for number, options in enumerate([dict(), dict(v1_trainer=True)]):
         partition = f"refused-{number}"
         tq.kv_batch_put(keys=keys, partition_id=partition, fields=verl.tu.list_of_dict_to_tensordict(rows),
-                        tags=[{} for _ in keys])
+                        tags=[dict(_V1_TAGS) for _ in keys])
         trainer = _v1_trainer(verl, engine, "optimal_token_baseline", fused=False,
                               calculate_sum_pi_squared=not options)
-        batch = KVBatchMeta(keys=keys, tags=[{} for _ in keys], partition_id=partition)
+        batch = KVBatchMeta(keys=keys, tags=[dict(_V1_TAGS) for _ in keys], partition_id=partition)
         with otb_verl.install(**options):
             batch = trainer._compute_old_log_prob(batch, metrics={})
             assert "sum_pi_squared" not in batch.fields
@@ -842,10 +863,10 @@ def test_verls_v1_trainer_stops_at_its_own_assertion_without_v1_trainer(verl, en
                 trainer._compute_advantage(batch, metrics={})
     grpo = _v1_trainer(verl, engine, "grpo", fused=False)
     tq.kv_batch_put(keys=keys, partition_id="grpo", fields=verl.tu.list_of_dict_to_tensordict(rows),
-                    tags=[{} for _ in keys])
+                    tags=[dict(_V1_TAGS) for _ in keys])
     with otb_verl.install(v1_trainer=True):
-        batch = grpo._compute_old_log_prob(KVBatchMeta(keys=keys, tags=[{} for _ in keys], partition_id="grpo"),
-                                           metrics={})
+        sampled = KVBatchMeta(keys=keys, tags=[dict(_V1_TAGS) for _ in keys], partition_id="grpo")
+        batch = grpo._compute_old_log_prob(sampled, metrics={})
         assert "sum_pi_squared" not in batch.fields
         bypass = _v1_trainer(verl, engine, "optimal_token_baseline", fused=False, bypass_mode=True)
         with pytest.raises(ValueError, match="bypass_mode=True: OTB needs Σπ² from the actor's forward"):
@@ -854,15 +875,18 @@ def test_verls_v1_trainer_stops_at_its_own_assertion_without_v1_trainer(verl, en
 
 def test_the_v1_route_is_installed_from_the_environment_and_uninstalled(verl, monkeypatch):
     """``OTB_VERL_V1_TRAINER=yes`` (the Ray worker setup hook's way) patches verl's v1 ``PPOTrainer`` methods and the
-    advantage function its module imported by name; :func:`uninstall` puts verl's own objects back (``is``)."""
+    advantage and variance-proxy functions its module imported by name; :func:`uninstall` puts verl's own objects back
+    (``is``)."""
     try:
         from verl.trainer.ppo.v1 import trainer_base
         from verl.trainer.ppo.v1 import utils as v1_utils
     except ImportError as exc:
         pytest.skip(f"verl's v1 trainer is not importable here ({exc}); install the 'verl' test extra")
     trainer = trainer_base.PPOTrainer
-    originals = {name: trainer.__dict__[name] for name in ("_compute_old_log_prob", "_compute_advantage")}
+    originals = {name: trainer.__dict__[name]
+                 for name in ("_compute_old_log_prob", "_compute_advantage", "_compute_metrics")}
     function = trainer_base.compute_advantage_for_multi_trajectories
+    proxy = trainer_base.compute_variance_proxy_metrics
     monkeypatch.setenv("OTB_VERL_V1_TRAINER", "yes")
     installation = otb_verl.install_from_environment()
     assert installation.options()["v1_trainer"] is True and not installation.unavailable
@@ -872,10 +896,12 @@ def test_the_v1_route_is_installed_from_the_environment_and_uninstalled(verl, mo
     for module in (trainer_base, v1_utils):
         assert module.compute_advantage_for_multi_trajectories.__wrapped__ is function
         assert f"{module.__name__}.compute_advantage_for_multi_trajectories" in installation.places
+    assert trainer_base.compute_variance_proxy_metrics.__wrapped__ is proxy
     otb_verl.uninstall()
     assert all(trainer.__dict__[name] is original for name, original in originals.items())
     assert trainer_base.compute_advantage_for_multi_trajectories is function
     assert v1_utils.compute_advantage_for_multi_trajectories is function
+    assert trainer_base.compute_variance_proxy_metrics is proxy
     # a Ray worker where verl's v1 trainer does not import: nothing patched there, the reason listed
     monkeypatch.setitem(sys.modules, "verl.trainer.ppo.v1.trainer_base", None)
     with otb_verl.install(v1_trainer=True) as elsewhere:

@@ -478,6 +478,9 @@ _V1_CLASS = "PPOTrainer"
 _V1_OLD_LOG_PROB = "_compute_old_log_prob"
 _V1_ADVANTAGE = "_compute_advantage"
 _V1_ADVANTAGE_FUNCTION = "compute_advantage_for_multi_trajectories"
+_V1_METRICS = "_compute_metrics"
+_V1_PROXY_FUNCTION = "compute_variance_proxy_metrics"
+_V1_PROXY_INPUTS = ("sum_pi_squared", "old_log_probs")
 _V1_SUM_PI_SQUARED = "sum_pi_squared"
 _V1_FLAG = "calculate_sum_pi_squared"
 _V1_HANDOVER = threading.local()          # the advantage step's Σπ², padded, between its two patched places
@@ -579,8 +582,62 @@ def _v1_advantage_function(verl_function: Callable) -> Callable:
     return compute_advantage_for_multi_trajectories
 
 
+def _v1_metrics_with_sum_pi_squared(verl_method: Callable) -> Callable:
+    """verl's ``PPOTrainer._compute_metrics``, whose batch for ``compute_variance_proxy_metrics`` lacks Σπ² and old
+    log π (trainer_base.py:1871–1881), with the batch's TransferQueue keys handed to the patched function below."""
+
+    @functools.wraps(verl_method)
+    def _compute_metrics(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _v1_wants_sum_pi_squared(self.config):
+            return verl_method(self, batch, *args, **kwargs)
+        _V1_HANDOVER.metrics_batch = batch
+        try:
+            return verl_method(self, batch, *args, **kwargs)
+        finally:
+            _V1_HANDOVER.metrics_batch = None
+
+    _compute_metrics.__qualname__ = f"{verl_method.__qualname__}[otb_torch.verl: + sum_pi_squared]"
+    return _compute_metrics
+
+
+def _v1_proxy_function(verl_function: Callable) -> Callable:
+    """verl's ``compute_variance_proxy_metrics`` given Σπ², old log π (and ρ where verl stored it) of the metrics
+    batch's rows, read from TransferQueue as the legacy trainer's batch holds them (ray_trainer.py:1322) — so the
+    ``variance_proxy/*`` metrics are logged as there. Rows are the batch's non-padding rows, in its order."""
+
+    @functools.wraps(verl_function)
+    def compute_variance_proxy_metrics(batch: Any, *args: Any, **kwargs: Any) -> Any:
+        meta = getattr(_V1_HANDOVER, "metrics_batch", None)
+        if meta is None or _V1_SUM_PI_SQUARED in batch.batch.keys():
+            return verl_function(batch, *args, **kwargs)
+        import transfer_queue as tq
+
+        _V1_HANDOVER.metrics_batch = None
+        names = list(_V1_PROXY_INPUTS) + (["rollout_is_weights"] if "rollout_is_weights" in (meta.fields or [])
+                                          else [])
+        fetched = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=names)
+        fetched = fetched.to_padded_tensor()
+        kept = torch.tensor([not tag.get("is_padding", False) for tag in meta.tags], dtype=torch.bool)
+        if kept.any():                                                   # verl's metrics_batch (trainer_base.py:1919)
+            fetched = fetched[kept]
+        mask = batch.batch["response_mask"]
+        extra = {name: fetched[name] for name in names}
+        if any(value.shape != mask.shape for value in extra.values()):
+            warnings.warn(f"otb_torch.verl: the {names} read from TransferQueue do not match the metrics batch's "
+                          f"response_mask {tuple(mask.shape)}; variance_proxy metrics not computed", stacklevel=2)
+            return verl_function(batch, *args, **kwargs)
+        completed = batch.batch.copy()
+        for name, value in extra.items():
+            completed[name] = value.to(mask.device)
+        return verl_function(type(batch)(batch=completed, non_tensor_batch=batch.non_tensor_batch,
+                                         meta_info=batch.meta_info), *args, **kwargs)
+
+    compute_variance_proxy_metrics.__qualname__ = f"{verl_function.__qualname__}[otb_torch.verl: + sum_pi_squared]"
+    return compute_variance_proxy_metrics
+
+
 def _v1_route() -> tuple[list[_Replacement], list[_ClassPatch], list[str]]:
-    """The places of the v1 trainer route: two methods of verl's ``PPOTrainer`` and the advantage function it calls;
+    """The places of the v1 trainer route: three methods of verl's ``PPOTrainer`` and two functions they call;
     or, where verl's v1 trainer module does not import (a process that never runs the trainer: the hook installs in
     every Ray worker), none, with the reason."""
     try:
@@ -588,19 +645,21 @@ def _v1_route() -> tuple[list[_Replacement], list[_ClassPatch], list[str]]:
     except Exception as exc:          # whatever stops the import in a worker must not stop the worker's setup hook
         return [], [], [f"{_V1_TRAINER}.{_V1_CLASS}: cannot be imported here ({exc!r})"]
     trainer = getattr(trainer_base, _V1_CLASS, None)
-    methods = {name: getattr(trainer, "__dict__", {}).get(name) for name in (_V1_OLD_LOG_PROB, _V1_ADVANTAGE)}
-    function = getattr(trainer_base, _V1_ADVANTAGE_FUNCTION, None)
-    missing = [name for name, method in methods.items() if method is None] + ([] if callable(function)
-                                                                              else [_V1_ADVANTAGE_FUNCTION])
+    methods = {name: getattr(trainer, "__dict__", {}).get(name)
+               for name in (_V1_OLD_LOG_PROB, _V1_ADVANTAGE, _V1_METRICS)}
+    functions = {name: getattr(trainer_base, name, None) for name in (_V1_ADVANTAGE_FUNCTION, _V1_PROXY_FUNCTION)}
+    missing = ([name for name, method in methods.items() if method is None]
+               + [name for name, function in functions.items() if not callable(function)])
     if trainer is None or missing:
         return [], [], [f"{_V1_TRAINER}: no {_V1_CLASS if trainer is None else ', '.join(missing)} in this verl "
                         f"({getattr(sys.modules.get('verl'), '__version__', None)}; written against "
                         f"{TESTED_VERL_VERSION}): nothing patched"]
-    patches = [_ClassPatch(trainer, _V1_OLD_LOG_PROB, methods[_V1_OLD_LOG_PROB],
-                           _v1_old_log_prob_with_sum_pi_squared(methods[_V1_OLD_LOG_PROB])),
-               _ClassPatch(trainer, _V1_ADVANTAGE, methods[_V1_ADVANTAGE],
-                           _v1_advantage_with_sum_pi_squared(methods[_V1_ADVANTAGE]))]
-    return [_Replacement(function, _v1_advantage_function(function), _V1_ADVANTAGE_FUNCTION)], patches, []
+    wraps = {_V1_OLD_LOG_PROB: _v1_old_log_prob_with_sum_pi_squared, _V1_ADVANTAGE: _v1_advantage_with_sum_pi_squared,
+             _V1_METRICS: _v1_metrics_with_sum_pi_squared,
+             _V1_ADVANTAGE_FUNCTION: _v1_advantage_function, _V1_PROXY_FUNCTION: _v1_proxy_function}
+    patches = [_ClassPatch(trainer, name, method, wraps[name](method)) for name, method in methods.items()]
+    return ([_Replacement(function, wraps[name](function), name) for name, function in functions.items()],
+            patches, [])
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -728,16 +787,17 @@ def install(variant: str = "verl", *, compile: bool = False, check_values: bool 
         to do, where the forward gave none: the Liger or Triton backends). Call it before the model is built, or
         after: model classes verl already patched are found. The port's Σπ² is not differentiable (verl only uses
         Σπ² under no_grad, for advantages and metrics).
-      v1_trainer: also let verl's v1 trainer (``trainer.use_v1=True``, verl 0.9.1's default) run OTB — call it this
-        way in the process that runs the trainer. verl's v1 ``PPOTrainer`` never asks the actor for Σπ² nor reads it
-        for the advantage step, so its OTB stops at verl's assertion "requires sum_pi_squared from actor". With this
-        option ``PPOTrainer._compute_old_log_prob`` asks the actor for Σπ² where
-        ``actor_rollout_ref.actor.calculate_sum_pi_squared`` is set and the estimator is one of the two OTB names,
-        and stores it per response token in TransferQueue, and ``PPOTrainer._compute_advantage`` gives it to verl's
+      v1_trainer: also let verl's v1 trainer (``trainer.use_v1=True``, verl 0.9.1's default) run OTB — call it this way
+        in the process that runs the trainer. verl's v1 ``PPOTrainer`` never asks the actor for Σπ² nor reads it for the
+        advantage step, so its OTB stops at verl's assertion "requires sum_pi_squared from actor". With this option
+        ``PPOTrainer._compute_old_log_prob`` asks the actor for Σπ² where
+        ``actor_rollout_ref.actor.calculate_sum_pi_squared`` is set and the estimator is one of the two OTB names, and
+        stores it per response token in TransferQueue, and ``PPOTrainer._compute_advantage`` gives it to verl's
         ``compute_advantage``, as the legacy trainer does (rollout correction's bypass mode, which runs no actor
-        forward, is refused with a ValueError saying so). Imports verl's v1 trainer module (and its ``transfer_queue`` dependency); where that
-        fails, the places are listed in ``Installation.unavailable`` instead (a Ray worker that never runs the
-        trainer).
+        forward, is refused with a ValueError saying so); ``PPOTrainer._compute_metrics`` gives verl's
+        ``compute_variance_proxy_metrics`` Σπ², old log π and ρ, so the ``variance_proxy/*`` metrics are logged. Imports
+        verl's v1 trainer module (and its ``transfer_queue`` dependency); where that fails, the places are listed in
+        ``Installation.unavailable`` instead (a Ray worker that never runs the trainer).
 
     Returns:
       The :class:`Installation` (a context manager: ``with otb_torch.verl.install(): ...`` uninstalls on exit).
