@@ -443,6 +443,18 @@ def one_rank_world(tmp_path):
         dist.destroy_process_group()
 
 
+def _expected_advantages(variant: str, align: str, inputs: tuple, rho):
+    """The reference's advantages for the installed variant on (rewards, mask, ids, log π, Σπ²) with IS weights ρ, and
+    the bound a float32 implementation of it is held to (``otb_comparison_tolerance``)."""
+    if variant == "verl":
+        function = otb.multi_turn_optimal_token_baseline if align == "valid_token" else otb.optimal_token_baseline
+        return (function(*inputs, is_weights=rho).advantages,
+                otb_comparison_tolerance(*inputs, is_weights=rho, align=align)[0])
+    return (otb.leave_one_out_token_baseline(*inputs, is_weights=rho, align=align).advantages,
+            otb_comparison_tolerance(*inputs, is_weights=rho, align=align, leave_one_out=True, handle_zero_tail=False,
+                                     compute_dtype=np.float32)[0])
+
+
 ENTROPY_COEFF = 2.0**-6     # a power of two, as is the step's token count: the loss's cotangents are exact in float32
 LOGIT_SCALE = 32.0          # lm_head × 32 (exact): the random model's near-uniform π would make every token alike
 LEARNING_RATE = 0.5         # plain SGD: the step is weight − 0.5·gradient, exactly
@@ -592,15 +604,8 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
 
     inputs = (rewards.numpy(), mask.numpy(), uids, old_log_probs.numpy(), sum_pi_squared.numpy())
     rho = data.batch["rollout_is_weights"].double().numpy() if step["is_weights"] else None
-    if variant == "verl":
-        expected = (otb.multi_turn_optimal_token_baseline if multi_turn else otb.optimal_token_baseline)(
-            *inputs, is_weights=rho)
-        bound, _ = otb_comparison_tolerance(*inputs, is_weights=rho, align=align)
-    else:
-        expected = otb.leave_one_out_token_baseline(*inputs, is_weights=rho, align=align)
-        bound, _ = otb_comparison_tolerance(*inputs, is_weights=rho, align=align, leave_one_out=True,
-                                            handle_zero_tail=False, compute_dtype=np.float32)
-    bound.assert_close(advantages.numpy(), expected.advantages, f"{variant} advantages the actor update received")
+    expected, bound = _expected_advantages(variant, align, inputs, rho)
+    bound.assert_close(advantages.numpy(), expected, f"{variant} advantages the actor update received")
 
     # on policy: the update's forward gives the old log π again, bit for bit (ratio exactly 1)
     new_log_probs = verl.no_padding_2_padding(output["model_output"]["log_probs"], batch).float()
@@ -813,16 +818,9 @@ def test_verls_v1_trainer_computes_otb_with_v1_trainer_installed(verl, engine, m
     inputs = (reward_matrix, mask, np.array(uids, dtype=object), old_log_probs, sum_pi_squared)
     if rho is not None:           # ρ = exp(old − rollout log π) truncated at 2, as verl computed and stored it
         assert np.all(rho[valid] > 0) and np.all(rho[valid] <= 2) and np.any(np.abs(rho[valid] - 1) > 0.1)
-    if variant == "verl":
-        expected = (otb.multi_turn_optimal_token_baseline if multi_turn else otb.optimal_token_baseline)(
-            *inputs, is_weights=rho)
-        bound, _ = otb_comparison_tolerance(*inputs, is_weights=rho, align=align)
-    else:
-        expected = otb.leave_one_out_token_baseline(*inputs, is_weights=rho, align=align)
-        bound, _ = otb_comparison_tolerance(*inputs, is_weights=rho, align=align, leave_one_out=True,
-                                            handle_zero_tail=False, compute_dtype=np.float32)
-    bound.assert_close(advantages, expected.advantages, f"{variant} advantages stored by the v1 trainer")
-    assert not bound.holds(advantages, np.roll(expected.advantages, -1, axis=0))      # the check can fail
+    expected, bound = _expected_advantages(variant, align, inputs, rho)
+    bound.assert_close(advantages, expected, f"{variant} advantages stored by the v1 trainer")
+    assert not bound.holds(advantages, np.roll(expected, -1, axis=0))      # the check can fail
 
     # verl's variance_proxy metrics, as the legacy trainer logs them from its batch: verl's function on the stored
     # tensors (float32, padded as the v1 batch is) gives the logged values bit for bit
