@@ -483,7 +483,7 @@ _V1_PROXY_FUNCTION = "compute_variance_proxy_metrics"
 _V1_PROXY_INPUTS = ("sum_pi_squared", "old_log_probs")
 _V1_SUM_PI_SQUARED = "sum_pi_squared"
 _V1_FLAG = "calculate_sum_pi_squared"
-_V1_HANDOVER = threading.local()          # the advantage step's Σπ², padded, between its two patched places
+_V1_HANDOVER = threading.local()   # .value: the advantage step's Σπ², padded; .metrics_batch: the metrics step's batch
 
 
 def _v1_otb_estimator(config: Any) -> bool:
