@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -793,7 +794,10 @@ def test_verls_v1_trainer_computes_otb_with_v1_trainer_installed(verl, engine, m
         assert "calculate_sum_pi_squared" not in sampled.extra_info     # the batch the later stages are sent with
         batch = trainer._compute_advantage(batch, metrics={})
         metrics = {"actor/grad_norm": 0.5}
-        trainer._compute_metrics(batch, metrics, {"step": 1.0}, global_steps=1, epoch=0)
+        stepped = KVBatchMeta(partition_id=batch.partition_id, keys=batch.keys, tags=batch.tags)   # as step() makes it
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="otb_torch.verl")       # the metrics' inputs were all found
+            trainer._compute_metrics(stepped, metrics, {"step": 1.0}, global_steps=1, epoch=0)
     names = ["old_log_probs", "sum_pi_squared", "advantages"] + (["rollout_is_weights"] if rollout_is else [])
     stored = tq.kv_batch_get(keys=keys, partition_id=partition, select_fields=names)
     old_log_probs, sum_pi_squared, advantages, *weights = (_padded(stored[name], RESPONSE).double().numpy()
@@ -841,7 +845,8 @@ def test_verls_v1_trainer_stops_at_its_own_assertion_without_v1_trainer(verl, en
     ``_compute_advantage`` stops at verl's assertion (ray_trainer.py:267) — the actor was never asked for Σπ² — and
     with the option but ``calculate_sum_pi_squared=False`` in the actor config it stops there too (the legacy
     trainer's rule), having asked the actor for nothing more; for another estimator the actor is not asked either,
-    and with rollout correction's bypass mode (no actor forward) the advantage step says so."""
+    and with rollout correction's bypass mode (no actor forward) the advantage step says so; a metrics step that
+    finds no Σπ² warns and logs verl's other metrics."""
     tq = transfer_queue
     from transfer_queue import KVBatchMeta
 
@@ -869,6 +874,13 @@ def test_verls_v1_trainer_stops_at_its_own_assertion_without_v1_trainer(verl, en
         bypass = _v1_trainer(verl, engine, "optimal_token_baseline", fused=False, bypass_mode=True)
         with pytest.raises(ValueError, match="bypass_mode=True: OTB needs Σπ² from the actor's forward"):
             bypass._compute_advantage(batch, metrics={})
+        # the metrics step of an OTB trainer on a batch with no Σπ² stored: a warning, and verl's other metrics
+        grpo._compute_advantage(batch, metrics={})
+        otb_trainer, metrics = _v1_trainer(verl, engine, "optimal_token_baseline", fused=False), {}
+        stepped = KVBatchMeta(partition_id="grpo", keys=keys, tags=[dict(_V1_TAGS) for _ in keys])
+        with pytest.warns(UserWarning, match="could not give verl's variance_proxy metrics"):
+            otb_trainer._compute_metrics(stepped, metrics, {"step": 1.0}, global_steps=1, epoch=0)
+        assert "training/global_step" in metrics and not any(name.startswith("variance_proxy/") for name in metrics)
 
 
 def test_the_v1_route_is_installed_from_the_environment_and_uninstalled(verl, monkeypatch):

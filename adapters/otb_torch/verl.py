@@ -45,6 +45,7 @@ import re
 import sys
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -484,6 +485,9 @@ _V1_PROXY_INPUTS = ("sum_pi_squared", "old_log_probs")
 _V1_SUM_PI_SQUARED = "sum_pi_squared"
 _V1_FLAG = "calculate_sum_pi_squared"
 _V1_HANDOVER = threading.local()   # .value: the advantage step's Σπ², padded; .metrics_batch: the metrics step's batch
+# trainer → whether its last advantage step stored rollout IS weights (the batch fit() gives the metrics step does not
+# list its fields: trainer_base.py:560)
+_V1_STORED_WEIGHTS: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
 
 def _v1_otb_estimator(config: Any) -> bool:
@@ -552,9 +556,11 @@ def _v1_advantage_with_sum_pi_squared(verl_method: Callable) -> Callable:
                                select_fields=[_V1_SUM_PI_SQUARED, "response_mask"])
         _V1_HANDOVER.value = data.to_padded_tensor()[_V1_SUM_PI_SQUARED]
         try:
-            return verl_method(self, batch, metrics)
+            batch = verl_method(self, batch, metrics)
         finally:
             _V1_HANDOVER.value = None
+        _V1_STORED_WEIGHTS[self] = "rollout_is_weights" in (getattr(batch, "fields", None) or [])
+        return batch
 
     _compute_advantage.__qualname__ = f"{verl_method.__qualname__}[otb_torch.verl: + sum_pi_squared]"
     return _compute_advantage
@@ -590,7 +596,7 @@ def _v1_metrics_with_sum_pi_squared(verl_method: Callable) -> Callable:
     def _compute_metrics(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
         if not _v1_wants_sum_pi_squared(self.config):
             return verl_method(self, batch, *args, **kwargs)
-        _V1_HANDOVER.metrics_batch = batch
+        _V1_HANDOVER.metrics_batch = (batch, _V1_STORED_WEIGHTS.get(self, False))
         try:
             return verl_method(self, batch, *args, **kwargs)
         finally:
@@ -607,30 +613,33 @@ def _v1_proxy_function(verl_function: Callable) -> Callable:
 
     @functools.wraps(verl_function)
     def compute_variance_proxy_metrics(batch: Any, *args: Any, **kwargs: Any) -> Any:
-        meta = getattr(_V1_HANDOVER, "metrics_batch", None)
-        if meta is None or _V1_SUM_PI_SQUARED in batch.batch.keys():
+        handed = getattr(_V1_HANDOVER, "metrics_batch", None)
+        if handed is None or _V1_SUM_PI_SQUARED in batch.batch.keys():
             return verl_function(batch, *args, **kwargs)
-        import transfer_queue as tq
-
         _V1_HANDOVER.metrics_batch = None
-        names = list(_V1_PROXY_INPUTS) + (["rollout_is_weights"] if "rollout_is_weights" in (meta.fields or [])
-                                          else [])
-        fetched = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=names)
-        fetched = fetched.to_padded_tensor()
-        kept = torch.tensor([not tag.get("is_padding", False) for tag in meta.tags], dtype=torch.bool)
-        if kept.any():                                                   # verl's metrics_batch (trainer_base.py:1919)
-            fetched = fetched[kept]
-        mask = batch.batch["response_mask"]
-        extra = {name: fetched[name] for name in names}
-        if any(value.shape != mask.shape for value in extra.values()):
-            warnings.warn(f"otb_torch.verl: the {names} read from TransferQueue do not match the metrics batch's "
-                          f"response_mask {tuple(mask.shape)}; variance_proxy metrics not computed", stacklevel=2)
-            return verl_function(batch, *args, **kwargs)
-        completed = batch.batch.copy()
-        for name, value in extra.items():
-            completed[name] = value.to(mask.device)
-        return verl_function(type(batch)(batch=completed, non_tensor_batch=batch.non_tensor_batch,
-                                         meta_info=batch.meta_info), *args, **kwargs)
+        meta, weights_stored = handed
+        names = list(_V1_PROXY_INPUTS) + (["rollout_is_weights"] if weights_stored else [])
+        try:                     # metrics only: whatever goes wrong here must not stop a run verl alone would finish
+            import transfer_queue as tq
+
+            fetched = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=names)
+            fetched = fetched.to_padded_tensor()
+            kept = torch.tensor([not tag.get("is_padding", False) for tag in meta.tags], dtype=torch.bool)
+            if kept.any():                                               # verl's metrics_batch (trainer_base.py:1919)
+                fetched = fetched[kept]
+            mask = batch.batch["response_mask"]
+            extra = {name: fetched[name] for name in names}
+            if any(value.shape != mask.shape for value in extra.values()):
+                raise ValueError(f"shapes {[tuple(value.shape) for value in extra.values()]}, the metrics batch's "
+                                 f"response_mask {tuple(mask.shape)}")
+            completed = batch.batch.copy()
+            for name, value in extra.items():
+                completed[name] = value.to(mask.device)
+            batch = type(batch)(batch=completed, non_tensor_batch=batch.non_tensor_batch, meta_info=batch.meta_info)
+        except Exception as exc:
+            warnings.warn(f"otb_torch.verl: could not give verl's variance_proxy metrics {names} from TransferQueue "
+                          f"({exc!r}); they are not logged this step", stacklevel=2)
+        return verl_function(batch, *args, **kwargs)
 
     compute_variance_proxy_metrics.__qualname__ = f"{verl_function.__qualname__}[otb_torch.verl: + sum_pi_squared]"
     return compute_variance_proxy_metrics
