@@ -907,7 +907,6 @@ def test_assert_matches_reference_names_unknown_outputs_and_rejects_less_precise
         assert_matches_reference(case, advantages=advantages.astype(np.float16), returns=returns)
 
 
-
 def test_assert_matches_reference_takes_float32_outputs_of_a_float64_case_at_working_dtype_float32():
     """As verify's structure check: an OTB port computing in float32 whatever its inputs (JAX without x64) may return
     a float64 case in float32 with working_dtype="float32", and is judged by float32's bound; without it, or below

@@ -250,12 +250,19 @@ def test_install_finds_models_patched_before_it_and_uninstall_restores_verls_for
 
 @pytest.fixture
 def engine(verl, model, monkeypatch):
-    """verl's FSDPEngineWithLMHead around the tiny model, with the attributes forward_step reads (no FSDP wrap)."""
+    """verl's FSDPEngineWithLMHead around the tiny model, with the attributes forward_step, infer_batch and
+    train_batch read that its __init__ would set (no FSDP wrap; entropy uncompiled)."""
+    from verl.utils import torch_functional as verl_functional
+    from verl.workers.config import FSDPEngineConfig
+
     monkeypatch.setattr(verl.transformer_impl, "get_device_id", lambda: "cpu")
     monkeypatch.setattr(verl.transformer_impl, "get_device_name", lambda: "cpu")
     instance = object.__new__(verl.transformer_impl.FSDPEngineWithLMHead)
     instance.module, instance.use_ulysses_sp, instance.ulysses_sequence_parallel_size = model, False, 1
     instance.pad_to_length, instance._autocast_dtype = False, torch.float32
+    instance.compute_entropy_from_logits = verl_functional.entropy_from_logits
+    instance.engine_config, instance.scaler, instance._qat_enabled = FSDPEngineConfig(strategy="fsdp"), None, False
+    instance.ulysses_device_mesh = None
     return instance
 
 
@@ -515,8 +522,7 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
     * the optimizer stepped with that gradient.
     """
     from verl.utils import seqlen_balancing
-    from verl.utils import torch_functional as verl_functional
-    from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig
+    from verl.workers.config import FSDPActorConfig, FSDPOptimizerConfig
     from verl.workers.utils.losses import ppo_loss
 
     monkeypatch.setattr(seqlen_balancing, "get_device_name", lambda: "cpu")    # as the engine's, in the fixture
@@ -544,8 +550,6 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
     batching = dict(use_remove_padding=remove_padding, use_dynamic_bsz=micro_batches == "dynamic",
                     max_token_len_per_gpu=20, micro_batch_size_per_gpu=rows, use_fused_kernels=fused,
                     temperature=temperature)
-    engine.compute_entropy_from_logits = verl_functional.entropy_from_logits    # __init__'s, uncompiled
-    engine.engine_config, engine.scaler, engine._qat_enabled = FSDPEngineConfig(strategy="fsdp"), None, False
     with torch.no_grad():                # a peaked policy, as a trained one: logits spread over about ±10, not ±0.3
         model.lm_head.weight.mul_(LOGIT_SCALE)
     if precision == "bfloat16":
@@ -553,7 +557,6 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
         engine._autocast_dtype = torch.bfloat16
     engine.optimizer_config = FSDPOptimizerConfig(lr=LEARNING_RATE, clip_grad=1e30)   # no clipping: its factor is 1
     engine.optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-    engine.ulysses_device_mesh = None
     data = verl.DataProto.from_single_dict({
         "prompts": sequences["prompts"], "responses": sequences["responses"], "input_ids": input_ids,
         "attention_mask": attention_mask, "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
@@ -697,6 +700,16 @@ def _v1_rows(sequences, rewards, uids):
 _V1_TAGS = {"status": "success", "global_steps": 1, "min_global_steps": 1, "max_global_steps": 1}
 
 
+def _v1_batch(verl, tq, keys, rows, partition: str):
+    """The rows put in TransferQueue under ``partition``, and the batch (``KVBatchMeta``) the trainer is sent with —
+    built as the trainer's ``step()`` builds one, from keys, tags and partition alone (trainer_base.py:560)."""
+    from transfer_queue import KVBatchMeta
+
+    tq.kv_batch_put(keys=keys, partition_id=partition, fields=verl.tu.list_of_dict_to_tensordict(rows),
+                    tags=[dict(_V1_TAGS) for _ in keys])
+    return KVBatchMeta(keys=keys, tags=[dict(_V1_TAGS) for _ in keys], partition_id=partition)
+
+
 def _v1_trainer(verl, engine, estimator: str, fused: bool, calculate_sum_pi_squared: bool = True,
                 rollout_is: str | None = None, bypass_mode: bool = False):
     """verl's v1 ``PPOTrainerSync`` (built without its Ray workers) on verl's own ``ppo_trainer`` config (Hydra, with
@@ -710,14 +723,6 @@ def _v1_trainer(verl, engine, estimator: str, fused: bool, calculate_sum_pi_squa
 
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
     from verl.utils.transferqueue_utils import tqbridge
-
-    from verl.utils import torch_functional as verl_functional
-    from verl.workers.config import FSDPEngineConfig
-
-    # what the engine's __init__ would set and forward_backward_batch reads (as in the training step above)
-    engine.compute_entropy_from_logits = verl_functional.entropy_from_logits
-    engine.engine_config, engine.scaler, engine._qat_enabled = FSDPEngineConfig(strategy="fsdp"), None, False
-    engine.ulysses_device_mesh = None
 
     @tqbridge()
     def compute_log_prob(data):
@@ -780,24 +785,20 @@ def test_verls_v1_trainer_computes_otb_with_v1_trainer_installed(verl, engine, m
     rewards, uids = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0], ["a", "b", "a", "b", "a", "b"]
     keys, rows = _v1_rows(sequences, rewards, uids)
     partition = f"train-{request.node.callspec.id}"
-    tq.kv_batch_put(keys=keys, partition_id=partition, fields=verl.tu.list_of_dict_to_tensordict(rows),
-                    tags=[dict(_V1_TAGS) for _ in keys])
+    sampled = _v1_batch(verl, tq, keys, rows, partition)
     estimator, align = (("tir_optimal_token_baseline", "valid_token") if multi_turn
                         else ("optimal_token_baseline", "position"))
     trainer = _v1_trainer(verl, engine, estimator, fused, rollout_is=rollout_is)
-    from transfer_queue import KVBatchMeta
-
-    sampled = KVBatchMeta(keys=keys, tags=[dict(_V1_TAGS) for _ in keys], partition_id=partition)
     with otb_verl.install(variant, sum_pi_squared=fused, v1_trainer=True):
         with _DecoderCalls(model) as first_pass:
             batch = trainer._compute_old_log_prob(sampled, metrics={})
         assert "calculate_sum_pi_squared" not in sampled.extra_info     # the batch the later stages are sent with
         batch = trainer._compute_advantage(batch, metrics={})
         metrics = {"actor/grad_norm": 0.5}
-        stepped = KVBatchMeta(partition_id=batch.partition_id, keys=batch.keys, tags=batch.tags)   # as step() makes it
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message="otb_torch.verl")       # the metrics' inputs were all found
-            trainer._compute_metrics(stepped, metrics, {"step": 1.0}, global_steps=1, epoch=0)
+            # the batch as step() hands it on: keys, tags and partition alone, no fields listed (trainer_base.py:560)
+            trainer._compute_metrics(sampled, metrics, {"step": 1.0}, global_steps=1, epoch=0)
     names = ["old_log_probs", "sum_pi_squared", "advantages"] + (["rollout_is_weights"] if rollout_is else [])
     stored = tq.kv_batch_get(keys=keys, partition_id=partition, select_fields=names)
     old_log_probs, sum_pi_squared, advantages, *weights = (_padded(stored[name], RESPONSE).double().numpy()
@@ -848,27 +849,19 @@ def test_verls_v1_trainer_stops_at_its_own_assertion_without_v1_trainer(verl, en
     and with rollout correction's bypass mode (no actor forward) the advantage step says so; a metrics step that
     finds no Σπ² warns and logs verl's other metrics."""
     tq = transfer_queue
-    from transfer_queue import KVBatchMeta
-
     sequences = _sequences(seed=6, response_lengths=[6, 5, 6, 5, 5, 5])
     keys, rows = _v1_rows(sequences, [1.0, 0.0, 0.0, 1.0, 1.0, 0.0], ["a", "b", "a", "b", "a", "b"])
     for number, options in enumerate([dict(), dict(v1_trainer=True)]):
-        partition = f"refused-{number}"
-        tq.kv_batch_put(keys=keys, partition_id=partition, fields=verl.tu.list_of_dict_to_tensordict(rows),
-                        tags=[dict(_V1_TAGS) for _ in keys])
+        batch = _v1_batch(verl, tq, keys, rows, f"refused-{number}")
         trainer = _v1_trainer(verl, engine, "optimal_token_baseline", fused=False,
                               calculate_sum_pi_squared=not options)
-        batch = KVBatchMeta(keys=keys, tags=[dict(_V1_TAGS) for _ in keys], partition_id=partition)
         with otb_verl.install(**options):
             batch = trainer._compute_old_log_prob(batch, metrics={})
             assert "sum_pi_squared" not in batch.fields
             with pytest.raises(AssertionError, match="requires sum_pi_squared from actor"):
                 trainer._compute_advantage(batch, metrics={})
-    grpo = _v1_trainer(verl, engine, "grpo", fused=False)
-    tq.kv_batch_put(keys=keys, partition_id="grpo", fields=verl.tu.list_of_dict_to_tensordict(rows),
-                    tags=[dict(_V1_TAGS) for _ in keys])
+    grpo, sampled = _v1_trainer(verl, engine, "grpo", fused=False), _v1_batch(verl, tq, keys, rows, "grpo")
     with otb_verl.install(v1_trainer=True):
-        sampled = KVBatchMeta(keys=keys, tags=[dict(_V1_TAGS) for _ in keys], partition_id="grpo")
         batch = grpo._compute_old_log_prob(sampled, metrics={})
         assert "sum_pi_squared" not in batch.fields
         bypass = _v1_trainer(verl, engine, "optimal_token_baseline", fused=False, bypass_mode=True)
@@ -877,9 +870,8 @@ def test_verls_v1_trainer_stops_at_its_own_assertion_without_v1_trainer(verl, en
         # the metrics step of an OTB trainer on a batch with no Σπ² stored: a warning, and verl's other metrics
         grpo._compute_advantage(batch, metrics={})
         otb_trainer, metrics = _v1_trainer(verl, engine, "optimal_token_baseline", fused=False), {}
-        stepped = KVBatchMeta(partition_id="grpo", keys=keys, tags=[dict(_V1_TAGS) for _ in keys])
         with pytest.warns(UserWarning, match="could not give verl's variance_proxy metrics"):
-            otb_trainer._compute_metrics(stepped, metrics, {"step": 1.0}, global_steps=1, epoch=0)
+            otb_trainer._compute_metrics(sampled, metrics, {"step": 1.0}, global_steps=1, epoch=0)
         assert "training/global_step" in metrics and not any(name.startswith("variance_proxy/") for name in metrics)
 
 

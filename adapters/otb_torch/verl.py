@@ -481,8 +481,8 @@ _V1_ADVANTAGE = "_compute_advantage"
 _V1_ADVANTAGE_FUNCTION = "compute_advantage_for_multi_trajectories"
 _V1_METRICS = "_compute_metrics"
 _V1_PROXY_FUNCTION = "compute_variance_proxy_metrics"
-_V1_PROXY_INPUTS = ("sum_pi_squared", "old_log_probs")
 _V1_SUM_PI_SQUARED = "sum_pi_squared"
+_V1_PROXY_INPUTS = (_V1_SUM_PI_SQUARED, "old_log_probs")
 _V1_FLAG = "calculate_sum_pi_squared"
 _V1_HANDOVER = threading.local()   # .value: the advantage step's Σπ², padded; .metrics_batch: the metrics step's batch
 # trainer → whether its last advantage step stored rollout IS weights (the batch fit() gives the metrics step does not
@@ -501,11 +501,15 @@ def _v1_bypass_mode(config: Any) -> bool:
     return bool(correction and correction.get("bypass_mode", False))
 
 
-def _v1_wants_sum_pi_squared(config: Any) -> bool:
+def _v1_asks_sum_pi_squared(config: Any) -> bool:
     """The legacy trainer's rule (ray_trainer.py:1297) — Σπ² where the actor config asks for it — for the OTB
-    estimators (nothing else in the v1 trainer reads it) and where the actor's forward runs (not in bypass mode)."""
-    return (bool(config.actor_rollout_ref.actor.get(_V1_FLAG, False)) and _v1_otb_estimator(config)
-            and not _v1_bypass_mode(config))
+    estimators (nothing else in the v1 trainer reads it)."""
+    return bool(config.actor_rollout_ref.actor.get(_V1_FLAG, False)) and _v1_otb_estimator(config)
+
+
+def _v1_wants_sum_pi_squared(config: Any) -> bool:
+    """Σπ² asked for, and the actor's forward runs (not in bypass mode)."""
+    return _v1_asks_sum_pi_squared(config) and not _v1_bypass_mode(config)
 
 
 def _v1_old_log_prob_with_sum_pi_squared(verl_method: Callable) -> Callable:
@@ -543,8 +547,7 @@ def _v1_advantage_with_sum_pi_squared(verl_method: Callable) -> Callable:
 
     @functools.wraps(verl_method)
     def _compute_advantage(self: Any, batch: Any, metrics: dict) -> Any:
-        if (_v1_otb_estimator(self.config) and _v1_bypass_mode(self.config)
-                and self.config.actor_rollout_ref.actor.get(_V1_FLAG, False)):
+        if _v1_asks_sum_pi_squared(self.config) and _v1_bypass_mode(self.config):
             raise ValueError("algorithm.rollout_correction.bypass_mode=True: OTB needs Σπ² from the actor's forward "
                              "of the old log π, which bypass mode skips (it takes the rollout's log π); set "
                              "bypass_mode=False to use OTB (otb_torch.verl, v1 trainer)")
@@ -552,9 +555,8 @@ def _v1_advantage_with_sum_pi_squared(verl_method: Callable) -> Callable:
             return verl_method(self, batch, metrics)      # verl's own assertion names the missing setting
         import transfer_queue as tq
 
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
-                               select_fields=[_V1_SUM_PI_SQUARED, "response_mask"])
-        _V1_HANDOVER.value = data.to_padded_tensor()[_V1_SUM_PI_SQUARED]
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=[_V1_SUM_PI_SQUARED])
+        _V1_HANDOVER.value = data[_V1_SUM_PI_SQUARED].to_padded_tensor(0.0)
         try:
             batch = verl_method(self, batch, metrics)
         finally:
