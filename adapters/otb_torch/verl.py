@@ -345,25 +345,91 @@ def _fused_linear_class(verl_class: type, check_values: bool) -> type:
             if self.impl_backend != "torch" and liger is not None:
                 return super().forward(hidden_states, vocab_weights, input_ids, temperature)
             try:
-                statistics = otb_torch.fused_linear_token_statistics(
-                    hidden_states, vocab_weights, input_ids, temperature=temperature, check_values=check_values)
+                head = _sharded_head(vocab_weights)
+                if head is None:
+                    log_probs, entropy, sum_pi_squared = _verls_token_statistics(
+                        hidden_states, vocab_weights, input_ids, temperature, check_values)
+                else:                 # FSDP2 all-gathers the head's weight around this call, and reduces its gradient
+                    log_probs, entropy, sum_pi_squared = getattr(head, _HEAD_METHOD)(
+                        hidden_states, input_ids, temperature=temperature, check_values=check_values)
             except (TypeError, ValueError) as exc:
                 raise _in_verls_names(exc) from exc
-            _hand_over_sum_pi_squared(statistics.sum_pi_squared)
-            return (statistics.log_probs.to(torch.float32),
-                    statistics.entropy.to(_logits_dtype(hidden_states, vocab_weights)))
+            _hand_over_sum_pi_squared(sum_pi_squared)
+            return log_probs, entropy
 
     FusedLinearForPPOWithSumPiSquared.__qualname__ = f"otb_torch.verl.{FusedLinearForPPOWithSumPiSquared.__name__}"
     return FusedLinearForPPOWithSumPiSquared
 
 
+def _verls_token_statistics(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor, temperature: Any,
+                            check_values: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """log π (float32), entropy (in the dtype of verl's logits) and Σπ² of softmax(h·Wᵀ/τ), as verl's
+    ``FusedLinearForPPO`` returns the first two, from otb_torch's fused kernel."""
+    statistics = otb_torch.fused_linear_token_statistics(hidden, weight, token_ids, temperature=temperature,
+                                                         check_values=check_values)
+    return (statistics.log_probs.to(torch.float32), statistics.entropy.to(_logits_dtype(hidden, weight)),
+            statistics.sum_pi_squared)
+
+
+# FSDP2 (verl's strategy "fsdp2") wraps an untied lm_head in a fully_shard unit of its own (verl's
+# _select_fsdp2_wrap_targets). Its weight is then a sharded DTensor outside the head's own forward, and verl's fused
+# model forward, which reads ``self.lm_head.weight`` without calling the head, hands the fused pass a shard (verl's own
+# torch backend fails there: "mixed torch.Tensor and DTensor"). The port's pass runs as a forward method of the head
+# instead (torch.distributed.fsdp.register_fsdp_forward_method): FSDP2 all-gathers the weight in its param dtype
+# before it, reshards after it, and reduce-scatters the weight's gradient over the data-parallel ranks after the
+# backward pass, as for the head's own forward. Peak extra memory: the head's unsharded weight, as its own forward
+# needs.
+_HEAD_METHOD = "_otb_torch_fused_token_statistics"
+_HEADS = threading.local()          # .stack: the lm_head of each fused model forward running in this thread
+
+
+def _head_token_statistics(head: torch.nn.Module, hidden: torch.Tensor, token_ids: torch.Tensor, *,
+                           temperature: Any, check_values: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pass on the head's unsharded weight. Outputs that are views are copied (3 values per token): FSDP2 hooks
+    the backward pass on a forward method's outputs, which an in-place op on a view would drop."""
+    statistics = _verls_token_statistics(hidden, head.weight, token_ids, temperature, check_values)
+    return tuple(value.clone() if value._is_view() else value for value in statistics)
+
+
+def _sharded_head(weight: Any) -> torch.nn.Module | None:
+    """The FSDP2 lm_head whose sharded weight ``weight`` is, with the port's pass registered as its forward method;
+    None for a plain tensor. A DTensor that is not the weight of the running model's FSDP2 head raises."""
+    tensor_module = sys.modules.get("torch.distributed.tensor")
+    if tensor_module is None or not isinstance(weight, tensor_module.DTensor):
+        return None
+    stack = getattr(_HEADS, "stack", None)
+    head = stack[-1] if stack else None
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if head is None or fsdp is None or not isinstance(head, fsdp.FSDPModule) or head.weight is not weight:
+        raise ValueError("weight: a sharded DTensor that is not the weight of an FSDP2 lm_head of the model running "
+                         "this forward; otb_torch's fused pass needs the whole [V, H] weight (gather it, or wrap "
+                         "the head with torch.distributed.fsdp.fully_shard)")
+    if _HEAD_METHOD not in head.__dict__:
+        setattr(head, _HEAD_METHOD, functools.partial(_head_token_statistics, head))
+        fsdp.register_fsdp_forward_method(head, _HEAD_METHOD)
+    return head
+
+
+@contextlib.contextmanager
+def _running_head(model: Any) -> Iterator[None]:
+    stack = getattr(_HEADS, "stack", None)
+    if stack is None:
+        stack = _HEADS.stack = []
+    stack.append(getattr(model, "lm_head", None))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
 def _forward_with_sum_pi_squared(verl_forward: Callable) -> Callable:
     """verl's fused model forward (``forward_with_torch_backend``), with the Σπ² of its fused pass attached to the
-    output as the attribute ``sum_pi_squared`` (shaped like ``log_probs``) when exactly one pass ran."""
+    output as the attribute ``sum_pi_squared`` (shaped like ``log_probs``) when exactly one pass ran; an FSDP2 lm_head
+    of the model all-gathers its weight around the pass (above)."""
 
     @functools.wraps(verl_forward)
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with _collecting_sum_pi_squared() as collected:
+        with _collecting_sum_pi_squared() as collected, _running_head(self):
             output = verl_forward(self, *args, **kwargs)
         log_probs = getattr(output, "log_probs", None)
         if len(collected) == 1 and log_probs is not None:
