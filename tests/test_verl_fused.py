@@ -666,9 +666,12 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
 
 
 @pytest.mark.distributed
-def test_verls_actor_worker_on_fsdp2_trains_on_the_ports_advantages(verl, tmp_path):
+@pytest.mark.parametrize("layout", ["data", "sequence"], ids=["data parallel", "Ulysses sequence parallel"])
+def test_verls_actor_worker_on_fsdp2_trains_on_the_ports_advantages(verl, tmp_path, layout):
     """verl's own actor worker, as its trainer builds and drives it, on FSDP2 over two gloo ranks with bfloat16 mixed
-    precision and fused kernels: ``ActorRolloutRefWorker(role="actor")`` from verl's Hydra config, ``init_model``
+    precision and fused kernels — the ranks data-parallel (each its half of the rows), or one Ulysses
+    sequence-parallel group (each a piece of every packed sequence; the model's outputs gathered, the gradients
+    scaled back by verl): ``ActorRolloutRefWorker(role="actor")`` from verl's Hydra config, ``init_model``
     (``fully_shard`` of each decoder layer, the embedding and the untied lm_head), ``compute_log_prob`` and
     ``update_actor`` (``TrainingWorker.train_mini_batch``: the mini-batch iterator, four micro-batches a rank with
     gradient accumulation and deferred sync, ``ppo_loss``, clipping, SGD, the LR scheduler) on the batches
@@ -681,7 +684,8 @@ def test_verls_actor_worker_on_fsdp2_trains_on_the_ports_advantages(verl, tmp_pa
     reference's vector-Jacobian product within the derived bounds — and not with each row given the next row's
     advantages — and SGD's step. Gathering the head's weight with ``full_tensor()`` instead of FSDP2's forward
     hooks leaves the weight's gradient unreduced over the ranks: the gradient check rejects it (9584 of 9600
-    elements); a Σπ² 1 % too large fails the statistics check (34 of 34 tokens)."""
+    elements data-parallel, 9578 sequence-parallel); a Σπ² 1 % too large fails the statistics check (34 of 34
+    tokens)."""
     pytest.importorskip("hydra", reason="hydra-core (verl's config system) is not installed")
     try:
         from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method  # noqa: F401
@@ -694,9 +698,9 @@ def test_verls_actor_worker_on_fsdp2_trains_on_the_ports_advantages(verl, tmp_pa
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    ranks = [subprocess.Popen([sys.executable, os.path.join(tests, "verl_fsdp2_step.py"), str(rank), "2", str(port),
-                               str(tmp_path)], env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, start_new_session=True) for rank in range(2)]
+    command = [sys.executable, os.path.join(tests, "verl_fsdp2_step.py"), "2", str(port), str(tmp_path), layout]
+    ranks = [subprocess.Popen([*command[:2], str(rank), *command[2:]], env=environment, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True) for rank in range(2)]
     deadline = time.monotonic() + 300
     outputs = []
     try:
@@ -710,7 +714,7 @@ def test_verls_actor_worker_on_fsdp2_trains_on_the_ports_advantages(verl, tmp_pa
     for rank, (process, output) in enumerate(zip(ranks, outputs)):
         assert process.returncode == 0, f"rank {rank} failed:\n{output[-8000:]}"
         for case in ("verl single-turn", "leave_one_out multi-turn"):
-            assert f"rank {rank}: {case} checked" in output, output[-4000:]
+            assert f"rank {rank}: {layout} parallel, {case} checked" in output, output[-4000:]
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -2,7 +2,11 @@
 
 Run by tests/test_verl_fused.py::test_verls_actor_worker_on_fsdp2_trains_on_the_ports_advantages as two processes::
 
-    python tests/verl_fsdp2_step.py RANK WORLD PORT WORKDIR
+    python tests/verl_fsdp2_step.py RANK WORLD PORT WORKDIR LAYOUT
+
+LAYOUT ``data``: the ranks are data-parallel (each gets its half of the rows); ``sequence``: they form one Ulysses
+sequence-parallel group (``ulysses_sequence_parallel_size=WORLD``: each computes a piece of every packed sequence,
+verl gathers the model's outputs and scales their gradients back by the group's size).
 
 Everything is verl's own code from its config down: ``ActorRolloutRefWorker(config.actor_rollout_ref, role="actor")``
 from verl's ``ppo_trainer`` config composed by Hydra, ``init_model`` (the tiny random Qwen2 loaded from WORKDIR, verl's
@@ -30,12 +34,13 @@ Each rank checks, and raises AssertionError otherwise (the test reads the exit c
    - the advantages each micro-batch's loss received equal the reference's OTB on the gathered statistics
      (``otb_comparison_tolerance``), and every row of the rank reached the loss once;
    - on policy: the update's log π equal the old ones bit for bit (ratio 1), so the loss's cotangents are
-     −Aₜ·P/N on log πₜ and −c·P/N on the entropy (token-mean over the N = 64 trained tokens of the global batch,
-     P = 2 ranks, c = 2⁻⁶: powers of two, exact);
+     −Aₜ·P/N on log πₜ and −c·P/N on the entropy on each rank (token-mean over the N = 64 trained tokens of the
+     global batch, P = 2 ranks — verl multiplies by the data-parallel size in its loss and by the sequence-parallel
+     size in the gather's backward — c = 2⁻⁶: powers of two, exact);
    - the gradients at the final hidden states (bfloat16) equal the reference's vector-Jacobian product within
-     ``hidden_gradient_tolerance`` + bfloat16 rounding, and so does lm_head.weight's, summed over the micro-batches
-     and averaged over the ranks by FSDP2 in float32 — the same products with each row given the next row's
-     advantages are outside those bounds;
+     ``hidden_gradient_tolerance`` + bfloat16 rounding, and so does lm_head.weight's, each rank's positions of each
+     micro-batch rounded to bfloat16, summed over the micro-batches and averaged over the ranks by FSDP2 in
+     float32 — the same products with each row given the next row's advantages are outside those bounds;
    - SGD stepped the sharded float32 weight by exactly −lr times that gradient.
 """
 
@@ -123,7 +128,7 @@ def _batch(multi_turn: bool):
     return sequences, uids, rewards
 
 
-def main(rank: int, world: int, port: int, workdir: str) -> None:
+def main(rank: int, world: int, port: int, workdir: str, layout: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -152,6 +157,7 @@ def main(rank: int, world: int, port: int, workdir: str) -> None:
                  "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
                  "actor_rollout_ref.model.use_fused_kernels=True", "actor_rollout_ref.model.use_remove_padding=True",
                  "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.calculate_sum_pi_squared=True",
+                 f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={world if layout == 'sequence' else 1}",
                  f"actor_rollout_ref.rollout.n={SAMPLES}", f"actor_rollout_ref.actor.ppo_mini_batch_size={GROUPS}",
                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
@@ -169,11 +175,13 @@ def main(rank: int, world: int, port: int, workdir: str) -> None:
 
     assert isinstance(engine.module, FSDPModule) and isinstance(engine.module.lm_head, FSDPModule)
     assert engine.module.lm_head.weight.dtype == torch.float32 and engine._autocast_dtype == torch.bfloat16
+    assert engine.get_data_parallel_size() == (1 if layout == "sequence" else world)
 
     _verl_alone_fails_on_the_sharded_head(worker)
     for variant, multi_turn in (("verl", False), ("leave_one_out", True)):
         _step(worker, variant, multi_turn, world)
-        print(f"rank {rank}: {variant} {'multi-turn' if multi_turn else 'single-turn'} checked", flush=True)
+        print(f"rank {rank}: {layout} parallel, {variant} {'multi-turn' if multi_turn else 'single-turn'} checked",
+              flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -201,45 +209,81 @@ def _verl_alone_fails_on_the_sharded_head(worker) -> None:
     sequences, uids, rewards = _batch(multi_turn=False)
     batch = _old_log_prob_batch(_data(sequences, uids, rewards), calculate_sum_pi_squared=False)
     try:
-        worker.compute_log_prob(_rank_part(batch))
+        worker.compute_log_prob(_rank_part(batch, worker.actor.engine))
     except RuntimeError as exc:
         assert "DTensor" in str(exc), exc
     else:
         raise AssertionError("verl's own fused pass ran on FSDP2's sharded lm_head: the control no longer holds")
 
 
-def _rank_part(batch):
-    """This rank's rows, as verl's dispatch splits a batch over the data-parallel ranks (consecutive chunks)."""
-    return batch.chunk(dist.get_world_size())[dist.get_rank()]
+def _rank_part(batch, engine):
+    """This rank's rows, as verl's dispatch splits a batch over the data-parallel ranks (consecutive chunks; the ranks
+    of a sequence-parallel group get the same rows)."""
+    return batch.chunk(engine.get_data_parallel_size())[engine.get_data_parallel_rank()]
+
+
+def _whole_sequences(calls, engine):
+    """``calls`` with each decoder call's sequence-parallel pieces put together (Ulysses gives each rank of the group
+    a consecutive piece of the packed sequence; its final hidden states stay in pieces), and the range of positions
+    of each call this rank computed. Without sequence parallelism: ``calls`` unchanged, every position its own."""
+    mesh = engine.ulysses_device_mesh
+    if mesh is None:
+        calls.owned = [(0, call["hidden"].shape[1]) for call in calls.calls]
+        return calls
+    group = mesh["sp"].get_group()
+    pieces = [None] * dist.get_world_size(group)
+    dist.all_gather_object(pieces, [{"input_ids": call["input_ids"], "position_ids": call["position_ids"],
+                                     "hidden": call["hidden"].detach(),
+                                     "gradient": None if call["hidden"].grad is None else call["hidden"].grad}
+                                    for call in calls.calls], group=group)
+    whole = _DecoderCalls(None)
+    whole.owned = []
+    own = dist.get_rank(group)
+    for number in range(len(calls.calls)):
+        parts = [piece[number] for piece in pieces]
+        merged = {name: torch.cat([part[name] for part in parts], 1) for name in ("input_ids", "position_ids")}
+        merged["hidden"] = torch.cat([part["hidden"] for part in parts], 1)
+        if parts[0]["gradient"] is not None:
+            merged["hidden"].grad = torch.cat([part["gradient"] for part in parts], 1)
+        whole.calls.append(merged)
+        start = sum(part["hidden"].shape[1] for part in parts[:own])
+        whole.owned.append((start, start + parts[own]["hidden"].shape[1]))
+    return whole
 
 
 def _step(worker, variant: str, multi_turn: bool, world: int) -> None:
     sequences, uids, rewards = _batch(multi_turn)
     data = _data(sequences, uids, rewards)
     rows = len(uids)
-    mine = _rank_part(data.to_tensordict())["row_index"].numpy()          # this rank's rows
+    engine = worker.actor.engine
+    mine = _rank_part(data.to_tensordict(), engine)["row_index"].numpy()          # this rank's rows
     own = {name: value[mine] for name, value in sequences.items()}
-    module = worker.actor.engine.module
+    module = engine.module
     estimator, align = (("tir_optimal_token_baseline", "valid_token") if multi_turn
                         else ("optimal_token_baseline", "position"))
     with otb_verl.install(variant, sum_pi_squared=True):
         # RayPPOTrainer._compute_old_log_prob: the actor's forward on this rank's rows, the outputs gathered
         batch = _old_log_prob_batch(data, calculate_sum_pi_squared=True)
         with _DecoderCalls(module) as first_pass:
-            output = worker.compute_log_prob(_rank_part(batch))
+            output = worker.compute_log_prob(_rank_part(batch, engine))
         weight = module.lm_head.weight.detach().full_tensor().to(torch.bfloat16)   # FSDP2's all-gather for the pass
-        part = _rank_part(batch)
-        old_log_probs = verl_padding.no_padding_2_padding(output["log_probs"], part).float()
-        sum_pi_squared = verl_padding.no_padding_2_padding(output["sum_pi_squared"], part).float()
-        _check_statistics(first_pass, own, weight, old_log_probs, sum_pi_squared)
+        whole = _whole_sequences(first_pass, engine)
+        collected = None
+        if output is not None:              # the rank that returns its group's outputs (the first of a Ulysses group)
+            part = _rank_part(batch, engine)
+            old_log_probs = verl_padding.no_padding_2_padding(output["log_probs"], part).float()
+            sum_pi_squared = verl_padding.no_padding_2_padding(output["sum_pi_squared"], part).float()
+            _check_statistics(whole, own, weight, old_log_probs, sum_pi_squared)
+            collected = (mine, old_log_probs, sum_pi_squared)
         gathered = [None] * world
-        dist.all_gather_object(gathered, (mine, old_log_probs, sum_pi_squared))
+        dist.all_gather_object(gathered, collected)
         width = data.batch["responses"].shape[1]
         for name, column in (("old_log_probs", 1), ("sum_pi_squared", 2)):
-            full = torch.zeros(rows, width)
-            for piece in gathered:
+            full = torch.full((rows, width), torch.nan)
+            for piece in filter(None, gathered):
                 full[piece[0], :piece[column].shape[1]] = piece[column]
-            data.batch[name] = full
+            assert not full[:, :1].isnan().any(), "a row's statistics did not come back"
+            data.batch[name] = full.nan_to_num(0.0)
         # verl's driver: compute_advantage with the port's estimator
         data = compute_advantage(data, adv_estimator=estimator, gamma=1.0, lam=1.0, num_repeat=SAMPLES,
                                  config=AlgoConfig(adv_estimator=estimator))
@@ -279,11 +323,11 @@ def _step(worker, variant: str, multi_turn: bool, world: int) -> None:
                              dataloader_kwargs={"shuffle": False}, compute_loss=True, return_model_output=True)
         try:
             with _DecoderCalls(module) as update_pass:
-                metrics = worker.update_actor(_rank_part(update))
+                metrics = worker.update_actor(_rank_part(update, engine))
         finally:
             optimizer.step = own_step
             worker.actor.loss_fn = worker.loss_fn
-    assert np.isfinite(tu.get(metrics, "metrics")["grad_norm"])
+    assert metrics is None or np.isfinite(tu.get(metrics, "metrics")["grad_norm"])
 
     # the advantages each micro-batch's loss received: every row of this rank once, the reference's values
     seen = np.concatenate([index.numpy() for index, _, _ in received])
@@ -297,8 +341,8 @@ def _step(worker, variant: str, multi_turn: bool, world: int) -> None:
     # on policy: the update's forward is the first pass's, bit for bit (same micro-batches, same order)
     for before, after in zip(first_pass.calls, update_pass.calls):
         assert torch.equal(before["hidden"].detach(), after["hidden"].detach())
-    _check_gradients(update_pass, own, weight, advantages.double().numpy()[mine], mask.numpy()[mine] > 0, stepped,
-                     world)
+    _check_gradients(_whole_sequences(update_pass, engine), own, weight, advantages.double().numpy()[mine],
+                     mask.numpy()[mine] > 0, stepped, world)
     # SGD on the float32 shard: weight − lr·gradient, exactly (lr a power of two; no clipping, no weight decay)
     assert torch.equal(module.lm_head.weight.detach().to_local(),
                        stepped["shard"] - LEARNING_RATE * stepped["shard_gradient"])
@@ -336,19 +380,26 @@ def _check_gradients(calls, own, weight, advantages, valid, stepped, world) -> N
     weight = weight.double().numpy()
     places = calls.response_states(own)
     assert calls.gradient_elsewhere(places) == 0, "a gradient at positions that predict no trained token"
-    # per micro-batch (one decoder call each): the reference VJP and its bounds, for hidden states and weight
+    # per micro-batch (one decoder call each) and per rank (the positions it computed): the reference VJP and its
+    # bounds, for the hidden states and the weight
     exact_weight = np.zeros_like(weight)
     allowed_weight = np.zeros_like(weight)
     misrouted_weight = np.zeros_like(weight)
     rolled = np.roll(advantages, -1, axis=0)
-    for number in range(len(calls.calls)):
-        rows = [row for row, place in enumerate(places) if place[0] == number]
-        if not rows:
+    for number, (start, stop) in enumerate(calls.owned):
+        sub, labels, g_lp, g_wrong = [], [], [], []
+        for row, (call, index, at) in enumerate(places):
+            keep = ((at >= start) & (at < stop)).numpy()
+            if call != number or not keep.any():
+                continue
+            sub.append((call, index, at[keep]))
+            labels.append(own["responses"].numpy()[row][valid[row]][keep])
+            g_lp.append(-advantages[row][valid[row]][keep] * world / tokens)
+            g_wrong.append(-rolled[row][valid[row]][keep] * world / tokens)
+        if not sub:
             continue
-        sub = [places[row] for row in rows]
-        hidden = calls.gather(sub)
-        labels = np.concatenate([own["responses"].numpy()[row][valid[row]] for row in rows])
-        g_lp = np.concatenate([-advantages[row][valid[row]] for row in rows]) * world / tokens
+        hidden, labels, g_lp, g_wrong = calls.gather(sub), np.concatenate(labels), np.concatenate(g_lp), \
+            np.concatenate(g_wrong)
         g_h = np.full(len(labels), -ENTROPY_COEFF * world / tokens)
         reference = otb.token_statistics_vjp(hidden, weight, labels, g_lp, g_h, temperature=TEMPERATURE)
         bounds = [hidden_gradient_tolerance(hidden, weight, labels, g_lp, g_h, temperature=TEMPERATURE, dtype=dtype)
@@ -360,7 +411,6 @@ def _check_gradients(calls, own, weight, advantages, valid, stepped, world) -> N
         bound_w = bounds[0][1] + bounds[1][1] + rounding       # this micro-batch's bfloat16 gradient of the weight
         exact_weight += reference.weight / world
         allowed_weight += (bound_w.atol + bound_w.rtol * np.abs(reference.weight)) / world
-        g_wrong = np.concatenate([-rolled[row][valid[row]] for row in rows]) * world / tokens
         misrouted_weight += otb.token_statistics_vjp(hidden, weight, labels, g_wrong, g_h,
                                                      temperature=TEMPERATURE).weight / world
     # the ranks' sums: the other rank's exact gradient and bounds
@@ -401,4 +451,4 @@ if __name__ == "__main__":
         return test_verl_fused._sequences(int(rng.integers(1 << 30)), response_lengths=lengths,
                                           tool_spans=tool_spans)
 
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
