@@ -267,6 +267,7 @@ def _step(worker, variant: str, multi_turn: bool, world: int) -> None:
         with _DecoderCalls(module) as first_pass:
             output = worker.compute_log_prob(_rank_part(batch, engine))
         weight = module.lm_head.weight.detach().full_tensor().to(torch.bfloat16)   # FSDP2's all-gather for the pass
+        registered = otb_verl._HEAD_METHOD in module.lm_head.__dict__            # the pass ran as the head's method
         whole = _whole_sequences(first_pass, engine)
         collected = None
         if output is not None:              # the rank that returns its group's outputs (the first of a Ulysses group)
@@ -328,6 +329,7 @@ def _step(worker, variant: str, multi_turn: bool, world: int) -> None:
             optimizer.step = own_step
             worker.actor.loss_fn = worker.loss_fn
     assert metrics is None or np.isfinite(tu.get(metrics, "metrics")["grad_norm"])
+    assert registered and otb_verl._HEAD_METHOD not in module.lm_head.__dict__, "uninstall() left the head's method"
 
     # the advantages each micro-batch's loss received: every row of this rank once, the reference's values
     seen = np.concatenate([index.numpy() for index, _, _ in received])

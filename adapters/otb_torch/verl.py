@@ -381,6 +381,7 @@ def _verls_token_statistics(hidden: torch.Tensor, weight: torch.Tensor, token_id
 # needs.
 _HEAD_METHOD = "_otb_torch_fused_token_statistics"
 _HEADS = threading.local()          # .stack: the lm_head of each fused model forward running in this thread
+_REGISTERED_HEADS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()    # heads given the method; uninstall()
 
 
 def _head_token_statistics(head: torch.nn.Module, hidden: torch.Tensor, token_ids: torch.Tensor, *,
@@ -407,6 +408,7 @@ def _sharded_head(weight: Any) -> torch.nn.Module | None:
     if _HEAD_METHOD not in head.__dict__:
         setattr(head, _HEAD_METHOD, functools.partial(_head_token_statistics, head))
         fsdp.register_fsdp_forward_method(head, _HEAD_METHOD)
+        _REGISTERED_HEADS.add(head)
     return head
 
 
@@ -975,6 +977,9 @@ def _uninstall_locked(installation: Installation) -> None:
             original = wrapped_forwards.get(id(model_class.__dict__.get("forward")))
             if original is not None:
                 model_class.forward = original
+    for head in list(_REGISTERED_HEADS):            # the pass registered as a forward method of FSDP2 lm_heads
+        head.__dict__.pop(_HEAD_METHOD, None)
+    _REGISTERED_HEADS.clear()
     installation._active = False
     if _ACTIVE is installation:
         _ACTIVE = None
