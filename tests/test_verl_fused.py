@@ -398,7 +398,8 @@ class _DecoderCalls:
 
     def __enter__(self):
         def read(module, args, kwargs):
-            self.calls.append({"input_ids": kwargs["input_ids"], "position_ids": kwargs.get("position_ids")})
+            ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]     # verl's Qwen3-VL forward: positional
+            self.calls.append({"input_ids": ids, "position_ids": kwargs.get("position_ids")})
 
         def keep(module, args, output):
             if output[0].requires_grad:
@@ -669,23 +670,26 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
 @pytest.mark.parametrize("layout", ["data", "sequence"], ids=["data parallel", "Ulysses sequence parallel"])
 def test_verls_actor_worker_on_fsdp2_trains_on_the_ports_advantages(verl, tmp_path, layout):
     """verl's own actor worker, as its trainer builds and drives it, on FSDP2 over two gloo ranks with bfloat16 mixed
-    precision and fused kernels — the ranks data-parallel (each its half of the rows), or one Ulysses
-    sequence-parallel group (each a piece of every packed sequence; the model's outputs gathered, the gradients
-    scaled back by verl): ``ActorRolloutRefWorker(role="actor")`` from verl's Hydra config, ``init_model``
-    (``fully_shard`` of each decoder layer, the embedding and the untied lm_head), ``compute_log_prob`` and
-    ``update_actor`` (``TrainingWorker.train_mini_batch``: the mini-batch iterator, four micro-batches a rank with
-    gradient accumulation and deferred sync, ``ppo_loss``, clipping, SGD, the LR scheduler) on the batches
+    precision and fused kernels — the ranks data-parallel (each its half of the rows; gradient sync deferred to the
+    last micro-batch), or one Ulysses sequence-parallel group (each a piece of every packed sequence; the model's
+    outputs gathered, the gradients scaled back by verl; the weights kept whole after a forward):
+    ``ActorRolloutRefWorker(role="actor")`` from verl's Hydra config, ``init_model`` (``fully_shard`` of each decoder
+    layer, the embedding and the untied lm_head), ``compute_log_prob`` and ``update_actor``
+    (``TrainingWorker.train_mini_batch``: the mini-batch iterator, four micro-batches a rank with gradient
+    accumulation, gradient checkpointing, ``ppo_loss``, clipping, SGD, the LR scheduler) on the batches
     ``RayPPOTrainer`` builds, split as verl dispatches them; ``compute_advantage`` on the gathered batch with the
-    port's self-inclusive (single-turn) and leave-one-out (multi-turn, tool spans) estimators. Each rank
-    (tests/verl_fsdp2_step.py, which says what it checks) finds: verl's own fused pass failing on the sharded lm_head
-    weight without the port; with it, Σπ² and old log π equal to the reference's on the hidden states and the
-    bfloat16 weight that computed them, the advantages every micro-batch's loss received equal to the reference's
-    OTB, the final hidden states' gradients and lm_head.weight's (reduced over the ranks by FSDP2) equal to the
-    reference's vector-Jacobian product within the derived bounds — and not with each row given the next row's
-    advantages — and SGD's step. Gathering the head's weight with ``full_tensor()`` instead of FSDP2's forward
-    hooks leaves the weight's gradient unreduced over the ranks: the gradient check rejects it (9584 of 9600
-    elements data-parallel, 9578 sequence-parallel); a Σπ² 1 % too large fails the statistics check (34 of 34
-    tokens)."""
+    port's self-inclusive (single-turn) and leave-one-out (multi-turn, tool spans) estimators, and self-inclusive
+    through verl's Qwen3-VL fused forward, which hands the pass ``lm_head.weight.full_tensor()``. Each rank
+    (tests/verl_fsdp2_step.py, which says what it checks) finds, with the port: Σπ² and old log π equal to the
+    reference's on the hidden states and the bfloat16 weight that computed them, the advantages every micro-batch's
+    loss received equal to the reference's OTB, the final hidden states' gradients and lm_head.weight's (reduced over
+    the ranks by FSDP2) equal to the reference's vector-Jacobian product within the derived bounds — and not with
+    each row given the next row's advantages — and SGD's step; without it, verl's own fused pass failing on the
+    sharded lm_head weight. It fails against a port that gathers the head's weight with ``full_tensor()`` instead of
+    FSDP2's forward hooks, which leaves the weight's gradient unreduced over the ranks (the gradient check: 9584 of
+    9600 elements data-parallel, 9578 sequence-parallel); against one that runs Qwen3-VL's pass on verl's float32
+    copy (the statistics check, on the weight FSDP2 gathers: 29 of 34 tokens); and against a Σπ² 1 % too large (34
+    of 34 tokens)."""
     pytest.importorskip("hydra", reason="hydra-core (verl's config system) is not installed")
     try:
         from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method  # noqa: F401
@@ -713,8 +717,8 @@ def test_verls_actor_worker_on_fsdp2_trains_on_the_ports_advantages(verl, tmp_pa
         pytest.fail("verl's FSDP2 step did not finish within 300 s on two ranks")
     for rank, (process, output) in enumerate(zip(ranks, outputs)):
         assert process.returncode == 0, f"rank {rank} failed:\n{output[-8000:]}"
-        for case in ("verl single-turn", "leave_one_out multi-turn"):
-            assert f"rank {rank}: {layout} parallel, {case} checked" in output, output[-4000:]
+        for case in ("verl single-turn, dense", "leave_one_out multi-turn, dense", "verl single-turn, qwen3_vl"):
+            assert f"rank {rank}: {layout} parallel, {case} forward checked" in output, output[-4000:]
 
 
 # ----------------------------------------------------------------------------------------------------------------------

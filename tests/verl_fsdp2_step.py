@@ -4,16 +4,18 @@ Run by tests/test_verl_fused.py::test_verls_actor_worker_on_fsdp2_trains_on_the_
 
     python tests/verl_fsdp2_step.py RANK WORLD PORT WORKDIR LAYOUT
 
-LAYOUT ``data``: the ranks are data-parallel (each gets its half of the rows); ``sequence``: they form one Ulysses
-sequence-parallel group (``ulysses_sequence_parallel_size=WORLD``: each computes a piece of every packed sequence,
-verl gathers the model's outputs and scales their gradients back by the group's size).
+LAYOUT ``data``: the ranks are data-parallel (each gets its half of the rows), with gradient sync deferred to the last
+micro-batch (``use_no_sync_for_gradient_accumulation``); ``sequence``: they form one Ulysses sequence-parallel group
+(``ulysses_sequence_parallel_size=WORLD``: each computes a piece of every packed sequence, verl gathers the model's
+outputs and scales their gradients back by the group's size), with the weights kept whole after a forward
+(``reshard_after_forward=False``, so later passes see a plain head weight). verl's defaults are neither option.
 
 Everything is verl's own code from its config down: ``ActorRolloutRefWorker(config.actor_rollout_ref, role="actor")``
 from verl's ``ppo_trainer`` config composed by Hydra, ``init_model`` (the tiny random Qwen2 loaded from WORKDIR, verl's
 monkey patches with fused kernels, FSDP2 ``fully_shard`` of each decoder layer, the embedding and the untied lm_head,
 bfloat16 mixed precision: float32 master weights, bfloat16 compute, float32 gradient reduction), ``compute_log_prob``
 and ``update_actor`` (``TrainingWorker.train_mini_batch``: the mini-batch iterator, four micro-batches with gradient
-accumulation and deferred gradient sync, verl's ``ppo_loss``, gradient clipping, the optimizer and LR scheduler), on
+accumulation, gradient checkpointing, verl's ``ppo_loss``, gradient clipping, the optimizer and LR scheduler), on
 the batch ``RayPPOTrainer._compute_old_log_prob`` and ``_update_actor`` build (ray_trainer.py:1290–1370), split over
 the ranks as verl's dispatch splits it; ``compute_advantage`` runs on the gathered batch, as on verl's driver.
 
@@ -25,10 +27,9 @@ here with gloo (verl's would ask for ``cpu:gloo,cpu:gloo``). trl 1.16, installed
 
 Each rank checks, and raises AssertionError otherwise (the test reads the exit codes and the last lines):
 
-0. verl alone, without the port: its own fused pass fails on FSDP2's sharded lm_head weight (verl 0.9.1 reads
-   ``self.lm_head.weight`` outside the head's forward: a DTensor shard).
-1. with ``otb_torch.verl.install(variant, sum_pi_squared=True)``, per variant (self-inclusive, single-turn;
-   leave-one-out, multi-turn with tool spans):
+1. with ``otb_torch.verl.install(variant, sum_pi_squared=True)``, per case — self-inclusive, single-turn;
+   leave-one-out, multi-turn with tool spans; self-inclusive through verl's Qwen3-VL fused forward, which hands the
+   pass ``lm_head.weight.full_tensor()`` (a copy whose gradient no rank reduces; the port runs on the head instead):
    - Σπ² and old log π of every response token of the rank's rows equal the reference's on the hidden states and the
      bfloat16 lm_head weight that computed them (``hidden_statistics_tolerance`` at float32, bfloat16 output);
    - the advantages each micro-batch's loss received equal the reference's OTB on the gathered statistics
@@ -41,7 +42,10 @@ Each rank checks, and raises AssertionError otherwise (the test reads the exit c
      ``hidden_gradient_tolerance`` + bfloat16 rounding, and so does lm_head.weight's, each rank's positions of each
      micro-batch rounded to bfloat16, summed over the micro-batches and averaged over the ranks by FSDP2 in
      float32 — the same products with each row given the next row's advantages are outside those bounds;
-   - SGD stepped the sharded float32 weight by exactly −lr times that gradient.
+   - SGD stepped the sharded float32 weight by exactly −lr times that gradient;
+   - the pass ran as the head's FSDP2 forward method, and ``uninstall()`` removed that method.
+2. verl alone, without the port: its own fused pass fails on FSDP2's sharded lm_head weight (verl 0.9.1's Qwen2
+   forward reads ``self.lm_head.weight`` outside the head's forward: a DTensor shard).
 """
 
 from __future__ import annotations
@@ -158,6 +162,10 @@ def main(rank: int, world: int, port: int, workdir: str, layout: str) -> None:
                  "actor_rollout_ref.model.use_fused_kernels=True", "actor_rollout_ref.model.use_remove_padding=True",
                  "actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.actor.calculate_sum_pi_squared=True",
                  f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={world if layout == 'sequence' else 1}",
+                 # data: gradient sync deferred to the last micro-batch; sequence: the weights kept whole after a
+                 # forward (verl's defaults: neither)
+                 f"actor_rollout_ref.actor.fsdp_config.use_no_sync_for_gradient_accumulation={layout == 'data'}",
+                 f"actor_rollout_ref.actor.fsdp_config.reshard_after_forward={layout != 'sequence'}",
                  f"actor_rollout_ref.rollout.n={SAMPLES}", f"actor_rollout_ref.actor.ppo_mini_batch_size={GROUPS}",
                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
@@ -177,13 +185,34 @@ def main(rank: int, world: int, port: int, workdir: str, layout: str) -> None:
     assert engine.module.lm_head.weight.dtype == torch.float32 and engine._autocast_dtype == torch.bfloat16
     assert engine.get_data_parallel_size() == (1 if layout == "sequence" else world)
 
-    _verl_alone_fails_on_the_sharded_head(worker)
-    for variant, multi_turn in (("verl", False), ("leave_one_out", True)):
-        _step(worker, variant, multi_turn, world)
-        print(f"rank {rank}: {layout} parallel, {variant} {'multi-turn' if multi_turn else 'single-turn'} checked",
-              flush=True)
+    for variant, multi_turn, forward in (("verl", False, "dense"), ("leave_one_out", True, "dense"),
+                                         ("verl", False, "qwen3_vl")):
+        with _model_forward(forward):
+            _step(worker, variant, multi_turn, world)
+        print(f"rank {rank}: {layout} parallel, {variant} {'multi-turn' if multi_turn else 'single-turn'}, "
+              f"{forward} forward checked", flush=True)
+    _verl_alone_fails_on_the_sharded_head(worker)     # last: verl's failure leaves FSDP2 in the middle of a forward
     dist.barrier()
     dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _model_forward(name: str):
+    """The model's fused forward: verl's ``dense_common.forward_with_torch_backend`` (what verl patches into Qwen2),
+    or, for ``qwen3_vl``, verl's Qwen3-VL one (``qwen3_vl.forward_with_torch_backend``: ``self.model(input_ids,
+    **kwargs)`` then the fused pass, which any decoder-only model runs), which hands the pass
+    ``lm_head.weight.full_tensor()``; installed before the port, as verl's monkey patch installs it."""
+    import transformers
+    from verl.models.transformers import qwen3_vl
+
+    model_class = transformers.Qwen2ForCausalLM
+    own = model_class.__dict__["forward"]
+    if name == "qwen3_vl":
+        model_class.forward = qwen3_vl.forward_with_torch_backend
+    try:
+        yield
+    finally:
+        model_class.forward = own
 
 
 def _old_log_prob_batch(data, calculate_sum_pi_squared: bool):
@@ -266,7 +295,7 @@ def _step(worker, variant: str, multi_turn: bool, world: int) -> None:
         batch = _old_log_prob_batch(data, calculate_sum_pi_squared=True)
         with _DecoderCalls(module) as first_pass:
             output = worker.compute_log_prob(_rank_part(batch, engine))
-        weight = module.lm_head.weight.detach().full_tensor().to(torch.bfloat16)   # FSDP2's all-gather for the pass
+        weight = _whole(module.lm_head.weight).to(torch.bfloat16)                # FSDP2's all-gather for the pass
         registered = otb_verl._HEAD_METHOD in module.lm_head.__dict__            # the pass ran as the head's method
         whole = _whole_sequences(first_pass, engine)
         collected = None
@@ -341,6 +370,7 @@ def _step(worker, variant: str, multi_turn: bool, world: int) -> None:
                                                      "the advantages a micro-batch's loss received")
 
     # on policy: the update's forward is the first pass's, bit for bit (same micro-batches, same order)
+    assert len(first_pass.calls) == len(update_pass.calls)
     for before, after in zip(first_pass.calls, update_pass.calls):
         assert torch.equal(before["hidden"].detach(), after["hidden"].detach())
     _check_gradients(_whole_sequences(update_pass, engine), own, weight, advantages.double().numpy()[mine],
@@ -348,6 +378,12 @@ def _step(worker, variant: str, multi_turn: bool, world: int) -> None:
     # SGD on the float32 shard: weight − lr·gradient, exactly (lr a power of two; no clipping, no weight decay)
     assert torch.equal(module.lm_head.weight.detach().to_local(),
                        stepped["shard"] - LEARNING_RATE * stepped["shard_gradient"])
+
+
+def _whole(weight) -> torch.Tensor:
+    """A copy of the whole weight: gathered from its shards, or (kept whole after a forward) copied."""
+    weight = weight.detach()
+    return weight.full_tensor() if hasattr(weight, "full_tensor") else weight.clone()
 
 
 def _dense(value: torch.Tensor) -> torch.Tensor:

@@ -393,23 +393,31 @@ def _head_token_statistics(head: torch.nn.Module, hidden: torch.Tensor, token_id
 
 
 def _sharded_head(weight: Any) -> torch.nn.Module | None:
-    """The FSDP2 lm_head whose sharded weight ``weight`` is, with the port's pass registered as its forward method;
-    None for a plain tensor. A DTensor that is not the weight of the running model's FSDP2 head raises."""
+    """The running model's FSDP2 lm_head, with the port's pass registered as its forward method, when its weight is
+    sharded now (outside the head's own forward) and ``weight`` is that DTensor — or a plain tensor of its shape:
+    verl's Qwen3-VL and Qwen3.5 forwards (qwen3_vl.py:369–371, qwen3_5.py:587–589) hand the pass
+    ``weight.full_tensor()``, whose gradient no rank reduces over the others (each would step its shard with its own
+    rows' gradient alone), so the pass runs on the head's gathered weight instead and that copy is left unused.
+    None otherwise (the plain path). A DTensor that is not the weight of the running model's FSDP2 head raises."""
     tensor_module = sys.modules.get("torch.distributed.tensor")
-    if tensor_module is None or not isinstance(weight, tensor_module.DTensor):
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if tensor_module is None or fsdp is None:
         return None
     stack = getattr(_HEADS, "stack", None)
     head = stack[-1] if stack else None
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    if head is None or fsdp is None or not isinstance(head, fsdp.FSDPModule) or head.weight is not weight:
+    sharded = isinstance(weight, tensor_module.DTensor)
+    if isinstance(head, fsdp.FSDPModule) and isinstance(getattr(head, "weight", None), tensor_module.DTensor) and (
+            head.weight is weight or (not sharded and tuple(weight.shape) == tuple(head.weight.shape))):
+        if _HEAD_METHOD not in head.__dict__:
+            setattr(head, _HEAD_METHOD, functools.partial(_head_token_statistics, head))
+            fsdp.register_fsdp_forward_method(head, _HEAD_METHOD)
+            _REGISTERED_HEADS.add(head)
+        return head
+    if sharded:
         raise ValueError("weight: a sharded DTensor that is not the weight of an FSDP2 lm_head of the model running "
                          "this forward; otb_torch's fused pass needs the whole [V, H] weight (gather it, or wrap "
                          "the head with torch.distributed.fsdp.fully_shard)")
-    if _HEAD_METHOD not in head.__dict__:
-        setattr(head, _HEAD_METHOD, functools.partial(_head_token_statistics, head))
-        fsdp.register_fsdp_forward_method(head, _HEAD_METHOD)
-        _REGISTERED_HEADS.add(head)
-    return head
+    return None
 
 
 @contextlib.contextmanager
