@@ -396,8 +396,8 @@ def _sharded_head(weight: Any) -> torch.nn.Module | None:
     """The running model's FSDP2 lm_head, with the port's pass registered as its forward method, when its weight is
     sharded now (outside the head's own forward) and ``weight`` is that DTensor — or a plain tensor of its shape:
     verl's Qwen3-VL and Qwen3.5 forwards (qwen3_vl.py:369–371, qwen3_5.py:587–589) hand the pass
-    ``weight.full_tensor()``, whose gradient no rank reduces over the others (each would step its shard with its own
-    rows' gradient alone), so the pass runs on the head's gathered weight instead and that copy is left unused.
+    ``weight.full_tensor()``, whose gradient no rank reduces over the others (each would step its shard with the
+    gradient of its own rows alone), so the pass runs on the head's gathered weight instead and that copy is left unused.
     None otherwise (the plain path). A DTensor that is not the weight of the running model's FSDP2 head raises."""
     tensor_module = sys.modules.get("torch.distributed.tensor")
     fsdp = sys.modules.get("torch.distributed.fsdp")
