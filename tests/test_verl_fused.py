@@ -678,8 +678,8 @@ def test_verls_actor_worker_on_fsdp2_trains_on_the_ports_advantages(verl, tmp_pa
     (``TrainingWorker.train_mini_batch``: the mini-batch iterator, four micro-batches a rank with gradient
     accumulation, gradient checkpointing, ``ppo_loss``, clipping, SGD, the LR scheduler) on the batches
     ``RayPPOTrainer`` builds, split as verl dispatches them; ``compute_advantage`` on the gathered batch with the
-    port's self-inclusive (single-turn) and leave-one-out (multi-turn, tool spans) estimators, and self-inclusive
-    through verl's Qwen3-VL fused forward, which hands the pass ``lm_head.weight.full_tensor()``. Each rank
+    port's self-inclusive (single-turn) and leave-one-out (multi-turn, tool spans) estimators, and the same through
+    verl's Qwen3-VL and Qwen3.5 fused forwards, which hand the pass ``lm_head.weight.full_tensor()``. Each rank
     (tests/verl_fsdp2_step.py, which says what it checks) finds, with the port: Σπ² and old log π equal to the
     reference's on the hidden states and the bfloat16 weight that computed them, the advantages every micro-batch's
     loss received equal to the reference's OTB, the final hidden states' gradients and lm_head.weight's (reduced over
@@ -688,8 +688,9 @@ def test_verls_actor_worker_on_fsdp2_trains_on_the_ports_advantages(verl, tmp_pa
     sharded lm_head weight. It fails against a port that gathers the head's weight with ``full_tensor()`` instead of
     FSDP2's forward hooks, which leaves the weight's gradient unreduced over the ranks (the gradient check: 9584 of
     9600 elements data-parallel, 9578 sequence-parallel); against one that runs Qwen3-VL's pass on verl's float32
-    copy (the statistics check, on the weight FSDP2 gathers: 29 of 34 tokens); and against a Σπ² 1 % too large (34
-    of 34 tokens)."""
+    copy (the statistics check, on the weight FSDP2 gathers: 29 of 34 tokens), and on that copy cast to bfloat16,
+    whose statistics pass (the gradient check: 9573 of 9600 elements data-parallel, 9585 sequence-parallel); and
+    against a Σπ² 1 % too large (34 of 34 tokens)."""
     pytest.importorskip("hydra", reason="hydra-core (verl's config system) is not installed")
     try:
         from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method  # noqa: F401
@@ -717,7 +718,8 @@ def test_verls_actor_worker_on_fsdp2_trains_on_the_ports_advantages(verl, tmp_pa
         pytest.fail("verl's FSDP2 step did not finish within 300 s on two ranks")
     for rank, (process, output) in enumerate(zip(ranks, outputs)):
         assert process.returncode == 0, f"rank {rank} failed:\n{output[-8000:]}"
-        for case in ("verl single-turn, dense", "leave_one_out multi-turn, dense", "verl single-turn, qwen3_vl"):
+        for case in ("verl single-turn, dense", "leave_one_out multi-turn, dense", "verl single-turn, qwen3_vl",
+                     "leave_one_out multi-turn, qwen3_5"):
             assert f"rank {rank}: {layout} parallel, {case} forward checked" in output, output[-4000:]
 
 

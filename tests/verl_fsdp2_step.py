@@ -29,7 +29,8 @@ Each rank checks, and raises AssertionError otherwise (the test reads the exit c
 
 1. with ``otb_torch.verl.install(variant, sum_pi_squared=True)``, per case — self-inclusive, single-turn;
    leave-one-out, multi-turn with tool spans; self-inclusive through verl's Qwen3-VL fused forward, which hands the
-   pass ``lm_head.weight.full_tensor()`` (a copy whose gradient no rank reduces; the port runs on the head instead):
+   pass ``lm_head.weight.full_tensor()`` (a copy whose gradient no rank reduces; the port runs on the head instead);
+   leave-one-out, multi-turn through verl's Qwen3.5 forward (the same copy, the hidden states cast to float32):
    - Σπ² and old log π of every response token of the rank's rows equal the reference's on the hidden states and the
      bfloat16 lm_head weight that computed them (``hidden_statistics_tolerance`` at float32, bfloat16 output);
    - the advantages each micro-batch's loss received equal the reference's OTB on the gathered statistics
@@ -186,7 +187,7 @@ def main(rank: int, world: int, port: int, workdir: str, layout: str) -> None:
     assert engine.get_data_parallel_size() == (1 if layout == "sequence" else world)
 
     for variant, multi_turn, forward in (("verl", False, "dense"), ("leave_one_out", True, "dense"),
-                                         ("verl", False, "qwen3_vl")):
+                                         ("verl", False, "qwen3_vl"), ("leave_one_out", True, "qwen3_5")):
         with _model_forward(forward):
             _step(worker, variant, multi_turn, world)
         print(f"rank {rank}: {layout} parallel, {variant} {'multi-turn' if multi_turn else 'single-turn'}, "
@@ -199,16 +200,18 @@ def main(rank: int, world: int, port: int, workdir: str, layout: str) -> None:
 @contextlib.contextmanager
 def _model_forward(name: str):
     """The model's fused forward: verl's ``dense_common.forward_with_torch_backend`` (what verl patches into Qwen2),
-    or, for ``qwen3_vl``, verl's Qwen3-VL one (``qwen3_vl.forward_with_torch_backend``: ``self.model(input_ids,
-    **kwargs)`` then the fused pass, which any decoder-only model runs), which hands the pass
-    ``lm_head.weight.full_tensor()``; installed before the port, as verl's monkey patch installs it."""
+    or verl's Qwen3-VL or Qwen3.5 one (``qwen3_vl`` / ``qwen3_5.forward_with_torch_backend``: ``self.model(input_ids,
+    **kwargs)`` then the fused pass, which any decoder-only model runs), which hand the pass
+    ``lm_head.weight.full_tensor()`` (Qwen3.5's with the hidden states cast to its float32); installed before the
+    port, as verl's monkey patch installs it."""
+    import importlib
+
     import transformers
-    from verl.models.transformers import qwen3_vl
 
     model_class = transformers.Qwen2ForCausalLM
     own = model_class.__dict__["forward"]
-    if name == "qwen3_vl":
-        model_class.forward = qwen3_vl.forward_with_torch_backend
+    if name != "dense":
+        model_class.forward = importlib.import_module(f"verl.models.transformers.{name}").forward_with_torch_backend
     try:
         yield
     finally:
@@ -358,7 +361,8 @@ def _step(worker, variant: str, multi_turn: bool, world: int) -> None:
             optimizer.step = own_step
             worker.actor.loss_fn = worker.loss_fn
     assert metrics is None or np.isfinite(tu.get(metrics, "metrics")["grad_norm"])
-    assert registered and otb_verl._HEAD_METHOD not in module.lm_head.__dict__, "uninstall() left the head's method"
+    assert registered, "the fused pass did not run as the FSDP2 head's forward method"
+    assert otb_verl._HEAD_METHOD not in module.lm_head.__dict__, "uninstall() left the head's method"
 
     # the advantages each micro-batch's loss received: every row of this rank once, the reference's values
     seen = np.concatenate([index.numpy() for index, _, _ in received])
