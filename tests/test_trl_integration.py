@@ -25,9 +25,11 @@ What runs where (TRL 1.16.0 line numbers, grpo_trainer.py):
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -314,6 +316,45 @@ def test_two_processes_give_the_single_process_advantages(tmp_path):
         for generation in generations:
             index = int(generation[1:])
             _check_two_process_generation(ranks, index, variant, align)
+
+
+@pytest.mark.distributed
+def test_trls_fused_head_leaves_the_gradient_of_an_fsdp2_head_unit_unreduced():
+    """A defect of TRL 1.16 that OTBGRPOTrainer inherits (docs/trl.md, *FSDP2*): TRL's fused LM head gathers an FSDP2
+    head's weight with ``full_tensor()``, whose gradient no rank reduces. Two gloo ranks (tests/trl_fsdp2_head.py): with
+    the head in the root unit, its gradient is the whole batch's; with the head in a unit of its own, each rank's
+    shard holds P × its own rows' gradient instead — while a decoder layer's gradient is the whole batch's in both.
+    Distances are max|Δ| against float64 gradients of the same model; float32 rounding is about 1e-7 of the head
+    gradient's scale (about 0.1), so a factor of 1000 between the two distances tells the hypotheses apart with room
+    on both sides (measured: 3e-8 against 0.11)."""
+    pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 is not available in this torch")
+    environment = dict(os.environ, OMP_NUM_THREADS="1")
+    port = str(_free_port())
+    ranks = [subprocess.Popen([sys.executable, os.path.join(TESTS_DIR, "trl_fsdp2_head.py"), str(rank), "2", port],
+                              env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for rank in range(2)]
+    deadline, outputs = time.monotonic() + 180, []
+    try:
+        for process in ranks:
+            outputs.append(process.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    except subprocess.TimeoutExpired:
+        for process in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail("the two processes did not finish within 180 s")
+    pattern = re.compile(r"rank (\d): (root|own) unit: head gradient max\|Δ\| to the reduced (\S+), to the unreduced "
+                         r"(\S+); layer gradient max\|Δ\| to the reduced (\S+) of max (\S+)")
+    for rank, (process, output) in enumerate(zip(ranks, outputs)):
+        assert process.returncode == 0, f"rank {rank} failed:\n{output[-6000:]}"
+        found = {match[2]: [float(value) for value in match.groups()[2:]] for match in pattern.finditer(output)}
+        assert set(found) == {"root", "own"}, output[-3000:]
+        for placement, (to_reduced, to_unreduced, layer, scale) in found.items():
+            assert layer * 1000 < scale, f"rank {rank}, {placement} unit: the layer's gradient is not the batch's"
+            if placement == "root":
+                assert to_reduced * 1000 < to_unreduced, f"rank {rank}: a head in the root unit is not reduced"
+            else:
+                assert to_unreduced * 1000 < to_reduced, (f"rank {rank}: TRL's head in a unit of its own is "
+                                                          "reduced now: update docs/trl.md (FSDP2)")
 
 
 def _check_two_process_generation(ranks: list[dict], index: int, variant: str, align: str) -> None:
