@@ -22,6 +22,10 @@ How verl 0.9.1 reaches these functions (line numbers of the installed 0.9.1 file
   engine calls as a module attribute (``workers/engine/fsdp/transformer_impl.py:1395, 1496``). The Megatron engine
   uses its own vocab-parallel ``vocab_parallel_sum_pi_squared`` (``utils/megatron/tensor_parallel.py:173``); that one
   is not replaced (its logits are sharded over the vocabulary, which the port's function does not all-reduce).
+* With fused kernels, ``sum_pi_squared=True`` replaces verl's ``FusedLinearForPPO`` (torch backend) and wraps verl's
+  fused model forwards; on FSDP2 with an untied lm_head the port's pass runs as the head's FSDP2 forward method, so
+  the weight is gathered and its gradient reduced over the ranks (below ``_HEAD_METHOD``; docs/verl.md, *FSDP2 with
+  fused kernels*).
 
 Besides the registry and the defining modules, every loaded ``verl.*`` module attribute that *is* one of verl's
 originals (imported by name, under any alias) is replaced too, and modules imported later pick up the replacement
@@ -373,12 +377,13 @@ def _verls_token_statistics(hidden: torch.Tensor, weight: torch.Tensor, token_id
 
 # FSDP2 (verl's strategy "fsdp2") wraps an untied lm_head in a fully_shard unit of its own (verl's
 # _select_fsdp2_wrap_targets). Its weight is then a sharded DTensor outside the head's own forward, and verl's fused
-# model forward, which reads ``self.lm_head.weight`` without calling the head, hands the fused pass a shard (verl's own
-# torch backend fails there: "mixed torch.Tensor and DTensor"). The port's pass runs as a forward method of the head
-# instead (torch.distributed.fsdp.register_fsdp_forward_method): FSDP2 all-gathers the weight in its param dtype
-# before it, reshards after it, and reduce-scatters the weight's gradient over the data-parallel ranks after the
-# backward pass, as for the head's own forward. Peak extra memory: the head's unsharded weight, as its own forward
-# needs.
+# model forwards, which read ``self.lm_head.weight`` without calling the head, hand the fused pass that shard (verl's
+# own torch backend fails there: "mixed torch.Tensor and DTensor") or, for Qwen3-VL and Qwen3.5, ``full_tensor()`` of
+# it (whose gradient no rank reduces). The port's pass runs as a forward method of the head instead
+# (torch.distributed.fsdp.register_fsdp_forward_method): FSDP2 all-gathers the weight in its param dtype before it,
+# reshards after it, and reduce-scatters the weight's gradient over the data-parallel ranks after the backward pass,
+# as for the head's own forward. Peak extra memory: the head's unsharded weight, as its own forward needs, and copies
+# of the per-token outputs that are views (3 values per token).
 _HEAD_METHOD = "_otb_torch_fused_token_statistics"
 _HEADS = threading.local()          # .stack: the lm_head of each fused model forward running in this thread
 _REGISTERED_HEADS: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()    # heads given the method; uninstall()
