@@ -319,7 +319,7 @@ def test_two_processes_give_the_single_process_advantages(tmp_path):
 
 
 @pytest.mark.distributed
-def test_trls_fused_head_leaves_the_gradient_of_an_fsdp2_head_unit_unreduced():
+def test_trls_fused_head_leaves_the_gradient_of_an_fsdp2_head_unit_unreduced(tmp_path):
     """A defect of TRL 1.16 that OTBGRPOTrainer inherits (docs/trl.md, *FSDP2*): TRL's fused LM head gathers an FSDP2
     head's weight with ``full_tensor()``, whose gradient no rank reduces. Two gloo ranks (tests/trl_fsdp2_head.py): with
     the head in the root unit, its gradient is the whole batch's; with the head in a unit of its own, each rank's
@@ -330,18 +330,22 @@ def test_trls_fused_head_leaves_the_gradient_of_an_fsdp2_head_unit_unreduced():
     pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 is not available in this torch")
     environment = dict(os.environ, OMP_NUM_THREADS="1")
     port = str(_free_port())
-    ranks = [subprocess.Popen([sys.executable, os.path.join(TESTS_DIR, "trl_fsdp2_head.py"), str(rank), "2", port],
-                              env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) for rank in range(2)]
-    deadline, outputs = time.monotonic() + 180, []
+    logs, ranks = [tmp_path / f"rank{rank}.log" for rank in range(2)], []
+    for rank, log in enumerate(logs):                        # files, not pipes: neither rank can block on one
+        with open(log, "w") as sink:
+            ranks.append(subprocess.Popen([sys.executable, os.path.join(TESTS_DIR, "trl_fsdp2_head.py"), str(rank),
+                                           "2", port], env=environment, stdout=sink, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+    deadline = time.monotonic() + 180
     try:
         for process in ranks:
-            outputs.append(process.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         for process in ranks:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
         pytest.fail("the two processes did not finish within 180 s")
+    outputs = [log.read_text() for log in logs]
     pattern = re.compile(r"rank (\d): (root|own) unit: head gradient max\|Δ\| to the reduced (\S+), to the unreduced "
                          r"(\S+); layer gradient max\|Δ\| to the reduced (\S+) of max (\S+)")
     for rank, (process, output) in enumerate(zip(ranks, outputs)):

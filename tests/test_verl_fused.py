@@ -704,18 +704,22 @@ def test_verls_actor_worker_on_fsdp2_trains_on_the_ports_advantages(verl, tmp_pa
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [sys.executable, os.path.join(tests, "verl_fsdp2_step.py"), "2", str(port), str(tmp_path), layout]
-    ranks = [subprocess.Popen([*command[:2], str(rank), *command[2:]], env=environment, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True) for rank in range(2)]
+    logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]      # files, not pipes: neither rank can block on one
+    ranks = []
+    for rank, log in enumerate(logs):
+        with open(log, "w") as sink:
+            ranks.append(subprocess.Popen([*command[:2], str(rank), *command[2:]], env=environment, stdout=sink,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
     deadline = time.monotonic() + 300
-    outputs = []
     try:
         for process in ranks:
-            outputs.append(process.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         for process in ranks:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
         pytest.fail("verl's FSDP2 step did not finish within 300 s on two ranks")
+    outputs = [log.read_text() for log in logs]
     for rank, (process, output) in enumerate(zip(ranks, outputs)):
         assert process.returncode == 0, f"rank {rank} failed:\n{output[-8000:]}"
         for case in ("verl single-turn, dense", "leave_one_out multi-turn, dense", "verl single-turn, qwen3_vl",
