@@ -320,10 +320,11 @@ def test_two_processes_give_the_single_process_advantages(tmp_path):
 
 @pytest.mark.distributed
 def test_trls_fused_head_leaves_the_gradient_of_an_fsdp2_head_unit_unreduced(tmp_path):
-    """A defect of TRL 1.16 that OTBGRPOTrainer inherits (docs/trl.md, *FSDP2*): TRL's fused LM head gathers an FSDP2
+    """A defect of TRL 1.16, which OTBGRPOTrainer refuses (docs/trl.md, *FSDP2*): TRL's fused LM head gathers an FSDP2
     head's weight with ``full_tensor()``, whose gradient no rank reduces. Two gloo ranks (tests/trl_fsdp2_head.py): with
     the head in the root unit, its gradient is the whole batch's; with the head in a unit of its own, each rank's
     shard holds P × its own rows' gradient instead — while a decoder layer's gradient is the whole batch's in both.
+    OTBGRPOTrainer's guard, run before each of its forwards with gradient, refuses the second model and not the first.
     Distances are max|Δ| against float64 gradients of the same model; float32 rounding is about 1e-7 of the head
     gradient's scale (about 0.1), so a factor of 1000 between the two distances tells the hypotheses apart with room
     on both sides (measured: 3e-8 against 0.11)."""
@@ -352,6 +353,8 @@ def test_trls_fused_head_leaves_the_gradient_of_an_fsdp2_head_unit_unreduced(tmp
         assert process.returncode == 0, f"rank {rank} failed:\n{output[-6000:]}"
         found = {match[2]: [float(value) for value in match.groups()[2:]] for match in pattern.finditer(output)}
         assert set(found) == {"root", "own"}, output[-3000:]
+        guard = dict(re.findall(r"rank \d: (root|own) unit: OTBGRPOTrainer (.+)", output))
+        assert guard == {"root": "not refused", "own": "refused"}, output[-3000:]
         for placement, (to_reduced, to_unreduced, layer, scale) in found.items():
             assert layer * 1000 < scale, f"rank {rank}, {placement} unit: the layer's gradient is not the batch's"
             if placement == "root":

@@ -14,7 +14,8 @@ transformer-based wrap) or in a unit of its own (as a size-based wrap gives a la
 loss −Σ log π / N × P (its share of the batch mean, × P for FSDP2's average), backward. Against float64 gradients of
 the same model — the whole batch's (what data parallelism should give) and the unreduced one (each rank's shard of the
 head P × its own rows' gradient) — each rank prints, per placement, the head gradient's distance to both, and a decoder
-layer's distance to the whole batch's (FSDP2 reduces the layers' gradients: the harness's scaling is right).
+layer's distance to the whole batch's (FSDP2 reduces the layers' gradients: the harness's scaling is right), and
+whether ``OTBGRPOTrainer``'s guard (``otb_torch.trl._refuse_an_fsdp2_head_unit``) refuses the model.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def main(rank: int, world: int, port: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from trl.trainer.utils import add_fused_lm_head
+
+    import otb_torch.trl as otb_trl
 
     config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
@@ -72,6 +75,12 @@ def main(rank: int, world: int, port: str) -> None:
         mine = ids.chunk(world)[rank]
         output = model(input_ids=mine, labels=mine, fused_lm_head=True)
         (-output.log_probs.sum() / tokens * world).backward()
+        try:                                         # OTBGRPOTrainer's guard, before each forward with gradient
+            otb_trl._refuse_an_fsdp2_head_unit(model)
+            refused = "not refused"
+        except ValueError as exc:
+            refused = "refused" if str(exc).startswith("model: its LM head has an FSDP2 unit of its own") else repr(exc)
+        print(f"rank {rank}: {placement}: OTBGRPOTrainer {refused}", flush=True)
         head = model.lm_head.weight.grad.full_tensor().double()
         layer = model.model.layers[0].mlp.up_proj.weight.grad.full_tensor().double()
         print(f"rank {rank}: {placement}: head gradient max|Δ| to the reduced "

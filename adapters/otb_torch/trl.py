@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -326,6 +327,8 @@ class OTBGRPOTrainer(GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                            logits_to_keep: int, *args: Any, **kwargs: Any) -> tuple:
+        if torch.is_grad_enabled():
+            _refuse_an_fsdp2_head_unit(model)
         generation, pending = self._otb_generation, self._otb_loss_inputs
         if pending is not None and not pending.get("otb_done", True):
             # the loss's forward (_compute_loss, :3030–3047): take the statistics from it, then put OTB's advantages
@@ -533,6 +536,25 @@ class OTBGRPOTrainer(GRPOTrainer):
 
 # ----------------------------------------------------------------------------------------------------------------------
 # checks
+
+
+def _refuse_an_fsdp2_head_unit(model: Any) -> None:
+    """Raise where the policy's LM head has an FSDP2 unit of its own over several ranks: trl 1.16's fused LM head
+    (``trl/trainer/utils.py:1633–1639``) trains it on ``weight.full_tensor()``, whose gradient no rank reduces — each
+    rank would step its shard of the head with the gradient of its own rows alone, silently (docs/trl.md, *FSDP2*;
+    measured by tests/trl_fsdp2_head.py). A head in the root unit (accelerate's transformer-based wrap) is whole during
+    the model's forward and is reduced like the rest."""
+    fsdp, tensors = sys.modules.get("torch.distributed.fsdp"), sys.modules.get("torch.distributed.tensor")
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    if fsdp is None or tensors is None or output_embeddings is None:
+        return
+    head = output_embeddings()
+    weight = getattr(head, "weight", None)
+    if isinstance(head, fsdp.FSDPModule) and isinstance(weight, tensors.DTensor) and weight.device_mesh.size() > 1:
+        raise ValueError("model: its LM head has an FSDP2 unit of its own, and trl 1.16's fused LM head trains it on "
+                         "weight.full_tensor(), whose gradient is not reduced over the ranks (each shard would learn "
+                         "from one rank's rows); wrap the head in the root unit — accelerate's TRANSFORMER_BASED_WRAP "
+                         "does, SIZE_BASED_WRAP gives a large head a unit of its own (docs/trl.md, FSDP2)")
 
 
 def _check_rewards(rewards_per_func: torch.Tensor, names: list[str], weights: torch.Tensor) -> None:
