@@ -233,9 +233,13 @@ def test_training_steps_send_the_reference_advantages_to_the_loss(name, tmp_path
             return kernel.apply(*args)
 
     monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", CountedKernel)
+    guarded = []                                     # the FSDP2 head guard ran after the backbone in forwards with grad
+    own_guard = otb_trl._unsharded_head_needed
+    monkeypatch.setattr(otb_trl, "_unsharded_head_needed", lambda policy: guarded.append(policy) or own_guard(policy))
     before = [p.detach().clone() for p in run.model.parameters()]
     run.train()
     assert run.state.global_step == 2
+    assert guarded and all(policy is run.model for policy in guarded)
     assert any(not torch.equal(a, b) for a, b in zip(before, run.model.parameters())), "the optimizer stepped"
     assert all(torch.isfinite(p).all() for p in run.model.parameters())
     assert all(math.isfinite(inputs["loss"]) for inputs in run.loss_inputs), "the loss used OTB's advantages"
@@ -324,7 +328,9 @@ def test_trls_fused_head_leaves_the_gradient_of_an_fsdp2_head_unit_unreduced(tmp
     head's weight with ``full_tensor()``, whose gradient no rank reduces. Two gloo ranks (tests/trl_fsdp2_head.py): with
     the head in the root unit, its gradient is the whole batch's; with the head in a unit of its own, each rank's
     shard holds P × its own rows' gradient instead — while a decoder layer's gradient is the whole batch's in both.
-    OTBGRPOTrainer's guard, run before each of its forwards with gradient, refuses the second model and not the first.
+    A head that shares a unit with the final norm and stays whole after the forward (accelerate 1.15's own layout: the
+    norm's forward gathers the unit before TRL reads the head) is reduced like the root unit's. OTBGRPOTrainer's guard
+    (a hook after the backbone's forward, as the trainer runs it) refuses the second model only.
     Distances are max|Δ| against float64 gradients of the same model; float32 rounding is about 1e-7 of the head
     gradient's scale (about 0.1), so a factor of 1000 between the two distances tells the hypotheses apart with room
     on both sides (measured: 3e-8 against 0.11)."""
@@ -347,18 +353,19 @@ def test_trls_fused_head_leaves_the_gradient_of_an_fsdp2_head_unit_unreduced(tmp
                 os.killpg(process.pid, signal.SIGKILL)
         pytest.fail("the two processes did not finish within 180 s")
     outputs = [log.read_text() for log in logs]
-    pattern = re.compile(r"rank (\d): (root|own) unit: head gradient max\|Δ\| to the reduced (\S+), to the unreduced "
-                         r"(\S+); layer gradient max\|Δ\| to the reduced (\S+) of max (\S+)")
+    pattern = re.compile(r"rank (\d): (root unit|own unit|final norm's unit): head gradient max\|Δ\| to the reduced "
+                         r"(\S+), to the unreduced (\S+); layer gradient max\|Δ\| to the reduced (\S+) of max (\S+)")
     for rank, (process, output) in enumerate(zip(ranks, outputs)):
         assert process.returncode == 0, f"rank {rank} failed:\n{output[-6000:]}"
         found = {match[2]: [float(value) for value in match.groups()[2:]] for match in pattern.finditer(output)}
-        assert set(found) == {"root", "own"}, output[-3000:]
-        guard = dict(re.findall(r"rank \d: (root|own) unit: OTBGRPOTrainer (.+)", output))
-        assert guard == {"root": "not refused", "own": "refused"}, output[-3000:]
+        assert set(found) == {"root unit", "own unit", "final norm's unit"}, output[-3000:]
+        guard = dict(re.findall(r"rank \d: (root unit|own unit|final norm's unit): OTBGRPOTrainer (.+)", output))
+        assert guard == {"root unit": "not refused", "own unit": "refused", "final norm's unit": "not refused"}, \
+            output[-3000:]
         for placement, (to_reduced, to_unreduced, layer, scale) in found.items():
-            assert layer * 1000 < scale, f"rank {rank}, {placement} unit: the layer's gradient is not the batch's"
-            if placement == "root":
-                assert to_reduced * 1000 < to_unreduced, f"rank {rank}: a head in the root unit is not reduced"
+            assert layer * 1000 < scale, f"rank {rank}, {placement}: the layer's gradient is not the batch's"
+            if placement != "own unit":
+                assert to_reduced * 1000 < to_unreduced, f"rank {rank}: a head in the {placement} is not reduced"
             else:
                 assert to_unreduced * 1000 < to_reduced, (f"rank {rank}: TRL's head in a unit of its own is "
                                                           "reduced now: update docs/trl.md (FSDP2)")

@@ -9,13 +9,16 @@ TRL's ``add_fused_lm_head`` (trl/trainer/utils.py:1548) makes ``model(..., fused
 ``_get_per_token_logps_and_entropies`` makes (grpo_trainer.py:1498), and so ``OTBGRPOTrainer`` — project the hidden
 states through the head in tiles. Where the head's weight is an FSDP2 DTensor it takes ``weight.full_tensor()``
 (utils.py:1633–1639), whose gradient no rank reduces over the others. A tiny random Qwen2 (untied head) in float32 is
-wrapped with ``fully_shard`` per decoder layer and at the root, the head either in the root unit (accelerate's default
-transformer-based wrap) or in a unit of its own (as a size-based wrap gives a large head); each rank runs its rows,
+wrapped with ``fully_shard`` per decoder layer and at the root, the head in the root unit, in a unit of its own (as
+accelerate's size-based wrap gives a large head), or in one with the final norm and ``reshard_after_forward=False``
+(accelerate 1.15's own layout, ``accelerate/utils/fsdp_utils.py:857–879``: the norm's forward gathers the unit, so
+TRL reads a whole weight); each rank runs its rows,
 loss −Σ log π / N × P (its share of the batch mean, × P for FSDP2's average), backward. Against float64 gradients of
 the same model — the whole batch's (what data parallelism should give) and the unreduced one (each rank's shard of the
 head P × its own rows' gradient) — each rank prints, per placement, the head gradient's distance to both, and a decoder
 layer's distance to the whole batch's (FSDP2 reduces the layers' gradients: the harness's scaling is right), and
-whether ``OTBGRPOTrainer``'s guard (``otb_torch.trl._refuse_an_fsdp2_head_unit``) refuses the model.
+whether ``OTBGRPOTrainer``'s guard (``otb_torch.trl._unreduced_head_guard`` around the forward, as the trainer runs
+it) refuses the model.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def main(rank: int, world: int, port: str) -> None:
     unreduced_head = torch.cat([per_rank[r][0][r * shard:(r + 1) * shard] for r in range(world)])
 
     mesh = init_device_mesh("cpu", (world,))
-    for placement in ("root unit", "own unit"):
+    for placement in ("root unit", "own unit", "final norm's unit"):
         model = transformers.Qwen2ForCausalLM(config).float()
         model.load_state_dict(state)
         add_fused_lm_head(model, temperature=1.0)
@@ -71,16 +74,19 @@ def main(rank: int, world: int, port: str) -> None:
             fully_shard(layer, mesh=mesh)
         if placement == "own unit":
             fully_shard(model.lm_head, mesh=mesh)
+        elif placement == "final norm's unit":       # accelerate 1.15's layout (accelerate/utils/fsdp_utils.py:870–879)
+            fully_shard([model.model.norm, model.lm_head], mesh=mesh, reshard_after_forward=False)
         fully_shard(model, mesh=mesh)
         mine = ids.chunk(world)[rank]
-        output = model(input_ids=mine, labels=mine, fused_lm_head=True)
-        (-output.log_probs.sum() / tokens * world).backward()
-        try:                                         # OTBGRPOTrainer's guard, before each forward with gradient
-            otb_trl._refuse_an_fsdp2_head_unit(model)
+        try:                                         # the forward as OTBGRPOTrainer makes it, with its guard
+            with otb_trl._unreduced_head_guard(model):
+                output = model(input_ids=mine, labels=mine, fused_lm_head=True)
             refused = "not refused"
         except ValueError as exc:
-            refused = "refused" if str(exc).startswith("model: its LM head has an FSDP2 unit of its own") else repr(exc)
+            refused = "refused" if str(exc).startswith("model: its LM head's weight is still sharded") else repr(exc)
+            output = model(input_ids=mine, labels=mine, fused_lm_head=True)      # as GRPOTrainer makes it
         print(f"rank {rank}: {placement}: OTBGRPOTrainer {refused}", flush=True)
+        (-output.log_probs.sum() / tokens * world).backward()
         head = model.lm_head.weight.grad.full_tensor().double()
         layer = model.model.layers[0].mlp.up_proj.weight.grad.full_tensor().double()
         print(f"rank {rank}: {placement}: head gradient max|Δ| to the reduced "

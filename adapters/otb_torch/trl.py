@@ -38,6 +38,7 @@ How TRL 1.16.0 is entered (line numbers of the installed ``trl/trainer/grpo_trai
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import sys
@@ -327,8 +328,12 @@ class OTBGRPOTrainer(GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                            logits_to_keep: int, *args: Any, **kwargs: Any) -> tuple:
-        if torch.is_grad_enabled():
-            _refuse_an_fsdp2_head_unit(model)
+        with _unreduced_head_guard(model) if torch.is_grad_enabled() else contextlib.nullcontext():
+            return self._otb_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args,
+                                                           **kwargs)
+
+    def _otb_per_token_logps_and_entropies(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                           logits_to_keep: int, *args: Any, **kwargs: Any) -> tuple:
         generation, pending = self._otb_generation, self._otb_loss_inputs
         if pending is not None and not pending.get("otb_done", True):
             # the loss's forward (_compute_loss, :3030–3047): take the statistics from it, then put OTB's advantages
@@ -538,23 +543,45 @@ class OTBGRPOTrainer(GRPOTrainer):
 # checks
 
 
-def _refuse_an_fsdp2_head_unit(model: Any) -> None:
-    """Raise where the policy's LM head has an FSDP2 unit of its own over several ranks: trl 1.16's fused LM head
-    (``trl/trainer/utils.py:1633–1639``) trains it on ``weight.full_tensor()``, whose gradient no rank reduces — each
-    rank would step its shard of the head with the gradient of its own rows alone, silently (docs/trl.md, *FSDP2*;
-    measured by tests/trl_fsdp2_head.py). A head in the root unit (accelerate's transformer-based wrap) is whole during
-    the model's forward and is reduced like the rest."""
-    fsdp, tensors = sys.modules.get("torch.distributed.fsdp"), sys.modules.get("torch.distributed.tensor")
-    output_embeddings = getattr(model, "get_output_embeddings", None)
-    if fsdp is None or tensors is None or output_embeddings is None:
-        return
-    head = output_embeddings()
+def _unsharded_head_needed(policy: Any) -> None:
+    """Raise where trl 1.16's fused LM head is about to read the policy's head weight as a sharded FSDP2 DTensor over
+    several ranks, with gradient: it would train on ``weight.full_tensor()`` (``trl/trainer/utils.py:1633–1639``),
+    whose gradient is reduced over no rank — each rank would step its shard of the head with the gradient of its own
+    rows alone, silently (docs/trl.md, *FSDP2*; measured by tests/trl_fsdp2_head.py). Called after the backbone's
+    forward, just before TRL reads the weight: where the head shares an FSDP2 unit with the final norm (accelerate's
+    own layout, ``accelerate/utils/fsdp_utils.py:857–879``), that unit is whole by then and trained as the others."""
+    tensors = sys.modules.get("torch.distributed.tensor")
+    head = policy.get_output_embeddings()
     weight = getattr(head, "weight", None)
-    if isinstance(head, fsdp.FSDPModule) and isinstance(weight, tensors.DTensor) and weight.device_mesh.size() > 1:
-        raise ValueError("model: its LM head has an FSDP2 unit of its own, and trl 1.16's fused LM head trains it on "
-                         "weight.full_tensor(), whose gradient is not reduced over the ranks (each shard would learn "
-                         "from one rank's rows); wrap the head in the root unit — accelerate's TRANSFORMER_BASED_WRAP "
-                         "does, SIZE_BASED_WRAP gives a large head a unit of its own (docs/trl.md, FSDP2)")
+    if (tensors is not None and isinstance(weight, tensors.DTensor) and weight.requires_grad
+            and torch.is_grad_enabled() and weight.device_mesh.size() > 1):
+        raise ValueError("model: its LM head's weight is still sharded (an FSDP2 DTensor) when trl 1.16's fused LM "
+                         "head reads it, which then trains on weight.full_tensor(), whose gradient is not reduced "
+                         "over the ranks (each shard would learn from one rank's rows); keep the head in an FSDP2 "
+                         "unit that the backbone's forward gathers, as accelerate's own layout does with the final "
+                         "norm — a size-based wrap that gives a large head a unit of its own does not (docs/trl.md, "
+                         "FSDP2)")
+
+
+@contextlib.contextmanager
+def _unreduced_head_guard(model: Any) -> Any:
+    """:func:`_unsharded_head_needed` as a forward hook of the backbone that TRL's fused forward runs before it reads
+    the head (its ``backbone_attr``), for the duration of one ``_get_per_token_logps_and_entropies`` call; nothing
+    where the policy's forward is not TRL's fused one."""
+    policy = model.get_base_model() if hasattr(model, "get_base_model") else model
+    closure = _trl_fused_forward_closure(vars(policy).get("forward"))
+    backbone = getattr(policy, closure.get("backbone_attr", ""), None) if closure is not None else None
+    if not isinstance(backbone, torch.nn.Module) or sys.modules.get("torch.distributed.tensor") is None:
+        yield
+        return
+    def after_the_backbone(module: Any, args: Any, output: Any) -> None:       # returns None: the output stays
+        _unsharded_head_needed(policy)
+
+    handle = backbone.register_forward_hook(after_the_backbone)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _check_rewards(rewards_per_func: torch.Tensor, names: list[str], weights: torch.Tensor) -> None:
