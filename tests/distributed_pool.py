@@ -52,6 +52,42 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago (for a process group's rendezvous)."""
+    return _free_port()
+
+
+def run_rank_processes(commands: list[list[str]], directory: Any, environment: dict, timeout: float) -> list:
+    """Run one process per command (a rank each) and wait at most ``timeout`` seconds for all of them; on timeout kill
+    every one's process group and raise TimeoutError. Each writes its output to ``directory``/rank{i}.log — a file, not
+    a pipe read one rank after the other, in which a rank could fill its pipe and block the others in a collective.
+    Returns (return code, output) per rank."""
+    import signal
+    import subprocess
+    import time
+
+    logs = [os.path.join(str(directory), f"rank{rank}.log") for rank in range(len(commands))]
+    processes = []
+    for command, log in zip(commands, logs):
+        with open(log, "w") as sink:
+            processes.append(subprocess.Popen(command, env=environment, stdout=sink, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+    deadline = time.monotonic() + timeout
+    try:
+        for process in processes:
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+        raise TimeoutError(f"{len(commands)} rank processes did not finish within {timeout:.0f} s") from None
+    results = []
+    for process, log in zip(processes, logs):
+        with open(log) as source:
+            results.append((process.returncode, source.read()))
+    return results
+
+
 def _worker(rank: int, port: int, inbox: Any, outbox: Any) -> None:  # pragma: no cover - runs in the children
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch

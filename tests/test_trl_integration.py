@@ -25,7 +25,6 @@ What runs where (TRL 1.16.0 line numbers, grpo_trainer.py):
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
 import os
@@ -336,27 +335,18 @@ def test_trls_fused_head_leaves_the_gradient_of_an_fsdp2_head_unit_unreduced(tmp
     on both sides (measured: 3e-8 against 0.11)."""
     pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 is not available in this torch")
     environment = dict(os.environ, OMP_NUM_THREADS="1")
-    port = str(_free_port())
-    logs, ranks = [tmp_path / f"rank{rank}.log" for rank in range(2)], []
-    for rank, log in enumerate(logs):                        # files, not pipes: neither rank can block on one
-        with open(log, "w") as sink:
-            ranks.append(subprocess.Popen([sys.executable, os.path.join(TESTS_DIR, "trl_fsdp2_head.py"), str(rank),
-                                           "2", port], env=environment, stdout=sink, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
-    deadline = time.monotonic() + 180
+    from distributed_pool import run_rank_processes
+
+    script, port = os.path.join(TESTS_DIR, "trl_fsdp2_head.py"), str(_free_port())
     try:
-        for process in ranks:
-            process.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        for process in ranks:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-        pytest.fail("the two processes did not finish within 180 s")
-    outputs = [log.read_text() for log in logs]
+        results = run_rank_processes([[sys.executable, script, str(rank), "2", port] for rank in range(2)], tmp_path,
+                                     environment, timeout=180)
+    except TimeoutError as exc:
+        pytest.fail(str(exc))
     pattern = re.compile(r"rank (\d): (root unit|own unit|final norm's unit): head gradient max\|Δ\| to the reduced "
                          r"(\S+), to the unreduced (\S+); layer gradient max\|Δ\| to the reduced (\S+) of max (\S+)")
-    for rank, (process, output) in enumerate(zip(ranks, outputs)):
-        assert process.returncode == 0, f"rank {rank} failed:\n{output[-6000:]}"
+    for rank, (code, output) in enumerate(results):
+        assert code == 0, f"rank {rank} failed:\n{output[-6000:]}"
         found = {match[2]: [float(value) for value in match.groups()[2:]] for match in pattern.finditer(output)}
         assert set(found) == {"root unit", "own unit", "final norm's unit"}, output[-3000:]
         guard = dict(re.findall(r"rank \d: (root unit|own unit|final norm's unit): OTBGRPOTrainer (.+)", output))

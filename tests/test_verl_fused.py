@@ -19,15 +19,10 @@ differ by at most the sum of their bounds; the port's Σπ² is judged against t
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 import warnings
 
 import numpy as np
@@ -700,28 +695,16 @@ def test_verls_actor_worker_on_fsdp2_trains_on_the_ports_advantages(verl, tmp_pa
     root = os.path.dirname(tests)
     environment = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [root, os.path.join(root, "adapters"), tests, os.environ.get("PYTHONPATH", "")]))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, os.path.join(tests, "verl_fsdp2_step.py"), "2", str(port), str(tmp_path), layout]
-    logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]      # files, not pipes: neither rank can block on one
-    ranks = []
-    for rank, log in enumerate(logs):
-        with open(log, "w") as sink:
-            ranks.append(subprocess.Popen([*command[:2], str(rank), *command[2:]], env=environment, stdout=sink,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
-    deadline = time.monotonic() + 300
+    from distributed_pool import free_port, run_rank_processes
+
+    step, port = os.path.join(tests, "verl_fsdp2_step.py"), str(free_port())
     try:
-        for process in ranks:
-            process.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        for process in ranks:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-        pytest.fail("verl's FSDP2 step did not finish within 300 s on two ranks")
-    outputs = [log.read_text() for log in logs]
-    for rank, (process, output) in enumerate(zip(ranks, outputs)):
-        assert process.returncode == 0, f"rank {rank} failed:\n{output[-8000:]}"
+        results = run_rank_processes([[sys.executable, step, str(rank), "2", port, str(tmp_path), layout]
+                                      for rank in range(2)], tmp_path, environment, timeout=300)
+    except TimeoutError as exc:
+        pytest.fail(f"verl's FSDP2 step: {exc}")
+    for rank, (code, output) in enumerate(results):
+        assert code == 0, f"rank {rank} failed:\n{output[-8000:]}"
         for case in ("verl single-turn, dense", "leave_one_out multi-turn, dense", "verl single-turn, qwen3_vl",
                      "leave_one_out multi-turn, qwen3_5"):
             assert f"rank {rank}: {layout} parallel, {case} forward checked" in output, output[-4000:]
