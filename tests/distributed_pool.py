@@ -46,15 +46,11 @@ COLLECTIVE_TIMEOUT = 30.0
 LAYOUTS = ("world", "three", "two", "last two", "context", "context two", "mesh", "mesh-broken")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago (for a process group's rendezvous)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def free_port() -> int:
-    """A TCP port on loopback that was free a moment ago (for a process group's rendezvous)."""
-    return _free_port()
 
 
 def run_rank_processes(commands: list[list[str]], directory: Any, environment: dict, timeout: float) -> list:
@@ -189,7 +185,7 @@ class Pool:
 
     def _start(self) -> None:
         context = multiprocessing.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self.inboxes = [context.Queue() for _ in range(WORLD_SIZE)]
         self.outbox = context.Queue()
         self.processes = [context.Process(target=_worker, args=(rank, port, self.inboxes[rank], self.outbox),

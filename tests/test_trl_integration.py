@@ -30,7 +30,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -47,6 +46,7 @@ import otb_spec  # noqa: E402
 import otb_torch  # noqa: E402
 import otb_torch.trl as otb_trl  # noqa: E402
 import trl_tiny  # noqa: E402
+from distributed_pool import free_port, run_rank_processes  # noqa: E402
 from trl.trainer import utils as trl_utils  # noqa: E402
 from otb_spec.tolerances import (  # noqa: E402
     hidden_comparison_tolerances,
@@ -282,12 +282,6 @@ def test_evaluation_computes_otb_on_the_evaluation_batch(tmp_path):
 # two processes
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.mark.distributed
 def test_two_processes_give_the_single_process_advantages(tmp_path):
     """``accelerate launch`` of two gloo processes (tests/trl_tiny.py --worker), 6 rows each, groups of 4 (group 1
@@ -298,7 +292,7 @@ def test_two_processes_give_the_single_process_advantages(tmp_path):
                                                    os.environ.get("PYTHONPATH", "")]))
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", str(_free_port()), os.path.join(TESTS_DIR, "trl_tiny.py"),
+               "--main_process_port", str(free_port()), os.path.join(TESTS_DIR, "trl_tiny.py"),
                "--worker", str(tmp_path)]
     started = time.monotonic()
     launcher = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -335,9 +329,7 @@ def test_trls_fused_head_leaves_the_gradient_of_an_fsdp2_head_unit_unreduced(tmp
     on both sides (measured: 3e-8 against 0.11)."""
     pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 is not available in this torch")
     environment = dict(os.environ, OMP_NUM_THREADS="1")
-    from distributed_pool import run_rank_processes
-
-    script, port = os.path.join(TESTS_DIR, "trl_fsdp2_head.py"), str(_free_port())
+    script, port = os.path.join(TESTS_DIR, "trl_fsdp2_head.py"), str(free_port())
     try:
         results = run_rank_processes([[sys.executable, script, str(rank), "2", port] for rank in range(2)], tmp_path,
                                      environment, timeout=180)

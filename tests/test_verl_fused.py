@@ -296,6 +296,28 @@ def _micro_batch(verl, sequences, *, remove_padding: bool, temperature: float):
     return data
 
 
+def _assert_pass_statistics(hidden, weight, labels, sum_pi_squared, log_probs, where: str, *, temperature=1.0,
+                            rounding=None):
+    """Σπ² and log π of a fused pass on ``hidden`` [N, H] and ``weight`` [V, H] (what computed them) against the
+    reference's, within the pass's float32 bound plus the reference's float64 one (plus ``rounding``: the outputs'
+    rounding to their dtype)."""
+    statistics = otb.token_statistics_from_hidden(hidden, weight, labels, temperature=temperature)
+    ours, exact = (hidden_statistics_tolerance(hidden, weight, labels, temperature=temperature, dtype=dtype)
+                   for dtype in (np.float32, np.float64))
+    for name, computed in (("sum_pi_squared", sum_pi_squared), ("log_probs", log_probs)):
+        bound = getattr(ours, name) + getattr(exact, name)
+        (bound if rounding is None else bound + rounding).assert_close(
+            computed, getattr(statistics, name), f"{'Σπ²' if name == 'sum_pi_squared' else 'log π'} {where}")
+
+
+def _gradient_bounds(hidden, weight, labels, g_lp, g_h, *, temperature, output_dtype):
+    """Bounds (hidden, weight) on a float32 vector-Jacobian product of (log π, H) against the float64 reference's,
+    plus rounding the gradients to ``output_dtype``."""
+    return tuple(sum(pair, output_rounding(output_dtype)) for pair in zip(
+        *(hidden_gradient_tolerance(hidden, weight, labels, g_lp, g_h, temperature=temperature, dtype=dtype)
+          for dtype in (np.float32, np.float64))))
+
+
 def _reference_response_statistics(model, sequences, temperature: float):
     """The reference's log π and Σπ² of each response token, from the final hidden states and lm_head (float64)."""
     input_ids = torch.cat([sequences["prompts"], sequences["responses"]], 1)
@@ -611,17 +633,11 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
     # the statistics the advantages came from, row by row, against the reference on the hidden states behind them
     weight, valid = weight_before.double().numpy(), mask.numpy() > 0             # row-major: the order of ``places``
     labels = sequences["responses"].numpy()[valid]
-    hidden_rows = first_pass.gather(rollout_places)
-    statistics = otb.token_statistics_from_hidden(hidden_rows, weight, labels, temperature=temperature)
     # the port computes from bf16 hidden states and weights in float32 (each product exact there), so it is held to
     # the float32 bounds, plus rounding its gradients to the parameters' dtype on output
-    rounding = output_rounding(np.float32)
-    ours, exact = (hidden_statistics_tolerance(hidden_rows, weight, labels, temperature=temperature, dtype=dtype)
-                   for dtype in (np.float32, np.float64))
-    (ours.sum_pi_squared + exact.sum_pi_squared + rounding).assert_close(
-        sum_pi_squared.numpy()[valid], statistics.sum_pi_squared, "Σπ² of the fused pass")
-    (ours.log_probs + exact.log_probs + rounding).assert_close(
-        old_log_probs.numpy()[valid], statistics.log_probs, "old log π of the fused pass")
+    _assert_pass_statistics(first_pass.gather(rollout_places), weight, labels, sum_pi_squared.numpy()[valid],
+                            old_log_probs.numpy()[valid], "of the fused pass", temperature=temperature,
+                            rounding=output_rounding(np.float32))
 
     inputs = (rewards.numpy(), mask.numpy(), uids, old_log_probs.numpy(), sum_pi_squared.numpy())
     rho = data.batch["rollout_is_weights"].double().numpy() if step["is_weights"] else None
@@ -640,12 +656,8 @@ def test_a_training_step_of_verls_actor_on_the_ports_advantages(verl, engine, mo
     g_lp = -(advantages.double().numpy() * per_token)[valid] / tokens
     g_h = np.full(tokens, -ENTROPY_COEFF / tokens)
     reference = otb.token_statistics_vjp(hidden_rows, weight, labels, g_lp, g_h, temperature=temperature)
-    bound_h, bound_w = (
-        sum(pair, output_rounding(precision)) for pair in zip(
-            hidden_gradient_tolerance(hidden_rows, weight, labels, g_lp, g_h, temperature=temperature,
-                                      dtype=np.float32),
-            hidden_gradient_tolerance(hidden_rows, weight, labels, g_lp, g_h, temperature=temperature,
-                                      dtype=np.float64)))
+    bound_h, bound_w = _gradient_bounds(hidden_rows, weight, labels, g_lp, g_h, temperature=temperature,
+                                        output_dtype=precision)
     computed_h = update.gather(places, gradient=True)
     computed_w = model.lm_head.weight.grad.double().numpy()
     bound_h.assert_close(computed_h, reference.hidden, "∂ final hidden states in verl's training step")
@@ -874,15 +886,9 @@ def test_verls_v1_trainer_computes_otb_with_v1_trainer_installed(verl, engine, m
     valid = mask > 0
 
     weight = model.lm_head.weight.detach().double().numpy()
-    hidden_rows = first_pass.gather(first_pass.response_states(sequences))
-    labels = sequences["responses"].numpy()[valid]
-    statistics = otb.token_statistics_from_hidden(hidden_rows, weight, labels)
-    ours, exact = (hidden_statistics_tolerance(hidden_rows, weight, labels, dtype=dtype)
-                   for dtype in (np.float32, np.float64))
-    (ours.sum_pi_squared + exact.sum_pi_squared).assert_close(sum_pi_squared[valid], statistics.sum_pi_squared,
-                                                              "Σπ² stored by the v1 trainer")
-    (ours.log_probs + exact.log_probs).assert_close(old_log_probs[valid], statistics.log_probs,
-                                                    "old log π stored by the v1 trainer")
+    _assert_pass_statistics(first_pass.gather(first_pass.response_states(sequences)), weight,
+                            sequences["responses"].numpy()[valid], sum_pi_squared[valid], old_log_probs[valid],
+                            "stored by the v1 trainer")
 
     reward_matrix = np.zeros_like(mask)
     reward_matrix[np.arange(len(rows)), sequences["response_attention"].numpy().sum(1) - 1] = rewards

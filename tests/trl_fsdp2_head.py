@@ -11,14 +11,13 @@ states through the head in tiles. Where the head's weight is an FSDP2 DTensor it
 (utils.py:1633–1639), whose gradient no rank reduces over the others. A tiny random Qwen2 (untied head) in float32 is
 wrapped with ``fully_shard`` per decoder layer and at the root, the head in the root unit, in a unit of its own (as
 accelerate's size-based wrap gives a large head), or in one with the final norm and ``reshard_after_forward=False``
-(accelerate 1.15's own layout, ``accelerate/utils/fsdp_utils.py:857–879``: the norm's forward gathers the unit, so
-TRL reads a whole weight); each rank runs its rows,
-loss −Σ log π / N × P (its share of the batch mean, × P for FSDP2's average), backward. Against float64 gradients of
-the same model — the whole batch's (what data parallelism should give) and the unreduced one (each rank's shard of the
-head P × its own rows' gradient) — each rank prints, per placement, the head gradient's distance to both, and a decoder
-layer's distance to the whole batch's (FSDP2 reduces the layers' gradients: the harness's scaling is right), and
-whether ``OTBGRPOTrainer``'s guard (``otb_torch.trl._unreduced_head_guard`` around the forward, as the trainer runs
-it) refuses the model.
+(accelerate 1.15's own layout, ``accelerate/utils/fsdp_utils.py:857–879``: the norm's forward gathers the unit, so TRL
+reads a whole weight); each rank runs its rows, loss −Σ log π / N × P (its share of the batch mean, × P for FSDP2's
+average), backward. Against float64 gradients of the same model — the whole batch's (what data parallelism should give)
+and the unreduced one (each rank's shard of the head P × its own rows' gradient) — each rank prints, per placement, the
+head gradient's distance to both, and a decoder layer's distance to the whole batch's (FSDP2 reduces the layers'
+gradients: the harness's scaling is right), and whether ``OTBGRPOTrainer``'s guard
+(``otb_torch.trl._unreduced_head_guard`` around the forward, as the trainer runs it) refuses the model.
 """
 
 from __future__ import annotations

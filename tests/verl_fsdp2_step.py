@@ -32,7 +32,7 @@ Each rank checks, and raises AssertionError otherwise (the test reads the exit c
    pass ``lm_head.weight.full_tensor()`` (a copy whose gradient no rank reduces; the port runs on the head instead);
    leave-one-out, multi-turn through verl's Qwen3.5 forward (the same copy, the hidden states cast to float32):
    - Σπ² and old log π of every response token of the rank's rows equal the reference's on the hidden states and the
-     bfloat16 lm_head weight that computed them (``hidden_statistics_tolerance`` at float32, bfloat16 output);
+     bfloat16 lm_head weight that computed them (``hidden_statistics_tolerance`` at float32, float32 output);
    - the advantages each micro-batch's loss received equal the reference's OTB on the gathered statistics
      (``otb_comparison_tolerance``), and every row of the rank reached the loss once;
    - on policy: the update's log π equal the old ones bit for bit (ratio 1), so the loss's cotangents are
@@ -61,7 +61,7 @@ import types
 import numpy as np
 import torch
 
-GROUPS, SAMPLES, PROMPT, RESPONSE, VOCAB = 4, 4, 6, 9, 300
+GROUPS, SAMPLES = 4, 4          # with the prompt width, response width and vocabulary of tests/test_verl_fused.py
 # trained response tokens per row: 64 in all (a power of two, so the loss's token-mean cotangents are exact)
 TRAINED = [6, 3, 5, 2, 4, 7, 3, 4, 5, 2, 6, 3, 4, 5, 2, 3]
 TOOL_ROWS = (0, 5, 10, 12)          # multi-turn: two tool tokens after the first trained token of these rows
@@ -123,7 +123,7 @@ def _batch(multi_turn: bool):
     trained = np.array(TRAINED)
     tool_spans = [(1, 3) if multi_turn and row in TOOL_ROWS else None for row in range(rows)]
     lengths = trained + np.array([0 if span is None else span[1] - span[0] for span in tool_spans])
-    sequences = _sequences(rng, lengths, tool_spans)
+    sequences = _sequences(int(rng.integers(1 << 30)), response_lengths=lengths, tool_spans=tool_spans)
     assert int(sequences["response_mask"].sum()) == 64
     uids = np.array([f"prompt-{group}" for group in range(GROUPS) for _ in range(SAMPLES)], dtype=object)
     uids = uids[rng.permutation(rows)]
@@ -402,19 +402,11 @@ def _rows_of(bound, index, columns):
 
 
 def _check_statistics(calls, own, weight, old_log_probs, sum_pi_squared) -> None:
-    places = calls.response_states(own)
-    hidden = calls.gather(places)
     valid = own["response_mask"].numpy() > 0
-    labels = own["responses"].numpy()[valid]
-    weight = weight.double().numpy()
-    statistics = otb.token_statistics_from_hidden(hidden, weight, labels, temperature=TEMPERATURE)
-    ours, exact = (hidden_statistics_tolerance(hidden, weight, labels, temperature=TEMPERATURE, dtype=dtype)
-                   for dtype in (np.float32, np.float64))
-    rounding = output_rounding(np.float32)
-    (ours.sum_pi_squared + exact.sum_pi_squared + rounding).assert_close(
-        sum_pi_squared.numpy()[valid], statistics.sum_pi_squared, "Σπ² of the actor's fused pass on FSDP2")
-    (ours.log_probs + exact.log_probs + rounding).assert_close(
-        old_log_probs.numpy()[valid], statistics.log_probs, "old log π of the actor's fused pass on FSDP2")
+    _assert_pass_statistics(calls.gather(calls.response_states(own)), weight.double().numpy(),
+                            own["responses"].numpy()[valid], sum_pi_squared.numpy()[valid],
+                            old_log_probs.numpy()[valid], "of the actor's fused pass on FSDP2",
+                            temperature=TEMPERATURE, rounding=output_rounding(np.float32))
 
 
 def _check_gradients(calls, own, weight, advantages, valid, stepped, world) -> None:
@@ -444,13 +436,11 @@ def _check_gradients(calls, own, weight, advantages, valid, stepped, world) -> N
             np.concatenate(g_wrong)
         g_h = np.full(len(labels), -ENTROPY_COEFF * world / tokens)
         reference = otb.token_statistics_vjp(hidden, weight, labels, g_lp, g_h, temperature=TEMPERATURE)
-        bounds = [hidden_gradient_tolerance(hidden, weight, labels, g_lp, g_h, temperature=TEMPERATURE, dtype=dtype)
-                  for dtype in (np.float32, np.float64)]
-        rounding = output_rounding(torch.bfloat16)
-        bound_h = bounds[0][0] + bounds[1][0] + rounding
+        # bfloat16 gradients: the hidden states', and this micro-batch's of the weight
+        bound_h, bound_w = _gradient_bounds(hidden, weight, labels, g_lp, g_h, temperature=TEMPERATURE,
+                                            output_dtype=torch.bfloat16)
         bound_h.assert_close(calls.gather(sub, gradient=True), reference.hidden,
                              "∂ final hidden states in verl's FSDP2 step")
-        bound_w = bounds[0][1] + bounds[1][1] + rounding       # this micro-batch's bfloat16 gradient of the weight
         exact_weight += reference.weight / world
         allowed_weight += (bound_w.atol + bound_w.rtol * np.abs(reference.weight)) / world
         misrouted_weight += otb.token_statistics_vjp(hidden, weight, labels, g_wrong, g_h,
@@ -468,6 +458,7 @@ def _check_gradients(calls, own, weight, advantages, valid, stepped, world) -> N
     bound.assert_close(computed, exact, "∂ lm_head.weight of verl's FSDP2 step (reduced over the ranks)")
     assert not bound.holds(computed, misrouted), "the check cannot tell each row's advantages from the next row's"
 
+
 if __name__ == "__main__":
     # before any verl module asks for the platform (several read the device name when imported)
     os.environ.update(VERL_PLATFORM="cpu", VERL_ENGINE_DEVICE="cuda", VERL_ENGINE_VENDOR="nvidia")
@@ -479,18 +470,11 @@ if __name__ == "__main__":
     import otb_torch.verl as otb_verl
     import verl.utils.tensordict_utils as tu
     import verl.workers.utils.padding as verl_padding
-    from otb_spec.tolerances import (Tolerance, hidden_gradient_tolerance, hidden_statistics_tolerance,
-                                     output_rounding)
-    from test_verl_fused import _DecoderCalls, _expected_advantages
+    from otb_spec.tolerances import Tolerance, output_rounding
+    from test_verl_fused import (RESPONSE, VOCAB, _assert_pass_statistics, _DecoderCalls, _expected_advantages,
+                                 _gradient_bounds, _sequences)
     from verl.protocol import DataProto
     from verl.trainer.config import AlgoConfig
     from verl.trainer.ppo.ray_trainer import compute_advantage
-
-    def _sequences(rng, lengths, tool_spans):
-        from test_verl_fused import PROMPT as prompt_width, RESPONSE as response_width, VOCAB as vocab
-        assert (prompt_width, response_width, vocab) == (PROMPT, RESPONSE, VOCAB)
-        import test_verl_fused
-        return test_verl_fused._sequences(int(rng.integers(1 << 30)), response_lengths=lengths,
-                                          tool_spans=tool_spans)
 
     main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])

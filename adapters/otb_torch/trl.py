@@ -571,9 +571,10 @@ def _unreduced_head_guard(model: Any) -> Any:
     policy = model.get_base_model() if hasattr(model, "get_base_model") else model
     closure = _trl_fused_forward_closure(vars(policy).get("forward"))
     backbone = getattr(policy, closure.get("backbone_attr", ""), None) if closure is not None else None
-    if not isinstance(backbone, torch.nn.Module) or sys.modules.get("torch.distributed.tensor") is None:
+    if not isinstance(backbone, torch.nn.Module):
         yield
         return
+
     def after_the_backbone(module: Any, args: Any, output: Any) -> None:       # returns None: the output stays
         _unsharded_head_needed(policy)
 

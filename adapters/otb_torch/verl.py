@@ -288,24 +288,34 @@ _COLLECTING = threading.local()
 
 
 @contextlib.contextmanager
-def _collecting_sum_pi_squared() -> Iterator[list]:
-    """Collect the Σπ² of every fused pass that runs in this thread inside the block (nested blocks each get their
-    own list)."""
-    stack = getattr(_COLLECTING, "stack", None)
+def _pushed(local: threading.local, item: Any) -> Iterator[Any]:
+    """``item`` on top of this thread's ``local.stack`` inside the block (nested blocks push their own)."""
+    stack = getattr(local, "stack", None)
     if stack is None:
-        stack = _COLLECTING.stack = []
-    collected: list = []
-    stack.append(collected)
+        stack = local.stack = []
+    stack.append(item)
     try:
-        yield collected
+        yield item
     finally:
         stack.pop()
 
 
+def _top(local: threading.local) -> Any:
+    """The item on top of this thread's ``local.stack``; None outside every block."""
+    stack = getattr(local, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _collecting_sum_pi_squared() -> contextlib.AbstractContextManager[list]:
+    """Collect the Σπ² of every fused pass that runs in this thread inside the block (nested blocks each get their
+    own list)."""
+    return _pushed(_COLLECTING, [])
+
+
 def _hand_over_sum_pi_squared(value: torch.Tensor) -> None:
-    stack = getattr(_COLLECTING, "stack", None)
-    if stack:
-        stack[-1].append(value)
+    collected = _top(_COLLECTING)
+    if collected is not None:
+        collected.append(value)
 
 
 def _logits_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -408,8 +418,7 @@ def _sharded_head(weight: Any) -> torch.nn.Module | None:
     fsdp = sys.modules.get("torch.distributed.fsdp")
     if tensor_module is None or fsdp is None:
         return None
-    stack = getattr(_HEADS, "stack", None)
-    head = stack[-1] if stack else None
+    head = _top(_HEADS)
     sharded = isinstance(weight, tensor_module.DTensor)
     if isinstance(head, fsdp.FSDPModule) and isinstance(getattr(head, "weight", None), tensor_module.DTensor) and (
             head.weight is weight or (not sharded and tuple(weight.shape) == tuple(head.weight.shape))):
@@ -425,16 +434,9 @@ def _sharded_head(weight: Any) -> torch.nn.Module | None:
     return None
 
 
-@contextlib.contextmanager
-def _running_head(model: Any) -> Iterator[None]:
-    stack = getattr(_HEADS, "stack", None)
-    if stack is None:
-        stack = _HEADS.stack = []
-    stack.append(getattr(model, "lm_head", None))
-    try:
-        yield
-    finally:
-        stack.pop()
+def _running_head(model: Any) -> contextlib.AbstractContextManager[Any]:
+    """The model's lm_head as the running one in this thread inside the block (what :func:`_sharded_head` reads)."""
+    return _pushed(_HEADS, getattr(model, "lm_head", None))
 
 
 def _forward_with_sum_pi_squared(verl_forward: Callable) -> Callable:
